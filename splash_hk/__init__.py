@@ -1,0 +1,27 @@
+"""splash_hk: block-sparse ("splash") attention for JAX and Haiku."""
+
+from splash_hk import fallback
+from splash_hk import masks
+from splash_hk.attention import attention
+from splash_hk.attention import explain
+from splash_hk.config import AttentionConfig
+from splash_hk.config import BlockSizes
+from splash_hk.mode import detect_mode
+from splash_hk.types import AttentionOutput
+from splash_hk.types import Decision
+from splash_hk.types import Mode
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AttentionConfig",
+    "AttentionOutput",
+    "BlockSizes",
+    "Decision",
+    "Mode",
+    "attention",
+    "detect_mode",
+    "explain",
+    "fallback",
+    "masks",
+)

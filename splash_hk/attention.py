@@ -1,0 +1,100 @@
+"""`attention`: validate -> mode -> select -> (shard) -> kernel."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from splash_hk import inputs as inputs_lib
+from splash_hk import kernel
+from splash_hk import validation
+from splash_hk.config import AttentionConfig
+from splash_hk.fallback import reference
+from splash_hk.fallback import selector
+from splash_hk.types import AttentionOutput, Decision
+
+
+def explain(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    config: AttentionConfig = AttentionConfig(),
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    softmax_aux: jax.Array | None = None,
+    return_weights: bool = False,
+) -> Decision:
+  """The backend `attention` would use for these arguments, and why.
+
+  Takes the same arguments as `attention`; arrays may be `jax.ShapeDtypeStruct`s.
+  Validates the inputs; with `allow_fallback=False` a fallback raises ValueError.
+  """
+  validation.validate_qkv(query, key, value, config)
+  validation.validate_extras(
+      query, key, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+      q_positions=q_positions, kv_positions=kv_positions, mask=mask, softmax_aux=softmax_aux)
+  return selector.select_backend(
+      config, query_shape=query.shape, key_shape=key.shape,
+      mask_shape=None if mask is None else mask.shape, return_weights=return_weights)
+
+
+def attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    config: AttentionConfig = AttentionConfig(),
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    softmax_aux: jax.Array | None = None,
+    return_weights: bool = False,
+) -> AttentionOutput:
+  """Block-sparse ("splash") attention on the fastest backend that can serve the call.
+
+  Glossary of shapes:
+  - B: batch size; T: query length; S: key/value length.
+  - Hq: query heads; Hkv: key/value heads (Hq % Hkv == 0: GQA/MQA).
+  - D: query/key head dim; Dv: value head dim (may differ from D).
+
+  Key j is visible to query i when every configured rule holds (causal,
+  sliding window, chunk, segments, dense mask; see `splash_hk.masks`),
+  with positions end-aligned by default: `kv_positions = arange(S)`,
+  `q_positions = arange(T) + S - T`, so decode and chunked prefill against a
+  KV cache need no extra arguments. Rows that see no key output exactly 0.
+
+  Args:
+    query: [B, T, Hq, D].
+    key: [B, S, Hkv, D].
+    value: [B, S, Hkv, Dv].
+    config: an AttentionConfig (static: mask rules, scale, soft cap, platform).
+    q_segment_ids: [B, T] int; equal ids attend, negative ids are padding.
+    kv_segment_ids: [B, S] int; defaults to `q_segment_ids` when S == T.
+    q_positions: [B, T] int positions of the queries.
+    kv_positions: [B, S] int positions of the keys.
+    mask: [B, 1 or Hq, T, S] bool, True = may attend.
+    softmax_aux: attention sinks, [Hq], [Hq, n] or [Hkv, n]: logits that join
+      the softmax denominator and add nothing to the output.
+    return_weights: also return the [B, Hq, T, S] weights (reference path only).
+
+  Returns:
+    AttentionOutput with `attention_outputs` [B, T, Hq, Dv] in the input (or
+    runtime) dtype and `attention_weights` (None unless asked for).
+  """
+  extras = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                q_positions=q_positions, kv_positions=kv_positions, mask=mask,
+                softmax_aux=softmax_aux)
+  decision = explain(query, key, value, config=config, return_weights=return_weights, **extras)
+  selector.log_fallback(decision)
+  x = inputs_lib.prepare(query, key, value, config=config, **extras)
+  if return_weights:
+    out, weights = reference.reference_bhtd(x, config, return_weights=True)
+  else:
+    out, weights = kernel.run(decision.backend, x, config), None  # [B, Hq, T, Dv]
+  return AttentionOutput(jnp.swapaxes(out, 1, 2), weights)  # [B, T, Hq, Dv]

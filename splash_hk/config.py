@@ -1,0 +1,119 @@
+"""Static configuration: frozen, hashable, so it can be a static argument under jit."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+Platform = Literal["auto", "splash", "triton", "xla", "reference"]
+PLATFORMS: tuple[str, ...] = ("auto", "splash", "triton", "xla", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes of the block-sparse kernels.
+
+  `block_q`/`block_kv` tile the forward pass; the backward tiles default to the
+  forward ones. The XLA path and the Triton kernel use them as given; the TPU
+  splash kernel needs multiples of 128.
+  """
+
+  block_q: int = 128
+  block_kv: int = 128
+  block_q_bwd: int | None = None
+  block_kv_bwd: int | None = None
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if value is None and field.name.endswith("_bwd"):
+        continue
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(
+            f"BlockSizes.{field.name} must be a positive int, got {value!r}.")
+
+  @property
+  def backward(self) -> tuple[int, int]:
+    """(block_q, block_kv) of the backward pass."""
+    return (self.block_q_bwd or self.block_q, self.block_kv_bwd or self.block_kv)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """What to compute (mask, scale, soft cap) and how (platform, blocks).
+
+  Attributes:
+    causal: key j is visible to query i only if `kv_pos[j] <= q_pos[i]`.
+    sliding_window: `w` or `(left, right)`: key j is visible to query i only if
+      `q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right`; `w` means `(w, w)`.
+    chunk_size: chunked attention (Llama-4): visible only within the same
+      `pos // chunk_size` chunk.
+    logits_soft_cap: `c` maps logits `l` to `c * tanh(l / c)` before masking.
+    softmax_scale: logits are `softmax_scale * q.k`; default `D ** -0.5`.
+    runtime_dtype: if set, query/key/value are cast to it and the output has it.
+    block_sizes: kernel tiles.
+    platform: "auto", "splash", "triton", "xla" or "reference".
+    allow_fallback: if False, any fallback raises ValueError with its reason.
+    interpret: run the Pallas splash kernel in interpret mode (CPU).
+    fused_backward: ask kernels that have one for their fused backward pass.
+  """
+
+  causal: bool = True
+  sliding_window: int | tuple[int, int] | None = None
+  chunk_size: int | None = None
+  logits_soft_cap: float | None = None
+  softmax_scale: float | None = None
+  runtime_dtype: Any = None
+  block_sizes: BlockSizes = BlockSizes()
+  platform: Platform = "auto"
+  allow_fallback: bool = True
+  interpret: bool = False
+  fused_backward: bool = False
+
+  def __post_init__(self):
+    set_ = lambda name, value: object.__setattr__(self, name, value)
+    if not isinstance(self.causal, bool):
+      raise ValueError(f"causal must be a bool, got {self.causal!r}.")
+    window = self.sliding_window
+    if window is not None:
+      pair = (window, window) if _is_int(window) else tuple(window) if isinstance(window, (tuple, list)) else None
+      if pair is None or len(pair) != 2 or not all(_is_int(w) and w >= 0 for w in pair):
+        raise ValueError(
+            "sliding_window must be None, an int >= 0 or a pair (left, right) "
+            f"of ints >= 0, got {window!r}.")
+      set_("sliding_window", int(window) if _is_int(window) else (int(pair[0]), int(pair[1])))
+    if self.chunk_size is not None and not (_is_int(self.chunk_size) and self.chunk_size > 0):
+      raise ValueError(f"chunk_size must be None or an int > 0, got {self.chunk_size!r}.")
+    for name in ("logits_soft_cap", "softmax_scale"):
+      value = getattr(self, name)
+      if value is None:
+        continue
+      if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}.")
+      set_(name, float(value))
+    if self.runtime_dtype is not None:
+      dtype = jnp.dtype(self.runtime_dtype)
+      if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"runtime_dtype must be a floating dtype, got {dtype}.")
+      set_("runtime_dtype", dtype)
+    if not isinstance(self.block_sizes, BlockSizes):
+      raise ValueError(
+          f"block_sizes must be a splash_hk.BlockSizes, got {type(self.block_sizes).__name__}.")
+    if self.platform not in PLATFORMS:
+      raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}.")
+
+  @property
+  def window(self) -> tuple[int, int] | None:
+    """The sliding window as (left, right), or None."""
+    w = self.sliding_window
+    return None if w is None else (w, w) if isinstance(w, int) else w
+
+  def replace(self, **changes) -> "AttentionConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)

@@ -1,0 +1,95 @@
+"""The one mask semantics every backend shares.
+
+Key j is visible to query i when all of these hold:
+  causal:          kv_pos[j] <= q_pos[i]
+  sliding window:  q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right
+  chunk:           q_pos[i] // chunk_size == kv_pos[j] // chunk_size
+  segments:        q_seg[i] == kv_seg[j], and both >= 0 (negative = padding)
+  dense mask:      mask[b, h, i, j]
+
+The position and segment rules are written with operators only, so they work
+on NumPy arrays (static block structure, at trace time) and on traced jnp
+arrays (inside kernels) alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+ArrayLike = Any  # np.ndarray or jax.Array
+
+
+def default_positions(batch: int, query_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
+  """End-aligned default positions (FlashAttention-2 convention).
+
+  Returns:
+    q_positions [B, T] = arange(T) + (S - T), kv_positions [B, S] = arange(S).
+  """
+  kv_pos = jnp.arange(kv_len, dtype=jnp.int32)  # [S]
+  q_pos = jnp.arange(query_len, dtype=jnp.int32) + (kv_len - query_len)  # [T]
+  return (jnp.broadcast_to(q_pos, (batch, query_len)),
+          jnp.broadcast_to(kv_pos, (batch, kv_len)))
+
+
+def position_mask(
+    q_pos: ArrayLike,
+    kv_pos: ArrayLike,
+    *,
+    causal: bool,
+    window: tuple[int, int] | None,
+    chunk_size: int | None,
+) -> ArrayLike | None:
+  """Visibility from positions: q_pos [..., T], kv_pos [..., S] -> [..., T, S].
+
+  Returns None when no positional rule applies (everything visible).
+  """
+  q = q_pos[..., :, None]  # [..., T, 1]
+  k = kv_pos[..., None, :]  # [..., 1, S]
+  mask = None
+
+  def conj(a, b):
+    return b if a is None else a & b
+
+  if causal:
+    mask = conj(mask, k <= q)
+  if window is not None:
+    left, right = window
+    mask = conj(mask, (k >= q - left) & (k <= q + right))
+  if chunk_size is not None:
+    mask = conj(mask, (q // chunk_size) == (k // chunk_size))
+  return mask
+
+
+def segment_mask(q_segment_ids: ArrayLike, kv_segment_ids: ArrayLike) -> ArrayLike:
+  """Visibility from segments: [..., T], [..., S] -> [..., T, S]; negative ids are padding."""
+  q = q_segment_ids[..., :, None]  # [..., T, 1]
+  k = kv_segment_ids[..., None, :]  # [..., 1, S]
+  return (q == k) & (q >= 0) & (k >= 0)
+
+
+def full_mask(
+    *,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    causal: bool,
+    window: tuple[int, int] | None,
+    chunk_size: int | None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    mask: jax.Array | None = None,
+) -> jax.Array:
+  """Every rule at once, materialised: [B, 1 or H, T, S] bool (H when `mask` has heads)."""
+  batch, query_len = q_positions.shape
+  kv_len = kv_positions.shape[-1]
+  out = jnp.ones((batch, 1, query_len, kv_len), jnp.bool_)  # [B, 1, T, S]
+  pos = position_mask(q_positions, kv_positions, causal=causal, window=window, chunk_size=chunk_size)
+  if pos is not None:
+    out = out & pos[:, None]
+  if q_segment_ids is not None:
+    out = out & segment_mask(q_segment_ids, kv_segment_ids)[:, None]
+  if mask is not None:
+    out = out & mask
+  return out

@@ -1,0 +1,112 @@
+"""Checks at the edge: every bad input becomes a ValueError naming the argument.
+
+All checks read only `.shape` and `.dtype`, so they run at trace time (and on
+`jax.ShapeDtypeStruct`s, for `explain`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import jax.numpy as jnp
+
+from splash_hk.config import AttentionConfig
+
+Shaped = Any  # anything with .shape and .dtype
+
+
+def _fail(message: str):
+  raise ValueError(message)
+
+
+def _rank(x: Shaped, rank: int, name: str, layout: str) -> None:
+  chex.assert_rank(x, rank, exception_type=ValueError,
+                   custom_message=f"`{name}` must be {layout}, got shape {tuple(x.shape)}.")
+
+
+def _shape(x: Shaped, shape: tuple[int, ...], name: str, layout: str) -> None:
+  chex.assert_shape(x, shape, exception_type=ValueError,
+                    custom_message=f"`{name}` must be {layout} = {shape}, got {tuple(x.shape)}.")
+
+
+def _integer(x: Shaped, name: str) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    _fail(f"`{name}` must have an integer dtype, got {x.dtype}; pass it as "
+          f"{name}.astype(jnp.int32).")
+
+
+def validate_qkv(query: Shaped, key: Shaped, value: Shaped, config: AttentionConfig) -> None:
+  """query [B, T, Hq, D], key [B, S, Hkv, D], value [B, S, Hkv, Dv]."""
+  if not isinstance(config, AttentionConfig):
+    _fail(f"`config` must be a splash_hk.AttentionConfig, got {type(config).__name__}.")
+  _rank(query, 4, "query", "[batch, query_len, num_heads, head_dim]")
+  _rank(key, 4, "key", "[batch, kv_len, num_kv_heads, head_dim]")
+  _rank(value, 4, "value", "[batch, kv_len, num_kv_heads, value_head_dim]")
+  batch, query_len, num_heads, head_dim = query.shape
+  _, kv_len, num_kv_heads, key_dim = key.shape
+  if min(query.shape) < 1 or min(key.shape) < 1 or min(value.shape) < 1:
+    _fail(f"`query`, `key` and `value` must have no empty axis, got query {tuple(query.shape)}, "
+          f"key {tuple(key.shape)}, value {tuple(value.shape)}.")
+  if key.shape[0] != batch or value.shape[0] != batch:
+    _fail(f"`key` and `value` must have the batch size of `query` ({batch}), got key "
+          f"{tuple(key.shape)}, value {tuple(value.shape)}.")
+  if key_dim != head_dim:
+    _fail(f"`key` head_dim must equal `query` head_dim ({head_dim}), got key "
+          f"{tuple(key.shape)}, query {tuple(query.shape)}.")
+  if value.shape[1:3] != key.shape[1:3]:
+    _fail(f"`value` must have the kv_len and num_kv_heads of `key` {tuple(key.shape[1:3])}, got "
+          f"value {tuple(value.shape)}.")
+  if num_heads % num_kv_heads:
+    _fail(f"`query` num_heads ({num_heads}) must be a multiple of `key` num_kv_heads "
+          f"({num_kv_heads}) for GQA/MQA.")
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      _fail(f"`{name}` must have a floating dtype, got {x.dtype}.")
+  if config.runtime_dtype is None and not query.dtype == key.dtype == value.dtype:
+    _fail(f"`query`, `key` and `value` must share a dtype, got {query.dtype}, {key.dtype}, "
+          f"{value.dtype}; cast them or set AttentionConfig(runtime_dtype=...).")
+
+
+def validate_extras(
+    query: Shaped,
+    key: Shaped,
+    *,
+    q_segment_ids: Shaped | None,
+    kv_segment_ids: Shaped | None,
+    q_positions: Shaped | None,
+    kv_positions: Shaped | None,
+    mask: Shaped | None,
+    softmax_aux: Shaped | None,
+) -> None:
+  """Segment ids, positions, dense mask and sinks against query/key."""
+  batch, query_len, num_heads, _ = query.shape
+  kv_len, num_kv_heads = key.shape[1], key.shape[2]
+  for name, x, length, axis in (("q_segment_ids", q_segment_ids, query_len, "query_len"),
+                                ("kv_segment_ids", kv_segment_ids, kv_len, "kv_len"),
+                                ("q_positions", q_positions, query_len, "query_len"),
+                                ("kv_positions", kv_positions, kv_len, "kv_len")):
+    if x is not None:
+      _shape(x, (batch, length), name, f"[batch, {axis}]")
+      _integer(x, name)
+  if query_len != kv_len and (q_segment_ids is None) != (kv_segment_ids is None):
+    missing = "kv_segment_ids" if kv_segment_ids is None else "q_segment_ids"
+    _fail(f"`{missing}` is required when query_len ({query_len}) != kv_len ({kv_len}) and "
+          "the other segment ids are given: ids of one length cannot default to the other.")
+  if mask is not None:
+    _rank(mask, 4, "mask", "[batch, 1 or num_heads, query_len, kv_len]")
+    if (mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, num_heads)
+        or tuple(mask.shape[2:]) != (query_len, kv_len)):
+      _fail(f"`mask` must be [batch or 1, 1 or num_heads, query_len, kv_len] = "
+            f"[{batch}, 1 or {num_heads}, {query_len}, {kv_len}], got {tuple(mask.shape)}.")
+    if mask.dtype != jnp.bool_:
+      _fail(f"`mask` must be bool (True = may attend), got {mask.dtype}; pass mask != 0.")
+  if softmax_aux is not None:
+    ok = ((softmax_aux.ndim == 1 and softmax_aux.shape[0] == num_heads)
+          or (softmax_aux.ndim == 2 and softmax_aux.shape[0] in (num_heads, num_kv_heads)
+              and softmax_aux.shape[1] >= 1))
+    if not ok:
+      _fail(f"`softmax_aux` (sinks) must be [num_heads] = [{num_heads}], [num_heads, n] or "
+            f"[num_kv_heads, n] = [{num_kv_heads}, n], got {tuple(softmax_aux.shape)}.")
+    if not jnp.issubdtype(softmax_aux.dtype, jnp.floating):
+      _fail(f"`softmax_aux` must have a floating dtype, got {softmax_aux.dtype}.")

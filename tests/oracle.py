@@ -1,0 +1,76 @@
+"""An independent float64 oracle for attention, written from DESIGN.md's semantics.
+
+Shares no code with splash_hk. `xp` is NumPy for values, or jax.numpy under
+`jax.enable_x64(True)` for float64 gradients.
+"""
+
+import numpy as np
+
+
+def attention(q, k, v, *, causal=True, window=None, chunk=None, soft_cap=None, scale=None,
+              q_seg=None, kv_seg=None, q_pos=None, kv_pos=None, mask=None, sinks=None,
+              xp=np):
+  """q [B,T,Hq,D], k [B,S,Hkv,D], v [B,S,Hkv,Dv] -> (out [B,T,Hq,Dv], weights [B,Hq,T,S])."""
+  f64 = xp.float64
+  q, k, v = (xp.asarray(a, dtype=f64) for a in (q, k, v))
+  b, t, hq, d = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  g = hq // hkv
+  k = xp.repeat(k, g, axis=2)
+  v = xp.repeat(v, g, axis=2)
+  scale = d ** -0.5 if scale is None else scale
+  logits = xp.einsum("bthd,bshd->bhts", q, k) * scale
+  if soft_cap is not None:
+    logits = soft_cap * xp.tanh(logits / soft_cap)
+
+  allowed = visible(b, t, s, hq, causal=causal, window=window, chunk=chunk, q_seg=q_seg,
+                    kv_seg=kv_seg, q_pos=q_pos, kv_pos=kv_pos, mask=mask)
+
+  if sinks is None:
+    sink_logits = np.zeros((hq, 0))
+  else:
+    sinks_arr = xp.asarray(sinks, dtype=f64)
+    if sinks_arr.ndim == 1:
+      sink_logits = sinks_arr[:, None]
+    elif sinks_arr.shape[0] == hq:
+      sink_logits = sinks_arr
+    else:
+      sink_logits = xp.repeat(sinks_arr, g, axis=0)
+  sink_logits = xp.asarray(sink_logits, dtype=f64)
+
+  masked = xp.where(allowed, logits, -1e300)
+  m = xp.max(masked, axis=-1, keepdims=True)
+  if sink_logits.shape[1]:
+    m = xp.maximum(m, xp.max(sink_logits, axis=-1)[None, :, None, None])
+  e = xp.where(allowed, xp.exp(masked - m), 0.0)
+  denom = xp.sum(e, axis=-1, keepdims=True)
+  if sink_logits.shape[1]:
+    denom = denom + xp.sum(xp.exp(sink_logits[None, :, None, :] - m), axis=-1, keepdims=True)
+  any_visible = allowed.any(axis=-1, keepdims=True)
+  w = xp.where(any_visible, e / xp.where(any_visible, denom, 1.0), 0.0)
+  out = xp.einsum("bhts,bshd->bthd", w, v)
+  return out, w
+
+
+def visible(b, t, s, hq, *, causal=True, window=None, chunk=None, q_seg=None, kv_seg=None,
+            q_pos=None, kv_pos=None, mask=None):
+  """[B, Hq, T, S] bool: may query i attend to key j."""
+  qp = np.arange(t)[None, :] + (s - t) if q_pos is None else np.asarray(q_pos)
+  kp = np.arange(s)[None, :] if kv_pos is None else np.asarray(kv_pos)
+  qp = np.broadcast_to(qp, (b, t))[:, None, :, None]
+  kp = np.broadcast_to(kp, (b, s))[:, None, None, :]
+  allowed = np.ones((b, 1, t, s), bool)
+  if causal:
+    allowed &= kp <= qp
+  if window is not None:
+    left, right = (window, window) if isinstance(window, int) else window
+    allowed &= (qp - left <= kp) & (kp <= qp + right)
+  if chunk is not None:
+    allowed &= np.floor_divide(qp, chunk) == np.floor_divide(kp, chunk)
+  if q_seg is not None or kv_seg is not None:
+    qs = np.asarray(q_seg if q_seg is not None else kv_seg)[:, None, :, None]
+    ks = np.asarray(kv_seg if kv_seg is not None else q_seg)[:, None, None, :]
+    allowed &= (qs == ks) & (qs >= 0) & (ks >= 0)
+  if mask is not None:
+    allowed = allowed & np.asarray(mask, bool)
+  return np.broadcast_to(allowed, (b, hq, t, s))

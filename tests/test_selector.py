@@ -1,0 +1,108 @@
+"""The decision table, mode detection and fallback logging."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from absl import logging as absl_logging
+
+import splash_hk as sh
+from splash_hk.fallback import selector
+
+Q = (2, 256, 8, 64)
+K = (2, 256, 2, 64)
+
+
+@pytest.mark.parametrize("t,s,mode", [(1, 1, sh.Mode.DECODE), (1, 4096, sh.Mode.DECODE),
+                                      (7, 64, sh.Mode.PREFILL), (64, 64, sh.Mode.TRAIN),
+                                      (65, 64, sh.Mode.TRAIN)])
+def test_detect_mode_uses_sequence_lengths(t, s, mode):
+  assert sh.detect_mode(t, s) is mode
+
+
+def test_detect_mode_ignores_heads():
+  # EasyDeL's bug was reading the head axis: one head, long query must not be DECODE.
+  q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.float32)
+  assert "train mode" in sh.explain(q, q, q).reason
+
+
+def test_detect_mode_rejects_empty():
+  with pytest.raises(ValueError, match="query_len"):
+    sh.detect_mode(0, 4)
+
+
+@pytest.mark.parametrize("hardware,expected", [("cpu", ("xla", "reference")),
+                                               ("tpu", ("splash", "xla", "reference")),
+                                               ("gpu", ("triton", "xla", "reference"))])
+def test_auto_candidates_follow_hardware(hardware, expected):
+  assert selector.candidates("auto", hardware) == expected
+
+
+def test_auto_on_cpu_is_xla_without_fallback():
+  d = sh.fallback.select_backend(sh.AttentionConfig(), query_shape=Q, key_shape=K, hardware="cpu")
+  assert d == sh.Decision("xla", d.reason) and not d.fallback
+
+
+def test_reference_when_requested():
+  d = sh.fallback.select_backend(sh.AttentionConfig(platform="reference"), query_shape=Q,
+                                 key_shape=K)
+  assert d.backend == "reference" and not d.fallback and "requested" in d.reason
+
+
+def test_per_head_mask_falls_back_to_reference_with_reason():
+  d = sh.fallback.select_backend(sh.AttentionConfig(), query_shape=Q, key_shape=K,
+                                 mask_shape=(2, 8, 256, 256), hardware="cpu")
+  assert d.backend == "reference" and d.fallback and "per-head dense mask" in d.reason
+  shared = sh.fallback.select_backend(sh.AttentionConfig(), query_shape=Q, key_shape=K,
+                                      mask_shape=(2, 1, 256, 256), hardware="cpu")
+  assert shared.backend == "xla"
+
+
+def test_weights_need_reference():
+  d = sh.fallback.select_backend(sh.AttentionConfig(), query_shape=Q, key_shape=K,
+                                 return_weights=True, hardware="cpu")
+  assert d.backend == "reference" and "weights" in d.reason
+
+
+def test_kernel_without_its_hardware_falls_back_with_reason():
+  d = sh.fallback.select_backend(sh.AttentionConfig(platform="triton"), query_shape=Q,
+                                 key_shape=K, hardware="cpu")
+  assert d.backend == "xla" and d.fallback and "needs a GPU" in d.reason
+
+
+def test_disallowed_fallback_raises_with_reason():
+  config = sh.AttentionConfig(platform="splash", allow_fallback=False)
+  with pytest.raises(ValueError, match="needs a TPU.*allow_fallback=False"):
+    sh.fallback.select_backend(config, query_shape=Q, key_shape=K, hardware="cpu")
+  q = jnp.ones((1, 4, 2, 8))
+  with pytest.raises(ValueError, match="per-head dense mask"):
+    sh.attention(q, q, q, config=sh.AttentionConfig(allow_fallback=False),
+                 mask=jnp.ones((1, 2, 4, 4), bool))
+
+
+def test_selection_is_made_at_trace_time_from_shapes():
+  decisions = []
+
+  @jax.jit
+  def f(q):
+    decisions.append(sh.explain(q, q, q))  # q is a tracer: only shapes are known
+    return sh.attention(q, q, q).attention_outputs
+
+  q = jnp.ones((1, 4, 2, 8))
+  f(q)
+  f(q + 1)  # cached: no retrace, no second decision
+  assert [d.backend for d in decisions] == ["xla"]
+  spec = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  assert sh.explain(spec, spec, spec) == decisions[0]
+
+
+def test_each_fallback_reason_is_logged_once(monkeypatch):
+  seen = []
+  monkeypatch.setattr(absl_logging, "warning", lambda msg, *args: seen.append(msg % args))
+  monkeypatch.setattr(selector, "_LOGGED_REASONS", set())
+  q = jnp.ones((1, 4, 2, 8))
+  per_head = jnp.ones((1, 2, 4, 4), bool)
+  for _ in range(3):
+    sh.attention(q, q, q, mask=per_head)
+  sh.attention(q, q, q)  # no fallback, nothing logged
+  sh.attention(q, q, q, return_weights=True)
+  assert len(seen) == 2 and "per-head" in seen[0] and "weights" in seen[1]
