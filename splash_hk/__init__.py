@@ -2,11 +2,13 @@
 
 from splash_hk import fallback
 from splash_hk import masks
+from splash_hk import sharding
 from splash_hk.attention import attention
 from splash_hk.attention import explain
 from splash_hk.config import AttentionConfig
 from splash_hk.config import BlockSizes
 from splash_hk.mode import detect_mode
+from splash_hk.sharding import MeshAxes
 from splash_hk.types import AttentionOutput
 from splash_hk.types import Decision
 from splash_hk.types import Mode
@@ -18,10 +20,12 @@ __all__ = (
     "AttentionOutput",
     "BlockSizes",
     "Decision",
+    "MeshAxes",
     "Mode",
     "attention",
     "detect_mode",
     "explain",
     "fallback",
     "masks",
+    "sharding",
 )

@@ -7,10 +7,12 @@ import jax.numpy as jnp
 
 from splash_hk import inputs as inputs_lib
 from splash_hk import kernel
+from splash_hk import sharding
 from splash_hk import validation
 from splash_hk.config import AttentionConfig
 from splash_hk.fallback import reference
 from splash_hk.fallback import selector
+from splash_hk.mode import detect_mode
 from splash_hk.types import AttentionOutput, Decision
 
 
@@ -54,6 +56,8 @@ def attention(
     kv_positions: jax.Array | None = None,
     mask: jax.Array | None = None,
     softmax_aux: jax.Array | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    axes: sharding.MeshAxes = sharding.MeshAxes(),
     return_weights: bool = False,
 ) -> AttentionOutput:
   """Block-sparse ("splash") attention on the fastest backend that can serve the call.
@@ -81,6 +85,10 @@ def attention(
     mask: [B, 1 or Hq, T, S] bool, True = may attend.
     softmax_aux: attention sinks, [Hq], [Hq, n] or [Hkv, n]: logits that join
       the softmax denominator and add nothing to the output.
+    mesh: if given, the kernel runs under `jax.shard_map` over this mesh (Auto
+      or Explicit axes), batch and heads sharded as `axes` says wherever they
+      divide; the result equals the unsharded one.
+    axes: which mesh axes carry batch, heads and (optionally) query sequence.
     return_weights: also return the [B, Hq, T, S] weights (reference path only).
 
   Returns:
@@ -93,8 +101,17 @@ def attention(
   decision = explain(query, key, value, config=config, return_weights=return_weights, **extras)
   selector.log_fallback(decision)
   x = inputs_lib.prepare(query, key, value, config=config, **extras)
-  if return_weights:
-    out, weights = reference.reference_bhtd(x, config, return_weights=True)
+
+  def body(x: inputs_lib.KernelInputs) -> tuple[jax.Array, jax.Array | None]:
+    if return_weights:
+      return reference.reference_bhtd(x, config, return_weights=True)
+    return kernel.run(decision.backend, x, config), None  # [B, Hq, T, Dv]
+
+  if mesh is None:
+    out, weights = body(x)
   else:
-    out, weights = kernel.run(decision.backend, x, config), None  # [B, Hq, T, Dv]
+    validation.validate_mesh(mesh, axes)
+    out, weights = sharding.shard_kernel(body, x, mesh=mesh, axes=axes,
+                                         mode=detect_mode(query.shape[1], key.shape[1]),
+                                         with_weights=return_weights)
   return AttentionOutput(jnp.swapaxes(out, 1, 2), weights)  # [B, T, Hq, Dv]

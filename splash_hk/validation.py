@@ -9,9 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import chex
+import jax
 import jax.numpy as jnp
 
 from splash_hk.config import AttentionConfig
+from splash_hk.sharding.axes import MeshAxes
 
 Shaped = Any  # anything with .shape and .dtype
 
@@ -110,3 +112,11 @@ def validate_extras(
             f"[num_kv_heads, n] = [{num_kv_heads}, n], got {tuple(softmax_aux.shape)}.")
     if not jnp.issubdtype(softmax_aux.dtype, jnp.floating):
       _fail(f"`softmax_aux` must have a floating dtype, got {softmax_aux.dtype}.")
+
+
+def validate_mesh(mesh: Any, axes: MeshAxes) -> None:
+  """`mesh` is a jax.sharding.Mesh and `axes` a MeshAxes."""
+  if not isinstance(mesh, jax.sharding.Mesh):
+    _fail(f"`mesh` must be a jax.sharding.Mesh (e.g. from jax.make_mesh), got {type(mesh).__name__}.")
+  if not isinstance(axes, MeshAxes):
+    _fail(f"`axes` must be a splash_hk.sharding.MeshAxes, got {type(axes).__name__}.")

@@ -1,0 +1,227 @@
+"""sh.attention(mesh=...) equals the unsharded result on every mesh shape; stable specs."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+import pytest
+
+import splash_hk as sh
+from splash_hk import kernel
+from splash_hk.sharding import stable_spec, kv_head_repeats
+
+MESHES = {
+    "1x8": ((1, 8), ("dp", "tp")),
+    "2x4": ((2, 4), ("dp", "tp")),
+    "4x2": ((4, 2), ("dp", "tp")),
+    "8x1": ((8, 1), ("dp", "tp")),
+    "2x2x2": ((2, 2, 2), ("dp", "fsdp", "tp")),
+}
+
+
+def _mesh(name, explicit=True):
+  shape, names = MESHES[name]
+  if explicit:
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+  return Mesh(np.array(jax.devices()).reshape(shape), names)
+
+
+def _inputs(batch, query_len, kv_len, num_kv_heads, seed=0, num_heads=8, head_dim=16):
+  rng = np.random.default_rng(seed)
+  q = rng.normal(size=(batch, query_len, num_heads, head_dim)).astype(np.float32)
+  k = rng.normal(size=(batch, kv_len, num_kv_heads, head_dim)).astype(np.float32)
+  v = rng.normal(size=(batch, kv_len, num_kv_heads, head_dim)).astype(np.float32)
+  sinks = rng.normal(size=(num_heads, 2)).astype(np.float32)
+  seg = np.zeros((batch, kv_len), np.int32)
+  seg[:, kv_len // 2:] = 1
+  seg[:, -2:] = -1
+  cot = rng.normal(size=(batch, query_len, num_heads, head_dim)).astype(np.float32)
+  return q, k, v, sinks, seg, cot
+
+
+def _out_and_grads(config, mesh, q, k, v, sinks, cot, axes=sh.MeshAxes(), **extras):
+  def f(q, k, v, sinks):
+    return sh.attention(q, k, v, config=config, softmax_aux=sinks, mesh=mesh, axes=axes,
+                        **extras).attention_outputs
+
+  @jax.jit
+  def run(q, k, v, sinks):
+    out, vjp = jax.vjp(f, q, k, v, sinks)
+    return out, vjp(cot.astype(out.dtype))
+
+  return run(q, k, v, sinks)
+
+
+def _assert_close(got, want):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=0)
+
+
+EVERYTHING = sh.AttentionConfig(causal=True, sliding_window=(5, 0), logits_soft_cap=4.0)
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 8])
+@pytest.mark.parametrize("batch", [1, 2, 8])
+def test_sharded_equals_unsharded_train_forward_and_grads(mesh_name, num_kv_heads, batch):
+  q, k, v, sinks, seg, cot = _inputs(batch, 16, 16, num_kv_heads)
+  mesh = _mesh(mesh_name)
+  got = _out_and_grads(EVERYTHING, mesh, q, k, v, sinks, cot, q_segment_ids=seg)
+  want = _out_and_grads(EVERYTHING, None, q, k, v, sinks, cot, q_segment_ids=seg)
+  _assert_close(got, want)
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 8])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_sharded_equals_unsharded_decode(mesh_name, num_kv_heads, batch):
+  q, k, v, sinks, seg, cot = _inputs(batch, 1, 16, num_kv_heads)
+  mesh = _mesh(mesh_name, explicit=False)
+  extras = dict(q_segment_ids=np.zeros((batch, 1), np.int32), kv_segment_ids=seg)
+  got = _out_and_grads(EVERYTHING, mesh, q, k, v, sinks, cot, **extras)
+  want = _out_and_grads(EVERYTHING, None, q, k, v, sinks, cot, **extras)
+  _assert_close(got, want)
+
+
+FEATURES = {
+    "causal": sh.AttentionConfig(),
+    "bidirectional": sh.AttentionConfig(causal=False),
+    "window": sh.AttentionConfig(sliding_window=3),
+    "chunk": sh.AttentionConfig(chunk_size=4),
+    "soft_cap": sh.AttentionConfig(logits_soft_cap=2.0),
+    "reference": sh.AttentionConfig(platform="reference", sliding_window=(2, 6)),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_each_feature_on_2x4(feature):
+  q, k, v, sinks, seg, cot = _inputs(2, 16, 16, 2)
+  got = _out_and_grads(FEATURES[feature], _mesh("2x4"), q, k, v, sinks, cot)
+  want = _out_and_grads(FEATURES[feature], None, q, k, v, sinks, cot)
+  _assert_close(got, want)
+
+
+@pytest.mark.parametrize("heads", [1, 8])
+def test_dense_mask_with_mesh_is_exact(heads):
+  q, k, v, sinks, _, cot = _inputs(2, 16, 16, 2)
+  mask = np.random.default_rng(1).random((2, heads, 16, 16)) < 0.6
+  got = _out_and_grads(sh.AttentionConfig(), _mesh("2x4"), q, k, v, sinks, cot, mask=mask)
+  want = _out_and_grads(sh.AttentionConfig(platform="reference"), None, q, k, v, sinks, cot,
+                        mask=mask)
+  _assert_close(got, want)
+
+
+@pytest.mark.parametrize("query_len", [16, 6])
+def test_query_sequence_sharding_uses_global_positions(query_len):
+  mesh = jax.make_mesh((2, 2, 2), ("dp", "sp", "tp"), axis_types=(AxisType.Explicit,) * 3)
+  axes = sh.MeshAxes(batch="dp", heads="tp", sequence="sp")
+  q, k, v, sinks, seg, cot = _inputs(2, query_len, 16, 2)
+  config = sh.AttentionConfig(sliding_window=(4, 0))
+  got = _out_and_grads(config, mesh, q, k, v, sinks, cot, axes=axes)
+  want = _out_and_grads(config, None, q, k, v, sinks, cot)
+  _assert_close(got, want)
+  out = sh.attention(q, k, v, config=config, mesh=mesh, axes=axes).attention_outputs
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", "sp", "tp", None)), 4)
+
+
+def test_shard_map_really_shards(monkeypatch):
+  shapes = []
+  real = kernel.KERNELS["xla"]
+
+  def spy(x, config):
+    shapes.append((x.query.shape, x.key.shape, x.q_segment_ids.shape))
+    return real(x, config)
+
+  monkeypatch.setitem(kernel.KERNELS, "xla", spy)
+  q, k, v, sinks, seg, _ = _inputs(8, 16, 16, 8)
+  mesh = _mesh("2x4")
+  fn = jax.jit(lambda q, k, v: sh.attention(q, k, v, mesh=mesh, q_segment_ids=seg).attention_outputs)
+  out = fn(q, k, v)
+  assert shapes == [((4, 2, 16, 16), (4, 2, 16, 16), (4, 16))]  # B/2, Hq/4 per device
+  hlo = fn.lower(q, k, v).compile().as_text()
+  assert "f32[4,2,16,16]" in hlo
+  assert out.sharding == NamedSharding(mesh, P("dp", None, "tp", None))
+
+
+def test_gqa_kv_heads_repeat_to_the_head_shards(monkeypatch):
+  shapes = []
+  real = kernel.KERNELS["xla"]
+  monkeypatch.setitem(kernel.KERNELS, "xla",
+                      lambda x, c: shapes.append((x.query.shape[1], x.key.shape[1])) or real(x, c))
+  q, k, v, *_ = _inputs(2, 16, 16, 2)  # Hq = 8, Hkv = 2 on tp = 4
+  sh.attention(q, k, v, mesh=_mesh("2x4"))
+  assert shapes == [(2, 1)]  # each shard: 2 query heads and their one kv head
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize("presharded", [True, False])
+def test_mesh_kinds_and_input_shardings(explicit, jit, presharded):
+  mesh = _mesh("2x4", explicit=explicit)
+  q, k, v, sinks, seg, _ = _inputs(2, 16, 16, 8)
+  if presharded:  # sharded some other way than the kernel wants
+    q, k, v = (jax.device_put(a, NamedSharding(mesh, P(None, "dp"))) for a in (q, k, v))
+  f = lambda q, k, v: sh.attention(q, k, v, mesh=mesh, softmax_aux=sinks).attention_outputs
+  out = (jax.jit(f) if jit else f)(q, k, v)
+  want = sh.attention(np.asarray(q), np.asarray(k), np.asarray(v), softmax_aux=sinks)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want.attention_outputs), atol=1e-5)
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", None, "tp", None)), 4)
+
+
+def test_bad_mesh_arguments():
+  q = jnp.ones((2, 4, 8, 8))
+  with pytest.raises(ValueError, match="mesh"):
+    sh.attention(q, q, q, mesh="dp=2")
+  with pytest.raises(ValueError, match="axes"):
+    sh.attention(q, q, q, mesh=_mesh("2x4"), axes=("dp", "tp"))
+  with pytest.raises(ValueError, match="at most once"):
+    sh.MeshAxes(batch=("dp", "tp"), heads="tp")
+
+
+class _FakeMesh:
+  shape = {"dp": 2, "fsdp": 4, "tp": 4, "sp": 2}
+
+
+STABLE_SPEC_TABLE = [
+    # (spec, shape, keep, expected)
+    (P("dp", "tp"), (8, 8), (0, 1), P("dp", "tp")),  # divisible
+    (P("dp", "tp"), (3, 6), (0, 1), P(None, None)),  # indivisible
+    (P("ep", "tp"), (8, 8), (0, 1), P(None, "tp")),  # missing axis
+    (P(("dp", "fsdp"), "tp"), (4, 8), (0, 1), P("dp", "tp")),  # tuple: dp divides, dp*fsdp not
+    (P(("fsdp", "dp"), None), (2, 8), (0, 1), P("dp", None)),  # tuple: skips fsdp, keeps dp
+    (P(("dp", "fsdp"), "tp"), (16, 4), (0, 1), P(("dp", "fsdp"), "tp")),  # whole tuple
+    (P(("dp", "ep", "fsdp"),), (8,), (0,), P(("dp", "fsdp"),)),  # missing axis inside a tuple
+    (P("tp", "tp"), (8, 8), (0, 1), P("tp", None)),  # never repeats an axis
+    (P("tp", "tp"), (8, 8), (1,), P(None, "tp")),  # keep decides who gets it
+    (P(None, "sp", "tp"), (2, 3, 8), (0, 1), P(None, None, "tp")),  # non-kept dim drops too
+    (P("dp"), (4, 8, 16), (0, 1), P("dp", None, None)),  # shorter spec is padded
+    (P(), (4, 8), (0, 1), P(None, None)),
+    (P("dp", "tp", "sp"), (1, 1, 1), (0, 1), P(None, None, None)),  # length-1 dims
+]
+
+
+@pytest.mark.parametrize("spec,shape,keep,expected", STABLE_SPEC_TABLE)
+def test_stable_spec_table(spec, shape, keep, expected):
+  assert stable_spec(spec, shape, _FakeMesh(), keep=keep) == expected
+
+
+def test_stable_spec_rank_mismatch():
+  with pytest.raises(ValueError, match="rank 2"):
+    stable_spec(P("dp", "tp", None), (4, 8), _FakeMesh())
+
+
+def test_stable_spec_is_always_valid_on_real_meshes():
+  for name, (b, h, t) in itertools.product(MESHES, [(1, 8, 1), (3, 6, 5), (8, 8, 16)]):
+    mesh = _mesh(name, explicit=False)
+    spec = stable_spec(P(("dp", "fsdp"), "tp", "dp"), (b, h, t, 4), mesh)
+    jax.device_put(np.zeros((b, h, t, 4)), NamedSharding(mesh, spec))  # raises if invalid
+
+
+@pytest.mark.parametrize("hq,hkv,n,expected", [(8, 8, 4, 1), (8, 2, 4, 2), (8, 1, 4, 4),
+                                               (8, 1, 8, 8), (8, 2, 1, 1), (12, 3, 4, 4),
+                                               (8, 4, 8, 2)])
+def test_kv_head_repeats(hq, hkv, n, expected):
+  r = kv_head_repeats(hq, hkv, n)
+  assert r == expected and (hkv * r) % n == 0 and (hq // hkv) % r == 0
