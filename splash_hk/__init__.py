@@ -8,6 +8,9 @@ from splash_hk.attention import explain
 from splash_hk.config import AttentionConfig
 from splash_hk.config import BlockSizes
 from splash_hk.mode import detect_mode
+from splash_hk.module import KVCache
+from splash_hk.module import MultiHeadAttention
+from splash_hk.module import SplashAttention
 from splash_hk.sharding import MeshAxes
 from splash_hk.types import AttentionOutput
 from splash_hk.types import Decision
@@ -20,8 +23,11 @@ __all__ = (
     "AttentionOutput",
     "BlockSizes",
     "Decision",
+    "KVCache",
     "MeshAxes",
     "Mode",
+    "MultiHeadAttention",
+    "SplashAttention",
     "attention",
     "detect_mode",
     "explain",

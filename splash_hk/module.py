@@ -1,0 +1,280 @@
+"""Haiku modules: thin compositions over `splash_hk.attention`."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from splash_hk.attention import attention
+from splash_hk.config import AttentionConfig
+from splash_hk.sharding.axes import MeshAxes
+
+
+class KVCache(NamedTuple):
+  """A fixed-capacity key/value cache for one attention layer (a pytree).
+
+  Attributes:
+    key: [B, S_max, Hkv, D] projected keys; slots >= `length` are unused.
+    value: [B, S_max, Hkv, Dv] projected values.
+    length: int32 scalar, how many slots hold tokens.
+  """
+
+  key: jax.Array
+  value: jax.Array
+  length: jax.Array
+
+  @classmethod
+  def zeros(cls, batch: int, max_len: int, num_kv_heads: int, key_size: int,
+            value_size: int | None = None, dtype=jnp.float32) -> "KVCache":
+    return cls(
+        key=jnp.zeros((batch, max_len, num_kv_heads, key_size), dtype),
+        value=jnp.zeros((batch, max_len, num_kv_heads, value_size or key_size), dtype),
+        length=jnp.zeros((), jnp.int32),
+    )
+
+
+def _check_positive(name: str, value, allow_none: bool = False) -> None:
+  if value is None and allow_none:
+    return
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+
+
+class SplashAttention(hk.Module):
+  """Attention over already-projected heads, with optional learnable sinks.
+
+  Glossary of shapes:
+  - B: batch; T: query length; S: key/value length.
+  - Hq, Hkv: query and key/value heads; D: key size; Dv: value size.
+  """
+
+  def __init__(
+      self,
+      config: AttentionConfig = AttentionConfig(),
+      mesh: jax.sharding.Mesh | None = None,
+      axes: MeshAxes = MeshAxes(),
+      num_sinks: int = 0,
+      name: str | None = None,
+  ):
+    """Initialises the module.
+
+    Args:
+      config: the attention config (mask rules, scale, platform, ...).
+      mesh: if given, attention runs under shard_map over this mesh.
+      axes: which mesh axes carry batch, heads and query sequence.
+      num_sinks: learnable attention sinks per query head; > 0 creates a
+        `sinks [Hq, num_sinks]` parameter (zeros init).
+      name: module name.
+    """
+    super().__init__(name=name)
+    if not isinstance(config, AttentionConfig):
+      raise ValueError(f"`config` must be a splash_hk.AttentionConfig, got {type(config).__name__}.")
+    if not isinstance(num_sinks, int) or isinstance(num_sinks, bool) or num_sinks < 0:
+      raise ValueError(f"`num_sinks` must be an int >= 0, got {num_sinks!r}.")
+    self.config = config
+    self.mesh = mesh
+    self.axes = axes
+    self.num_sinks = num_sinks
+
+  def __call__(
+      self,
+      query: jax.Array,
+      key: jax.Array,
+      value: jax.Array,
+      *,
+      mask: jax.Array | None = None,
+      q_segment_ids: jax.Array | None = None,
+      kv_segment_ids: jax.Array | None = None,
+      q_positions: jax.Array | None = None,
+      kv_positions: jax.Array | None = None,
+  ) -> jax.Array:
+    """query [B, T, Hq, D], key [B, S, Hkv, D], value [B, S, Hkv, Dv] -> [B, T, Hq, Dv]."""
+    sinks = None
+    if self.num_sinks:
+      sinks = hk.get_parameter("sinks", (query.shape[-2], self.num_sinks), jnp.float32,
+                               init=jnp.zeros)  # [Hq, n]
+    return attention(query, key, value, config=self.config, q_segment_ids=q_segment_ids,
+                     kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+                     kv_positions=kv_positions, mask=mask, softmax_aux=sinks, mesh=self.mesh,
+                     axes=self.axes).attention_outputs
+
+
+class MultiHeadAttention(hk.Module):
+  """A drop-in for `hk.MultiHeadAttention` on splash attention, with GQA and a KV cache.
+
+  With `num_kv_heads == num_heads` its parameters are exactly those of
+  `hk.MultiHeadAttention` (`query`, `key`, `value`, `linear`, each `w` and
+  `b`), so its checkpoints load unchanged. Unlike Haiku's, the default config
+  is causal (pass `AttentionConfig(causal=False)` for Haiku's behaviour), and a
+  query row that may attend to nothing outputs 0 rather than mean(v).
+
+  Glossary of shapes:
+  - T: query length; S: key/value length (S_max with a cache).
+  - D: embedding size; H: query heads; Hkv: key/value heads.
+  - K: key size; V: value size; D': model size.
+  """
+
+  def __init__(
+      self,
+      num_heads: int,
+      key_size: int,
+      *,
+      num_kv_heads: int | None = None,
+      value_size: int | None = None,
+      model_size: int | None = None,
+      w_init: hk.initializers.Initializer | None = None,
+      with_bias: bool = True,
+      b_init: hk.initializers.Initializer | None = None,
+      config: AttentionConfig = AttentionConfig(),
+      mesh: jax.sharding.Mesh | None = None,
+      axes: MeshAxes = MeshAxes(),
+      num_sinks: int = 0,
+      name: str | None = None,
+  ):
+    """Initialises the module.
+
+    Args:
+      num_heads: query heads (H).
+      key_size: size of each query/key head (K).
+      num_kv_heads: key/value heads (Hkv, GQA/MQA); must divide `num_heads`;
+        default `num_heads`.
+      value_size: size of each value head (V); default `key_size`.
+      model_size: output size (D'); default `key_size * num_heads`.
+      w_init: initialiser of the projection weights (required, as in Haiku).
+      with_bias: whether the projections have biases.
+      b_init: initialiser of the biases; default zeros.
+      config: the attention config.
+      mesh: if given, attention runs under shard_map over this mesh.
+      axes: which mesh axes carry batch, heads and query sequence.
+      num_sinks: learnable attention sinks per head (see `SplashAttention`).
+      name: module name.
+    """
+    super().__init__(name=name)
+    _check_positive("num_heads", num_heads)
+    _check_positive("key_size", key_size)
+    _check_positive("num_kv_heads", num_kv_heads, allow_none=True)
+    _check_positive("value_size", value_size, allow_none=True)
+    _check_positive("model_size", model_size, allow_none=True)
+    num_kv_heads = num_kv_heads or num_heads
+    if num_heads % num_kv_heads:
+      raise ValueError(f"`num_heads` ({num_heads}) must be a multiple of `num_kv_heads` "
+                       f"({num_kv_heads}).")
+    if w_init is None:
+      raise ValueError("Please provide a weight initializer: `w_init`, e.g. "
+                       "hk.initializers.VarianceScaling(1.0) (required, as in hk.MultiHeadAttention).")
+    self.num_heads = num_heads
+    self.num_kv_heads = num_kv_heads
+    self.key_size = key_size
+    self.value_size = value_size or key_size
+    self.model_size = model_size or key_size * num_heads
+    self.w_init = w_init
+    self.with_bias = with_bias
+    self.b_init = b_init
+    self.attend = SplashAttention(config=config, mesh=mesh, axes=axes, num_sinks=num_sinks,
+                                  name="splash_attention")
+
+  def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    """An empty KV cache for this layer."""
+    return KVCache.zeros(batch, max_len, self.num_kv_heads, self.key_size, self.value_size, dtype)
+
+  def __call__(
+      self,
+      query: jax.Array,
+      key: jax.Array | None = None,
+      value: jax.Array | None = None,
+      mask: jax.Array | None = None,
+      *,
+      q_segment_ids: jax.Array | None = None,
+      kv_segment_ids: jax.Array | None = None,
+      q_positions: jax.Array | None = None,
+      kv_positions: jax.Array | None = None,
+      kv_cache: KVCache | None = None,
+  ) -> jax.Array | tuple[jax.Array, KVCache]:
+    """Attends `query` to `key`/`value` (default: self-attention).
+
+    Args:
+      query: [..., T, D_q]; any number of leading batch dims.
+      key: [..., S, D_k]; default `query`.
+      value: [..., S, D_v]; default `key`.
+      mask: anything broadcastable to [..., H, T, S] (any dtype, nonzero =
+        attend), as Haiku's.
+      q_segment_ids, kv_segment_ids, q_positions, kv_positions: [..., T] and
+        [..., S] ints, as in `splash_hk.attention`.
+      kv_cache: if given, the new keys/values are written at `kv_cache.length`
+        and the queries attend to the whole cache (positions and padding
+        derived from it); returns `(output, new_cache)`. T == 1 is decoding.
+
+    Returns:
+      [..., T, D'], or ([..., T, D'], KVCache) with `kv_cache`.
+    """
+    key = query if key is None else key
+    value = key if value is None else value
+    *lead, query_len, _ = query.shape
+    kv_len = key.shape[-2]
+    flat = lambda x: x.reshape(-1, *x.shape[len(lead):])  # [..., X] -> [B, X]
+    q = self._projection(flat(query), self.num_heads, self.key_size, "query")  # [B, T, H, K]
+    k = self._projection(flat(key), self.num_kv_heads, self.key_size, "key")  # [B, S, Hkv, K]
+    v = self._projection(flat(value), self.num_kv_heads, self.value_size, "value")  # [B, S, Hkv, V]
+    rows = lambda x: None if x is None else flat(jnp.broadcast_to(x, (*lead, x.shape[-1])))
+    extras = dict(q_segment_ids=rows(q_segment_ids), kv_segment_ids=rows(kv_segment_ids),
+                  q_positions=rows(q_positions), kv_positions=rows(kv_positions))
+    new_cache = None
+    if kv_cache is not None:
+      if any(x is not None for x in extras.values()):
+        raise ValueError("`kv_cache` derives positions and padding itself: do not pass "
+                         "q_segment_ids, kv_segment_ids, q_positions or kv_positions with it.")
+      k, v, extras, new_cache = _append_to_cache(kv_cache, k, v)
+      kv_len = k.shape[1]
+    if mask is not None:
+      mask = _haiku_mask(mask, lead, self.num_heads, query_len, kv_len)  # [B, 1|H, T, S]
+    out = self.attend(q, k, v, mask=mask, **extras)  # [B, T, H, V]
+    out = out.reshape(*lead, query_len, self.num_heads * self.value_size)  # [..., T, H*V]
+    out = hk.Linear(self.model_size, w_init=self.w_init, with_bias=self.with_bias,
+                    b_init=self.b_init, name="linear")(out)  # [..., T, D']
+    return out if new_cache is None else (out, new_cache)
+
+  @hk.transparent
+  def _projection(self, x: jax.Array, heads: int, head_size: int, name: str) -> jax.Array:
+    y = hk.Linear(heads * head_size, w_init=self.w_init, with_bias=self.with_bias,
+                  b_init=self.b_init, name=name)(x)  # [B, T, heads * head_size]
+    return y.reshape(*x.shape[:-1], heads, head_size)  # [B, T, heads, head_size]
+
+
+def _append_to_cache(cache: KVCache, k: jax.Array, v: jax.Array):
+  """Writes k/v [B, T, Hkv, *] at cache.length; returns the full buffers and their extras."""
+  batch, query_len = k.shape[:2]
+  max_len = cache.key.shape[1]
+  start = cache.length
+  keys = jax.lax.dynamic_update_slice_in_dim(cache.key, k.astype(cache.key.dtype), start, axis=1)
+  values = jax.lax.dynamic_update_slice_in_dim(cache.value, v.astype(cache.value.dtype), start, axis=1)
+  end = start + query_len
+  slots = jnp.arange(max_len, dtype=jnp.int32)  # [S_max]
+  extras = dict(
+      q_positions=jnp.broadcast_to(start + jnp.arange(query_len, dtype=jnp.int32), (batch, query_len)),
+      kv_positions=jnp.broadcast_to(slots, (batch, max_len)),
+      q_segment_ids=jnp.zeros((batch, query_len), jnp.int32),
+      kv_segment_ids=jnp.broadcast_to(jnp.where(slots < end, 0, -1), (batch, max_len)),
+  )
+  return keys, values, extras, KVCache(keys, values, end)
+
+
+def _haiku_mask(mask: jax.Array, lead: list[int], num_heads: int, query_len: int,
+                kv_len: int) -> jax.Array:
+  """A Haiku-style mask (any dtype, nonzero = attend, broadcastable to [..., H, T, S])
+  -> bool [B, 1 or H, T, S] with the leading dims flattened into B."""
+  mask = jnp.asarray(mask)
+  full = (*lead, num_heads, query_len, kv_len)
+  if mask.ndim > len(full):
+    raise ValueError(f"`mask` of shape {mask.shape} has more dims than [..., H, T, S] = {full}.")
+  mask = mask.reshape((1,) * (len(full) - mask.ndim) + mask.shape)
+  heads = 1 if mask.shape[-3] == 1 else num_heads
+  try:
+    mask = jnp.broadcast_to(mask != 0, (*lead, heads, query_len, kv_len))
+  except ValueError as e:
+    raise ValueError(f"`mask` of shape {mask.shape} does not broadcast to [..., H, T, S] = "
+                     f"{full}.") from e
+  return mask.reshape(math.prod(lead), heads, query_len, kv_len)
