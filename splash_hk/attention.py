@@ -28,6 +28,8 @@ def explain(
     kv_positions: jax.Array | None = None,
     mask: jax.Array | None = None,
     softmax_aux: jax.Array | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    axes: sharding.MeshAxes = sharding.MeshAxes(),
     return_weights: bool = False,
 ) -> Decision:
   """The backend `attention` would use for these arguments, and why.
@@ -39,9 +41,15 @@ def explain(
   validation.validate_extras(
       query, key, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       q_positions=q_positions, kv_positions=kv_positions, mask=mask, softmax_aux=softmax_aux)
+  sequence_shards = 1
+  if mesh is not None:
+    validation.validate_mesh(mesh, axes)
+    sequence_shards = sharding.query_sequence_shards(query.shape, mesh, axes)
   return selector.select_backend(
-      config, query_shape=query.shape, key_shape=key.shape,
-      mask_shape=None if mask is None else mask.shape, return_weights=return_weights)
+      config, query_shape=query.shape, key_shape=key.shape, value_shape=value.shape,
+      mask_shape=None if mask is None else mask.shape,
+      positions_given=q_positions is not None or kv_positions is not None,
+      sequence_shards=sequence_shards, return_weights=return_weights)
 
 
 def attention(
@@ -98,7 +106,8 @@ def attention(
   extras = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                 q_positions=q_positions, kv_positions=kv_positions, mask=mask,
                 softmax_aux=softmax_aux)
-  decision = explain(query, key, value, config=config, return_weights=return_weights, **extras)
+  decision = explain(query, key, value, config=config, mesh=mesh, axes=axes,
+                     return_weights=return_weights, **extras)
   selector.log_fallback(decision)
   x = inputs_lib.prepare(query, key, value, config=config, **extras)
 
@@ -110,7 +119,6 @@ def attention(
   if mesh is None:
     out, weights = body(x)
   else:
-    validation.validate_mesh(mesh, axes)
     out, weights = sharding.shard_kernel(body, x, mesh=mesh, axes=axes,
                                          mode=detect_mode(query.shape[1], key.shape[1]),
                                          with_weights=return_weights)

@@ -6,44 +6,15 @@ call the arrays of one shard in `KernelInputs` form.
 
 from __future__ import annotations
 
-import functools
-import importlib
-import os
-import tempfile
-
 import jax
 import jax.numpy as jnp
 
+from splash_hk import _ejkernel
 from splash_hk import masks
+from splash_hk import splash_tpu
 from splash_hk.config import AttentionConfig
 from splash_hk.fallback import reference
 from splash_hk.inputs import KernelInputs
-
-
-@functools.lru_cache(maxsize=None)
-def _ejkernel():
-  """Imports ejkernel's block-sparse op with its caches kept out of the home directory."""
-  cache = os.path.join(tempfile.gettempdir(), "splash_hk-ejkernel")
-  os.environ.setdefault("EJKERNEL_PERSISTENT_CACHE_DIR", cache)
-  os.environ.setdefault("COMPILE_FUNC_DIR", os.path.join(cache, "compiled"))
-  os.environ.setdefault("EJKERNEL_AUTOTUNE_POLICY", "heuristics")
-  op = importlib.import_module("ejkernel.modules.operations.blocksparse_attention")
-  from ejkernel.modules.operations.configs import BlockSparseAttentionConfig  # pylint: disable=g-import-not-at-top
-  from ejkernel.ops import BwdParams, FwdParams  # pylint: disable=g-import-not-at-top
-  return op.BlockSparseAttention(), BlockSparseAttentionConfig, FwdParams, BwdParams
-
-
-def ejkernel_config(config: AttentionConfig, platform: str):
-  """An explicit ejkernel config (never autotuned) from our block sizes."""
-  _, config_cls, fwd_cls, bwd_cls = _ejkernel()
-  fwd_q, fwd_kv = config.block_sizes.block_q, config.block_sizes.block_kv
-  bwd_q, bwd_kv = config.block_sizes.backward
-  return config_cls(
-      fwd_params=fwd_cls(q_blocksize=fwd_q, kv_blocksize=fwd_kv, num_warps=None, num_stages=None),
-      bwd_params=bwd_cls(q_blocksize=bwd_q, kv_blocksize=bwd_kv, num_warps=None, num_stages=None),
-      platform=platform,
-      backend="any" if platform == "xla" else "gpu",
-  )
 
 
 def sink_logsumexp(sinks: jax.Array) -> jax.Array:
@@ -60,14 +31,13 @@ def run_ejkernel_xla(x: KernelInputs, config: AttentionConfig) -> jax.Array:
   with `causal=False`; sinks go in as one logsumexp sink per query head. It
   reads only head 0 of a dense mask, so the selector never sends per-head masks.
   """
-  op, *_ = _ejkernel()
   mask = masks.full_mask(
       q_positions=x.q_positions, kv_positions=x.kv_positions, causal=config.causal,
       window=config.window, chunk_size=config.chunk_size, q_segment_ids=x.q_segment_ids,
       kv_segment_ids=x.kv_segment_ids, mask=x.mask)  # [B|1, 1, T, S]
   batch = x.query.shape[0]
   mask = jnp.broadcast_to(mask, (batch, *mask.shape[1:]))  # [B, 1, T, S]
-  out = op.run(
+  out = _ejkernel.blocksparse_op().run(
       query=x.query,
       key=x.key,
       value=x.value,
@@ -78,9 +48,42 @@ def run_ejkernel_xla(x: KernelInputs, config: AttentionConfig) -> jax.Array:
       causal=False,
       fused_backward=config.fused_backward,
       platform="xla",
-      cfg=ejkernel_config(config, "xla"),
+      cfg=_ejkernel.blocksparse_config(config, "xla"),
   )  # [B, Hq, T, Dv]
   return out.astype(x.query.dtype)
+
+
+def run_triton(x: KernelInputs, config: AttentionConfig) -> jax.Array:
+  """ejkernel's Triton block-sparse kernel (GPU).
+
+  It masks from positions and segment ids, so it gets the explicit
+  (end-aligned) positions and segment ids whose padding can never match; rows
+  that are padding are zeroed afterwards. The selector keeps chunked masks,
+  dense masks and head dims that are not multiples of 16 away from it.
+  """
+  batch, _, query_len, head_dim = x.query.shape
+  kv_len = x.key.shape[2]
+  q_seg = jnp.zeros((batch, query_len), jnp.int32) if x.q_segment_ids is None else x.q_segment_ids
+  kv_seg = jnp.zeros((batch, kv_len), jnp.int32) if x.kv_segment_ids is None else x.kv_segment_ids
+  q_seg, kv_seg = masks.disjoint_padding(q_seg, kv_seg)
+  out = _ejkernel.blocksparse_op().run(
+      query=x.query,
+      key=x.key,
+      value=x.value,
+      q_segment_ids=q_seg,
+      kv_segment_ids=kv_seg,
+      q_positions=x.q_positions,
+      kv_positions=x.kv_positions,
+      softmax_aux=None if x.sinks is None else sink_logsumexp(x.sinks).astype(x.query.dtype),
+      logits_soft_cap=config.logits_soft_cap,
+      softmax_scale=config.softmax_scale or head_dim**-0.5,
+      sliding_window=config.window,
+      causal=config.causal,
+      fused_backward=config.fused_backward,
+      platform="triton",
+      cfg=_ejkernel.blocksparse_config(config, "triton", num_warps=4, num_stages=2),
+  )  # [B, Hq, T, Dv]
+  return jnp.where((q_seg >= 0)[:, None, :, None], out, 0).astype(x.query.dtype)
 
 
 def run_reference(x: KernelInputs, config: AttentionConfig) -> jax.Array:
@@ -88,6 +91,8 @@ def run_reference(x: KernelInputs, config: AttentionConfig) -> jax.Array:
 
 
 KERNELS = {
+    "splash": splash_tpu.run_splash,
+    "triton": run_triton,
     "xla": run_ejkernel_xla,
     "reference": run_reference,
 }

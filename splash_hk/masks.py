@@ -34,20 +34,18 @@ def default_positions(batch: int, query_len: int, kv_len: int) -> tuple[jax.Arra
           jnp.broadcast_to(kv_pos, (batch, kv_len)))
 
 
-def position_mask(
-    q_pos: ArrayLike,
-    kv_pos: ArrayLike,
+def position_rules(
+    q: ArrayLike,
+    k: ArrayLike,
     *,
     causal: bool,
     window: tuple[int, int] | None,
     chunk_size: int | None,
 ) -> ArrayLike | None:
-  """Visibility from positions: q_pos [..., T], kv_pos [..., S] -> [..., T, S].
+  """Visibility of keys at positions `k` to queries at positions `q` (broadcast elementwise).
 
   Returns None when no positional rule applies (everything visible).
   """
-  q = q_pos[..., :, None]  # [..., T, 1]
-  k = kv_pos[..., None, :]  # [..., 1, S]
   mask = None
 
   def conj(a, b):
@@ -63,11 +61,32 @@ def position_mask(
   return mask
 
 
+def position_mask(
+    q_pos: ArrayLike,
+    kv_pos: ArrayLike,
+    *,
+    causal: bool,
+    window: tuple[int, int] | None,
+    chunk_size: int | None,
+) -> ArrayLike | None:
+  """Visibility from positions: q_pos [..., T], kv_pos [..., S] -> [..., T, S] (or None)."""
+  return position_rules(q_pos[..., :, None], kv_pos[..., None, :], causal=causal, window=window,
+                        chunk_size=chunk_size)
+
+
 def segment_mask(q_segment_ids: ArrayLike, kv_segment_ids: ArrayLike) -> ArrayLike:
   """Visibility from segments: [..., T], [..., S] -> [..., T, S]; negative ids are padding."""
   q = q_segment_ids[..., :, None]  # [..., T, 1]
   k = kv_segment_ids[..., None, :]  # [..., 1, S]
   return (q == k) & (q >= 0) & (k >= 0)
+
+
+def disjoint_padding(q_segment_ids: jax.Array, kv_segment_ids: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
+  """Segment ids for kernels that only test equality: padding (-1 on the query
+  side, -2 on the key side) can then never match anything."""
+  return (jnp.where(q_segment_ids < 0, -1, q_segment_ids),
+          jnp.where(kv_segment_ids < 0, -2, kv_segment_ids))
 
 
 def full_mask(

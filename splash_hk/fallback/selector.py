@@ -12,6 +12,7 @@ from splash_hk.mode import detect_mode
 from splash_hk.types import Decision, Mode
 
 _ACCELERATOR_KERNEL = {"tpu": "splash", "gpu": "triton"}
+LANE = 128  # the splash kernel's block granularity
 _LOGGED_REASONS: set[str] = set()  # a cache: each fallback reason is logged once
 
 
@@ -21,7 +22,12 @@ def _kernel_limit(
     *,
     hardware: str,
     mode: Mode,
+    query_shape: Sequence[int],
+    key_shape: Sequence[int],
+    value_dim: int,
     mask_shape: Sequence[int] | None,
+    positions_given: bool,
+    sequence_shards: int,
     return_weights: bool,
 ) -> str | None:
   """Why `backend` cannot serve this call, or None if it can."""
@@ -34,15 +40,42 @@ def _kernel_limit(
       return ("a per-head dense mask was given and ejkernel's XLA block-sparse path reads only "
               "head 0 of a dense mask")
     return None
+  query_len, kv_len = query_shape[1], key_shape[1]
   if backend == "splash":
     if hardware != "tpu" and not config.interpret:
       return (f"the Pallas splash kernel needs a TPU (this is {hardware}); set "
               "AttentionConfig(interpret=True) to run it in interpret mode")
-    return "the Pallas splash kernel is not wired into this version of splash_hk"
+    if mode is Mode.DECODE:
+      return "decode (T == 1): one query row does not fill a splash block"
+    if min(query_len, kv_len) < LANE:
+      return (f"query_len {query_len} / kv_len {kv_len}: a sequence shorter than one "
+              f"{LANE}-row splash block is cheaper unpadded")
+    if mask_shape is not None:
+      return "a dense mask was given: a traced mask cannot be proven a segment mask"
+    if positions_given:
+      return ("explicit q_positions/kv_positions were given and splash masks are static "
+              "(built from indices at trace time)")
+    bad = [b for b in (config.block_sizes.block_q, config.block_sizes.block_kv,
+                       *config.block_sizes.backward) if b % LANE]
+    if bad:
+      return f"splash block sizes must be multiples of {LANE}, got {config.block_sizes}"
+    if sequence_shards > 1:
+      return "the query sequence is sharded and the splash path builds its masks per shard"
+    return None
   if backend == "triton":
     if hardware != "gpu":
       return f"ejkernel's Triton kernel needs a GPU (this is {hardware})"
-    return "ejkernel's Triton kernel is not wired into this version of splash_hk"
+    if mode is Mode.DECODE:
+      return "decode (T == 1): ejkernel's Triton kernel tiles queries in blocks of 16 or more"
+    if query_shape[-1] % 16 or value_dim % 16:
+      return (f"head dims {query_shape[-1]} / {value_dim} are not multiples of 16, which "
+              "ejkernel's Triton kernel needs")
+    if mask_shape is not None:
+      return ("a dense mask was given and ejkernel's Triton kernel would turn it into segment "
+              "ids (a traced mask cannot be proven a segment mask)")
+    if config.chunk_size is not None:
+      return "chunked masks: ejkernel's Triton kernel ignores chunk_size"
+    return None
   raise ValueError(f"Unknown backend {backend!r}.")
 
 
@@ -60,7 +93,10 @@ def select_backend(
     *,
     query_shape: Sequence[int],
     key_shape: Sequence[int],
+    value_shape: Sequence[int] | None = None,
     mask_shape: Sequence[int] | None = None,
+    positions_given: bool = False,
+    sequence_shards: int = 1,
     return_weights: bool = False,
     hardware: str | None = None,
 ) -> Decision:
@@ -70,7 +106,10 @@ def select_backend(
     config: the attention config (platform, interpret, mask features).
     query_shape: [B, T, Hq, D].
     key_shape: [B, S, Hkv, D].
+    value_shape: [B, S, Hkv, Dv]; default: Dv == D.
     mask_shape: shape of the dense mask, if one is given.
+    positions_given: whether explicit q_positions/kv_positions are given.
+    sequence_shards: how many shards the query sequence axis is split into.
     return_weights: whether attention weights are requested.
     hardware: "cpu", "gpu" or "tpu"; default `jax.default_backend()`.
 
@@ -87,8 +126,11 @@ def select_backend(
   options = candidates(config.platform, hardware)
   refusals = []
   for backend in options:
-    why_not = _kernel_limit(backend, config, hardware=hardware, mode=mode, mask_shape=mask_shape,
-                            return_weights=return_weights)
+    why_not = _kernel_limit(
+        backend, config, hardware=hardware, mode=mode, query_shape=query_shape,
+        key_shape=key_shape, value_dim=(value_shape or query_shape)[-1], mask_shape=mask_shape,
+        positions_given=positions_given, sequence_shards=sequence_shards,
+        return_weights=return_weights)
     if why_not is None:
       break
     refusals.append(f"{backend}: {why_not}")

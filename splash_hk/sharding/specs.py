@@ -64,6 +64,16 @@ def stable_spec(
   return PartitionSpec(*out)
 
 
+def query_sequence_shards(query_shape: Sequence[int], mesh: Mesh, axes: MeshAxes) -> int:
+  """How many shards the query sequence of a public [B, T, Hq, D] query is split into."""
+  batch, query_len, num_heads, head_dim = query_shape
+  if query_len == 1:
+    return 1
+  spec = stable_spec((axes.batch, axes.heads, axes.sequence), (batch, num_heads, query_len, head_dim),
+                     mesh)
+  return entry_size(spec[2], mesh)
+
+
 def kv_head_repeats(num_heads: int, num_kv_heads: int, head_shards: int) -> int:
   """How often to repeat each kv head so the kv heads split evenly with their query heads.
 

@@ -1,0 +1,126 @@
+"""JAX's Pallas TPU splash kernel (runs on CPU with `interpret=True`), adapted to our semantics.
+
+Splash masks are static: they see row/column indices, not traced positions, so
+this path serves the default (end-aligned) positions only; the selector sends
+calls with explicit positions or a dense mask elsewhere. Sequences that do not
+fill whole blocks are padded, the padding masked with segment ids, and sliced
+off. Kernels (and their MaskInfo) are built once per static shape and config.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+from splash_hk import masks
+from splash_hk.config import AttentionConfig
+from splash_hk.inputs import KernelInputs
+
+LANE = 128  # splash blocks are multiples of this
+# A sink this low adds exp(-1e30 - m) == 0 to every real row, but gives a row
+# with no visible key a finite max, so the kernel returns 0 there (not mean(v)).
+_SILENT_SINK = -1e30
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+class PositionMask(splash_mask._ComputableMask):  # pylint: disable=protected-access
+  """`masks.position_rules` on padded row/column indices, queries shifted by `offset`."""
+
+  def __init__(self, shape: tuple[int, int], offset: int, causal: bool,
+               window: tuple[int, int] | None, chunk_size: int | None):
+    self.params = (shape, offset, causal, window, chunk_size)
+    rules = functools.partial(masks.position_rules, causal=causal, window=window,
+                              chunk_size=chunk_size)
+    super().__init__(shape, lambda q_ids, kv_ids: rules(q_ids + offset, kv_ids))
+
+  def __eq__(self, other):
+    return isinstance(other, PositionMask) and self.params == other.params
+
+  def __hash__(self):
+    return hash(self.params)
+
+
+@functools.lru_cache(maxsize=64)
+def padded_layout(query_len: int, kv_len: int, block_sizes) -> tuple[tuple[int, ...], int, int]:
+  """Block sizes clamped to the (padded) lengths, and the padded lengths.
+
+  Returns:
+    ((block_q, block_kv, block_q_bwd, block_kv_bwd), padded_query_len, padded_kv_len).
+  """
+  bwd_q, bwd_kv = block_sizes.backward
+  q_cap, kv_cap = _round_up(query_len, LANE), _round_up(kv_len, LANE)
+  bq, bq_bwd = min(block_sizes.block_q, q_cap), min(bwd_q, q_cap)
+  bkv, bkv_bwd = min(block_sizes.block_kv, kv_cap), min(bwd_kv, kv_cap)
+  return ((bq, bkv, bq_bwd, bkv_bwd), _round_up(query_len, math.lcm(bq, bq_bwd)),
+          _round_up(kv_len, math.lcm(bkv, bkv_bwd)))
+
+
+@functools.lru_cache(maxsize=64)
+def build_kernel(*, padded: tuple[int, int], offset: int, heads: int, is_mqa: bool,
+                 config: AttentionConfig, blocks: tuple[int, int, int, int]):
+  """The splash kernel for one static shape and config (cached: built once)."""
+  rules = dict(causal=config.causal, window=config.window, chunk_size=config.chunk_size)
+  if any(rules.values()):
+    head_mask = PositionMask(padded, offset, **rules)
+  else:
+    head_mask = splash_mask.FullMask(padded)
+  bq, bkv, bq_bwd, bkv_bwd = blocks
+  fused = config.fused_backward
+  block_sizes = splash.BlockSizes(
+      block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq_bwd, block_kv_dkv=bkv_bwd,
+      block_kv_dkv_compute=bkv_bwd, block_q_dq=None if fused else bq_bwd,
+      block_kv_dq=None if fused else bkv_bwd, use_fused_bwd_kernel=fused)
+  make = splash.make_splash_mqa if is_mqa else splash.make_splash_mha
+  with jax.ensure_compile_time_eval():  # MaskInfo arrays are constants, not tracers of the caller
+    return make(splash_mask.MultiHeadMask([head_mask] * heads), block_sizes=block_sizes,
+                head_shards=1, q_seq_shards=1, attn_logits_soft_cap=config.logits_soft_cap,
+                interpret=config.interpret)
+
+
+def run_splash(x: KernelInputs, config: AttentionConfig) -> jax.Array:
+  """Splash attention on one shard: KernelInputs (default positions) -> [B, Hq, T, Dv]."""
+  batch, num_heads, query_len, head_dim = x.query.shape
+  num_kv_heads, kv_len = x.key.shape[1], x.key.shape[2]
+  groups = num_heads // num_kv_heads
+  blocks, t_pad, s_pad = padded_layout(query_len, kv_len, config.block_sizes)
+  scale = config.softmax_scale or head_dim**-0.5
+  pad = lambda a, n, axis: jnp.pad(a, [(0, n - a.shape[axis]) if i == axis else (0, 0)
+                                       for i in range(a.ndim)])
+  q = pad(x.query * jnp.asarray(scale, x.query.dtype), t_pad, 2)  # [B, Hq, Tp, D]
+  k = pad(x.key, s_pad, 2)  # [B, Hkv, Sp, D]
+  v = pad(x.value, s_pad, 2)  # [B, Hkv, Sp, Dv]
+  q_seg, kv_seg = x.q_segment_ids, x.kv_segment_ids
+  segment_ids = None
+  if q_seg is not None or t_pad != query_len or s_pad != kv_len:
+    if q_seg is None:
+      q_seg = jnp.zeros((batch, query_len), jnp.int32)
+      kv_seg = jnp.zeros((batch, kv_len), jnp.int32)
+    q_seg, kv_seg = masks.disjoint_padding(q_seg, kv_seg)
+    segment_ids = splash.SegmentIds(
+        q=jnp.pad(q_seg, ((0, 0), (0, t_pad - query_len)), constant_values=-1),  # [B, Tp]
+        kv=jnp.pad(kv_seg, ((0, 0), (0, s_pad - kv_len)), constant_values=-2))  # [B, Sp]
+  sinks = (jnp.full((num_heads,), _SILENT_SINK, jnp.float32) if x.sinks is None
+           else jax.nn.logsumexp(x.sinks, axis=-1))  # [Hq]
+  kernel = build_kernel(padded=(t_pad, s_pad), offset=kv_len - query_len,
+                        heads=groups if groups > 1 else num_heads, is_mqa=groups > 1,
+                        config=config, blocks=blocks)
+  seg_axes = None if segment_ids is None else splash.SegmentIds(0, 0)
+  if groups == 1:
+    per_example = lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg, sinks=sinks)
+  else:
+    q = q.reshape(batch, num_kv_heads, groups, t_pad, head_dim)  # [B, Hkv, G, Tp, D]
+    per_kv_head = jax.vmap(lambda q, k, v, s, seg: kernel(q, k, v, segment_ids=seg, sinks=s),
+                           in_axes=(0, 0, 0, 0, None))
+    grouped_sinks = sinks.reshape(num_kv_heads, groups)  # [Hkv, G]
+    per_example = lambda q, k, v, seg: per_kv_head(q, k, v, grouped_sinks, seg)
+  out = jax.vmap(per_example, in_axes=(0, 0, 0, seg_axes))(q, k, v, segment_ids)
+  out = out.reshape(batch, num_heads, t_pad, -1)[:, :, :query_len]  # [B, Hq, T, Dv]
+  return out.astype(x.query.dtype)

@@ -1,0 +1,164 @@
+"""The TPU splash path, run on CPU in interpret mode, against the float64 oracle.
+
+Tolerances are JAX's own splash tests': f32 outputs 3e-3, gradients 2e-2.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import splash_hk as sh
+from splash_hk import splash_tpu
+from cases import Case
+
+SPLASH = dict(platform="splash", interpret=True, allow_fallback=False)
+
+SPLASH_CASES = [
+    Case("causal_128", batch=1, query_len=128, kv_len=128, head_dim=32),
+    Case("causal_256_gqa2", batch=1, query_len=256, kv_len=256, num_kv_heads=2, head_dim=32),
+    Case("causal_200_mqa_padded", batch=2, query_len=200, kv_len=200, num_kv_heads=1, head_dim=32),
+    Case("window_1000_padded", batch=1, query_len=1000, kv_len=1000, num_heads=2, num_kv_heads=1,
+         head_dim=32, window=(100, 0)),
+    Case("window_pair_bidirectional", batch=1, query_len=256, kv_len=256, head_dim=32,
+         causal=False, window=(20, 30)),
+    Case("chunk", batch=1, query_len=256, kv_len=256, head_dim=32, chunk=64),
+    Case("chunk_bidirectional_gqa", batch=1, query_len=200, kv_len=200, num_kv_heads=2,
+         head_dim=32, causal=False, chunk=96),
+    Case("segments_padding", batch=2, query_len=256, kv_len=256, num_kv_heads=2, head_dim=32,
+         segments="packed"),
+    Case("sinks_heads_n", batch=1, query_len=128, kv_len=128, head_dim=32, sinks="heads_n"),
+    Case("sinks_kv_n_gqa", batch=1, query_len=128, kv_len=128, num_kv_heads=2, head_dim=32,
+         sinks="kv_n"),
+    Case("soft_cap_scale", batch=1, query_len=128, kv_len=128, head_dim=32, soft_cap=1.5, scale=0.5),
+    Case("prefill", batch=1, query_len=128, kv_len=384, num_kv_heads=2, head_dim=32, window=(200, 0)),
+    Case("prefill_segments", batch=2, query_len=200, kv_len=320, head_dim=32, segments="packed"),
+    Case("value_dim", batch=1, query_len=128, kv_len=128, num_kv_heads=2, head_dim=32, value_dim=16),
+    Case("everything", batch=2, query_len=200, kv_len=200, num_kv_heads=2, head_dim=32,
+         window=(60, 4), soft_cap=3.0, sinks="heads_n", segments="packed", value_dim=16),
+]
+GRAD_CASES = {"causal_200_mqa_padded", "window_1000_padded", "chunk", "segments_padding",
+              "sinks_kv_n_gqa", "soft_cap_scale", "prefill", "everything"}
+
+
+def _grads_vs_oracle(case, config, q, k, v, extras, mesh=None):
+  sinks = extras.get("softmax_aux")
+  rest = {n: a for n, a in extras.items() if n != "softmax_aux"}
+  cot = np.random.default_rng(7).normal(size=(*q.shape[:3], v.shape[-1])).astype(np.float32)
+  argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
+
+  def ours(q, k, v, s):
+    out = sh.attention(q, k, v, config=config, softmax_aux=s, mesh=mesh, **rest).attention_outputs
+    return jnp.sum(out * cot)
+
+  got = jax.jit(jax.grad(ours, argnums=argnums))(q, k, v, sinks)
+  with jax.enable_x64(True):
+    def theirs(q, k, v, s):
+      ex = dict(rest, softmax_aux=s) if s is not None else rest
+      return jnp.sum(case.oracle(q, k, v, ex, xp=jnp)[0] * cot)
+    f64 = lambda a: None if a is None else jnp.asarray(a, jnp.float64)
+    want = jax.grad(theirs, argnums=argnums)(f64(q), f64(k), f64(v), f64(sinks))
+  for name, g, w in zip("qkvs", got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-2, err_msg=name)
+
+
+@pytest.mark.parametrize("case", SPLASH_CASES, ids=lambda c: c.name)
+def test_splash_interpret_matches_oracle(case):
+  config = case.config.replace(**SPLASH)
+  q, k, v, extras = case.arrays(seed=3)
+  assert sh.explain(q, k, v, config=config, **extras).backend == "splash"
+  out = jax.jit(functools.partial(sh.attention, config=config))(q, k, v, **extras)
+  expected, _ = case.oracle(q, k, v, extras)
+  np.testing.assert_allclose(np.asarray(out.attention_outputs), expected, atol=3e-3)
+  if case.name in GRAD_CASES:
+    _grads_vs_oracle(case, config, q, k, v, extras)
+
+
+def test_splash_under_a_2x4_mesh():
+  case = Case("mesh", batch=2, query_len=200, kv_len=200, num_heads=8, num_kv_heads=2,
+              head_dim=32, window=(64, 0), sinks="heads_n", segments="packed")
+  config = case.config.replace(**SPLASH)
+  mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+  q, k, v, extras = case.arrays(seed=4)
+  assert sh.explain(q, k, v, config=config, mesh=mesh, **extras).backend == "splash"
+  out = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config, mesh=mesh, **extras))(q, k, v)
+  np.testing.assert_allclose(np.asarray(out.attention_outputs), case.oracle(q, k, v, extras)[0],
+                             atol=3e-3)
+  _grads_vs_oracle(case, config, q, k, v, extras, mesh=mesh)
+
+
+def test_fully_masked_rows_are_zero():
+  # Queries of segment 1 have no key of segment 1: their rows see nothing.
+  q, k, v = (np.random.default_rng(5).normal(size=(1, 128, 2, 32)).astype(np.float32)
+             for _ in range(3))
+  q_seg = np.zeros((1, 128), np.int32)
+  q_seg[:, 64:] = 1
+  out = sh.attention(q, k, v, config=sh.AttentionConfig(**SPLASH), q_segment_ids=q_seg,
+                     kv_segment_ids=np.zeros((1, 128), np.int32)).attention_outputs
+  assert np.all(np.asarray(out)[:, 64:] == 0) and np.all(np.isfinite(np.asarray(out)))
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(query_len=1), "decode"),
+    (dict(query_len=64, kv_len=64), "shorter than one 128-row"),
+    (dict(mask=True), "dense mask"),
+    (dict(positions=True), "explicit q_positions"),
+])
+def test_splash_falls_back_with_a_reason(kwargs, needle):
+  q_len = kwargs.get("query_len", 128)
+  q = jax.ShapeDtypeStruct((1, q_len, 2, 32), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, kwargs.get("kv_len", 256), 2, 32), jnp.float32)
+  extras = {}
+  if kwargs.get("mask"):
+    extras["mask"] = jax.ShapeDtypeStruct((1, 1, q_len, kv.shape[1]), jnp.bool_)
+  if kwargs.get("positions"):
+    extras["q_positions"] = jax.ShapeDtypeStruct((1, q_len), jnp.int32)
+  d = sh.explain(q, kv, kv, config=sh.AttentionConfig(platform="splash", interpret=True), **extras)
+  assert d.fallback and d.backend == "xla" and needle in d.reason
+  with pytest.raises(ValueError, match=needle):
+    sh.explain(q, kv, kv, config=sh.AttentionConfig(**SPLASH), **extras)
+
+
+def test_splash_is_auto_on_tpu_and_needs_tpu_or_interpret():
+  q = jax.ShapeDtypeStruct((1, 256, 2, 32), jnp.float32)
+  d = sh.fallback.select_backend(sh.AttentionConfig(), query_shape=q.shape, key_shape=q.shape,
+                                 hardware="tpu")
+  assert d == sh.Decision("splash", d.reason) and not d.fallback
+  d = sh.fallback.select_backend(sh.AttentionConfig(platform="splash"), query_shape=q.shape,
+                                 key_shape=q.shape, hardware="cpu")
+  assert d.fallback and "interpret=True" in d.reason
+  d = sh.fallback.select_backend(
+      sh.AttentionConfig(platform="splash", interpret=True, block_sizes=sh.BlockSizes(block_q=64)),
+      query_shape=q.shape, key_shape=q.shape, hardware="cpu")
+  assert d.fallback and "multiples of 128" in d.reason
+
+
+def test_splash_sequence_sharding_falls_back():
+  mesh = jax.make_mesh((2, 2, 2), ("dp", "sp", "tp"))
+  q = jax.ShapeDtypeStruct((2, 256, 4, 32), jnp.float32)
+  d = sh.explain(q, q, q, config=sh.AttentionConfig(platform="splash", interpret=True), mesh=mesh,
+                 axes=sh.MeshAxes(batch="dp", heads="tp", sequence="sp"))
+  assert d.backend == "xla" and "sequence is sharded" in d.reason
+
+
+def test_kernels_are_built_once_per_static_shape():
+  splash_tpu.build_kernel.cache_clear()
+  config = sh.AttentionConfig(**SPLASH)
+  q = np.ones((1, 128, 2, 32), np.float32)
+  for i in range(3):
+    jax.jit(lambda q: sh.attention(q, q, q, config=config).attention_outputs)(q + i)
+  sh.attention(q, q, q, config=config)
+  assert splash_tpu.build_kernel.cache_info().misses == 1
+
+
+@pytest.mark.parametrize("t,s,block,expected", [
+    (128, 128, 128, ((128, 128, 128, 128), 128, 128)),
+    (200, 200, 128, ((128, 128, 128, 128), 256, 256)),
+    (200, 1000, 512, ((256, 512, 256, 512), 256, 1024)),
+    (1000, 1000, 512, ((512, 512, 512, 512), 1024, 1024)),
+])
+def test_padded_layout_clamps_blocks(t, s, block, expected):
+  blocks = sh.BlockSizes(block_q=block, block_kv=block)
+  assert splash_tpu.padded_layout(t, s, blocks) == expected
