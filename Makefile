@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo clean gpu-wheels gpu-check
+.PHONY: setup test demo quickcheck clean gpu-wheels gpu-check
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
+	$(PY) -m splash_hk.examples.train --sample
+
+quickcheck: $(STAMP)
 	$(PY) -m splash_hk.examples.quickcheck
 
 # Wheels the lent GPU machine lacks (Python 3.12), carried there in .whl.

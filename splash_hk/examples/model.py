@@ -1,0 +1,98 @@
+"""A decoder-only Transformer in Haiku (pre-LN, learned positions) on splash attention."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import splash_hk as sh
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  max_len: int
+  num_layers: int = 2
+  model_size: int = 64
+  num_heads: int = 4
+  num_kv_heads: int | None = None
+  num_sinks: int = 0
+  attention: str = "splash"  # "splash" (sh.MultiHeadAttention) or "reference" (hk.MultiHeadAttention)
+  attention_config: sh.AttentionConfig = sh.AttentionConfig()
+
+  def __post_init__(self):
+    if self.model_size % self.num_heads:
+      raise ValueError(f"--model_size ({self.model_size}) must be a multiple of --num_heads "
+                       f"({self.num_heads}).")
+    kv = self.num_kv_heads or self.num_heads
+    if self.num_heads % kv:
+      raise ValueError(f"--num_heads ({self.num_heads}) must be a multiple of --num_kv_heads ({kv}).")
+    if self.attention == "reference" and (kv != self.num_heads or self.num_sinks):
+      raise ValueError("--attention=reference is Haiku's own hk.MultiHeadAttention: it has no GQA "
+                       "or sinks; use --num_kv_heads=--num_heads and --num_sinks=0.")
+
+
+class Transformer(hk.Module):
+  """Tokens [B, T] -> logits [B, T, V]; with `caches`, also returns the new caches."""
+
+  def __init__(self, config: ModelConfig, mesh: jax.sharding.Mesh | None = None, name=None):
+    super().__init__(name=name)
+    self.config = config
+    self.mesh = mesh
+
+  def _attention(self, i: int):
+    c = self.config
+    w_init = hk.initializers.VarianceScaling(1.0 / c.num_layers)
+    if c.attention == "reference":
+      return hk.MultiHeadAttention(c.num_heads, c.model_size // c.num_heads, w_init=w_init,
+                                   name=f"attention_{i}")
+    return sh.MultiHeadAttention(c.num_heads, c.model_size // c.num_heads,
+                                 num_kv_heads=c.num_kv_heads, w_init=w_init,
+                                 config=c.attention_config, mesh=self.mesh,
+                                 num_sinks=c.num_sinks, name=f"attention_{i}")
+
+  def init_caches(self, batch: int) -> list[sh.KVCache]:
+    c = self.config
+    return [sh.KVCache.zeros(batch, c.max_len, c.num_kv_heads or c.num_heads,
+                             c.model_size // c.num_heads) for _ in range(c.num_layers)]
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               caches: list[sh.KVCache] | None = None):
+    c = self.config
+    batch, seq_len = tokens.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(seq_len), (batch, seq_len))
+    h = hk.Embed(c.vocab_size, c.model_size, name="embed")(tokens)  # [B, T, D]
+    h = h + hk.Embed(c.max_len, c.model_size, name="position")(positions)  # [B, T, D]
+    new_caches = []
+    for i in range(c.num_layers):
+      x = hk.LayerNorm(-1, True, True, name=f"ln_attn_{i}")(h)
+      attend = self._attention(i)
+      if caches is not None:
+        a, cache = attend(x, kv_cache=caches[i])
+        new_caches.append(cache)
+      elif c.attention == "reference":
+        mask = _reference_mask(seq_len, c.attention_config.window)
+        a = attend(x, x, x, mask=mask)
+      else:
+        a = attend(x)
+      h = h + a
+      x = hk.LayerNorm(-1, True, True, name=f"ln_mlp_{i}")(h)
+      h = h + hk.nets.MLP([4 * c.model_size, c.model_size], activation=jax.nn.gelu,
+                          name=f"mlp_{i}")(x)
+    h = hk.LayerNorm(-1, True, True, name="ln_final")(h)
+    logits = hk.Linear(c.vocab_size, name="unembed")(h)  # [B, T, V]
+    return logits if caches is None else (logits, new_caches)
+
+
+def _reference_mask(seq_len: int, window: tuple[int, int] | None) -> np.ndarray:
+  """Causal (and window) mask [1, 1, T, T] for hk.MultiHeadAttention."""
+  i, j = np.arange(seq_len)[:, None], np.arange(seq_len)[None, :]
+  mask = j <= i
+  if window is not None:
+    mask &= (j >= i - window[0]) & (j <= i + window[1])
+  return mask[None, None]

@@ -1,0 +1,61 @@
+"""Associative recall: a synthetic task only attention can solve, generated in-process.
+
+A sequence lists `num_pairs` (key, value) pairs, then asks `num_pairs` queries:
+a key seen above, whose next token must be its value.
+
+  k1 v1 k2 v2 ... kN vN | q1 a1 q2 a2 ... qN aN
+
+Keys and values are disjoint token ranges; keys are distinct within a sequence.
+The model reads tokens[:-1] and predicts tokens[1:]; only answer positions are
+scored. Batches are a pure function of (seed, step), so a resumed run sees the
+same data as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallTask:
+  num_pairs: int
+  num_keys: int = 32
+  num_values: int = 32
+
+  @classmethod
+  def for_seq_len(cls, seq_len: int) -> "RecallTask":
+    """The task whose model input (tokens[:-1]) is at most `seq_len` long."""
+    if seq_len < 3:
+      raise ValueError(f"--seq_len must be >= 3 (one pair and its query), got {seq_len}.")
+    return cls(num_pairs=(seq_len + 1) // 4)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.num_keys + self.num_values
+
+  @property
+  def seq_len(self) -> int:
+    """Length of the model input: 4 * num_pairs tokens, less the last."""
+    return 4 * self.num_pairs - 1
+
+  def prompt_len(self) -> int:
+    """Tokens before the first answer (pairs and the first query)."""
+    return 2 * self.num_pairs + 1
+
+  def batch(self, seed: int, step: int, batch_size: int) -> dict[str, np.ndarray]:
+    """{"inputs" [B, T], "targets" [B, T], "weights" [B, T] (1 on answers)}."""
+    rng = np.random.default_rng([seed, step])
+    n = self.num_pairs
+    keys = np.argsort(rng.random((batch_size, self.num_keys)), axis=1)[:, :n]  # distinct
+    values = self.num_keys + rng.integers(0, self.num_values, size=(batch_size, n))
+    order = np.argsort(rng.random((batch_size, n)), axis=1)
+    queries = np.take_along_axis(keys, order, axis=1)
+    answers = np.take_along_axis(values, order, axis=1)
+    tokens = np.empty((batch_size, 4 * n), np.int32)
+    tokens[:, 0:2 * n:2], tokens[:, 1:2 * n:2] = keys, values
+    tokens[:, 2 * n::2], tokens[:, 2 * n + 1::2] = queries, answers
+    weights = np.zeros((batch_size, 4 * n - 1), np.float32)
+    weights[:, 2 * n::2] = 1.0  # input is a query, target its answer
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}

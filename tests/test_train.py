@@ -1,0 +1,78 @@
+"""The absl training binary, run as users run it (subprocess)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+STEP_LINE = re.compile(r"\] step=(\d+) loss=([0-9.]+) accuracy=([0-9.]+)")
+FINAL_LINE = re.compile(r"^final step=(\d+) loss=([0-9.]+) accuracy=([0-9.]+)$", re.M)
+
+
+def _train(*flags, check=True, timeout=300):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, "-m", "splash_hk.examples.train", *flags],
+                        capture_output=True, text=True, env=env, timeout=timeout)
+  if check and proc.returncode:
+    raise AssertionError(f"train {flags} failed:\n{proc.stderr[-3000:]}")
+  return proc
+
+
+def _losses(proc):
+  return {int(m[1]): float(m[2]) for m in STEP_LINE.finditer(proc.stderr)}
+
+
+def _final(proc):
+  (match,) = FINAL_LINE.findall(proc.stdout)
+  return int(match[0]), float(match[1]), float(match[2])
+
+
+def test_defaults_learn_the_task_and_sample_decodes_with_the_cache():
+  proc = _train("--sample")
+  step, _, accuracy = _final(proc)
+  assert step == 1200 and accuracy >= 0.95, proc.stdout
+  assert proc.stdout.count("final step=") == 1
+  assert "sample prompt:" in proc.stdout and "sample expected:" in proc.stdout
+  assert "-> right (8/8)" in proc.stdout, proc.stdout
+
+
+def test_splash_and_reference_attention_give_the_same_losses():
+  splash = _losses(_train("--steps=50", "--log_every=1", "--attention=splash"))
+  reference = _losses(_train("--steps=50", "--log_every=1", "--attention=reference"))
+  assert sorted(splash) == list(range(1, 51)) and sorted(reference) == list(range(1, 51))
+  for step in splash:
+    assert abs(splash[step] - reference[step]) < 1e-3, (step, splash[step], reference[step])
+
+
+def test_sharded_training_matches_single_device():
+  single = _losses(_train("--steps=20", "--log_every=20"))
+  sharded = _losses(_train("--steps=20", "--log_every=20", "--cpu_devices=8", "--mesh=dp=2,tp=4"))
+  assert abs(single[20] - sharded[20]) < 1e-3, (single, sharded)
+
+
+def test_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
+  flags = ("--steps=40", "--log_every=5", "--checkpoint_every=5")
+  whole = _train(*flags, f"--checkpoint_dir={tmp_path / 'whole'}")
+  first = _train(*flags, f"--checkpoint_dir={tmp_path / 'split'}", "--stop_after_steps=15")
+  assert "final step=" not in first.stdout and max(_losses(first)) == 15
+  second = _train(*flags, f"--checkpoint_dir={tmp_path / 'split'}")
+  assert "resumed from" in second.stderr and min(_losses(second)) == 20
+  assert _final(second) == _final(whole)
+  assert {s: l for s, l in _losses(second).items()} == {
+      s: l for s, l in _losses(whole).items() if s >= 20}
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (("--cpu_devices=8", "--mesh=dp=3"), "needs 3 devices"),
+    (("--mesh=dp=2,xx=4",), "--mesh must look like"),
+    (("--num_heads=4", "--num_kv_heads=3"), "multiple of --num_kv_heads"),
+    (("--seq_len=1",), "--seq_len must be >= 3"),
+    (("--attention=reference", "--num_kv_heads=2"), "no GQA"),
+])
+def test_bad_flags_exit_with_one_line(flags, needle):
+  proc = _train(*flags, check=False, timeout=120)
+  assert proc.returncode != 0
+  assert "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith("error:") and needle in proc.stderr
