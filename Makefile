@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo quickcheck clean gpu-wheels gpu-check
+.PHONY: setup test demo bench quickcheck clean gpu-wheels gpu-check
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m splash_hk.examples.train --sample
+
+bench: $(STAMP)
+	$(PY) -m splash_hk.examples.bench --out=bench_out
 
 quickcheck: $(STAMP)
 	$(PY) -m splash_hk.examples.quickcheck

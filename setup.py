@@ -19,6 +19,6 @@ setuptools.setup(
     ],
     extras_require={
         "test": ["pytest==9.2.0", "hypothesis==6.170.17"],
-        "examples": ["optax==0.2.8", "tqdm==4.70.1"],
+        "examples": ["optax==0.2.8", "tqdm==4.70.1", "matplotlib==3.11.2"],
     },
 )

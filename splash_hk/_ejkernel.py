@@ -31,8 +31,8 @@ def blocksparse_config(config: AttentionConfig, platform: str, num_warps: int | 
                        num_stages: int | None = None):
   """An explicit ejkernel BlockSparseAttentionConfig (never autotuned) from our block sizes."""
   _, config_cls, fwd_cls, bwd_cls = _modules()
-  fwd_q, fwd_kv = config.block_sizes.block_q, config.block_sizes.block_kv
-  bwd_q, bwd_kv = config.block_sizes.backward
+  defaults = (128, 128, 128, 128) if platform == "xla" else (64, 64, 32, 32)  # ejkernel's own
+  fwd_q, fwd_kv, bwd_q, bwd_kv = config.block_sizes.resolve(*defaults)
   return config_cls(
       fwd_params=fwd_cls(q_blocksize=fwd_q, kv_blocksize=fwd_kv, num_warps=num_warps,
                          num_stages=num_stages),

@@ -110,16 +110,18 @@ def attention(
                      return_weights=return_weights, **extras)
   selector.log_fallback(decision)
   x = inputs_lib.prepare(query, key, value, config=config, **extras)
+  mode = detect_mode(query.shape[1], key.shape[1])
+  default_positions = q_positions is None and kv_positions is None and (
+      mesh is None or sharding.query_sequence_shards(query.shape, mesh, axes) == 1)
 
   def body(x: inputs_lib.KernelInputs) -> tuple[jax.Array, jax.Array | None]:
     if return_weights:
       return reference.reference_bhtd(x, config, return_weights=True)
-    return kernel.run(decision.backend, x, config), None  # [B, Hq, T, Dv]
+    return kernel.run(decision.backend, x, config, default_positions), None  # [B, Hq, T, Dv]
 
   if mesh is None:
     out, weights = body(x)
   else:
-    out, weights = sharding.shard_kernel(body, x, mesh=mesh, axes=axes,
-                                         mode=detect_mode(query.shape[1], key.shape[1]),
+    out, weights = sharding.shard_kernel(body, x, mesh=mesh, axes=axes, mode=mode,
                                          with_weights=return_weights)
   return AttentionOutput(jnp.swapaxes(out, 1, 2), weights)  # [B, T, Hq, Dv]

@@ -14,31 +14,39 @@ PLATFORMS: tuple[str, ...] = ("auto", "splash", "triton", "xla", "reference")
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes of the block-sparse kernels.
+  """Tile sizes of the block-sparse kernels; None lets each backend use its tuned default.
 
-  `block_q`/`block_kv` tile the forward pass; the backward tiles default to the
-  forward ones. The XLA path and the Triton kernel use them as given; the TPU
-  splash kernel needs multiples of 128.
+  `block_q`/`block_kv` tile the forward pass, `*_bwd` the backward pass. The
+  defaults: XLA path, measured on CPU (see `blocksparse_xla.default_tiles`);
+  splash, 128 everywhere (its blocks must be multiples of 128, clamped to the
+  padded sequence); Triton, ejkernel's GPU heuristics (64 forward, 32 backward).
   """
 
-  block_q: int = 128
-  block_kv: int = 128
+  block_q: int | None = None
+  block_kv: int | None = None
   block_q_bwd: int | None = None
   block_kv_bwd: int | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if value is None and field.name.endswith("_bwd"):
+      if value is None:
         continue
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(
-            f"BlockSizes.{field.name} must be a positive int, got {value!r}.")
+            f"BlockSizes.{field.name} must be a positive int or None, got {value!r}.")
 
-  @property
-  def backward(self) -> tuple[int, int]:
-    """(block_q, block_kv) of the backward pass."""
-    return (self.block_q_bwd or self.block_q, self.block_kv_bwd or self.block_kv)
+  def resolve(self, block_q: int, block_kv: int, block_q_bwd: int | None = None,
+              block_kv_bwd: int | None = None) -> tuple[int, int, int, int]:
+    """(block_q, block_kv, block_q_bwd, block_kv_bwd) with the given defaults where unset.
+
+    An unset backward tile follows the forward tile when it is set, else its default.
+    """
+    fwd_q = self.block_q or block_q
+    fwd_kv = self.block_kv or block_kv
+    bwd_q = self.block_q_bwd or (self.block_q or block_q_bwd or fwd_q)
+    bwd_kv = self.block_kv_bwd or (self.block_kv or block_kv_bwd or fwd_kv)
+    return fwd_q, fwd_kv, bwd_q, bwd_kv
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk import _ejkernel
+from splash_hk import blocksparse_xla
 from splash_hk import masks
 from splash_hk import splash_tpu
 from splash_hk.config import AttentionConfig
@@ -22,15 +23,19 @@ def sink_logsumexp(sinks: jax.Array) -> jax.Array:
   return jax.nn.logsumexp(sinks, axis=-1)
 
 
-def run_ejkernel_xla(x: KernelInputs, config: AttentionConfig) -> jax.Array:
-  """ejkernel's XLA block-sparse attention, adapted to our semantics.
+def run_ejkernel_xla(x: KernelInputs, config: AttentionConfig, default_positions: bool = True
+                     ) -> jax.Array:
+  """ejkernel's XLA block-sparse attention, adapted to our semantics (dense: the bench's baseline).
 
   ejkernel's XLA path aligns causal masks top-left (its dense core applies
   `tril` whatever the positions) and ignores `chunk_size`. So the adapter hands
   it the whole mask, built by `masks.full_mask` from end-aligned positions,
   with `causal=False`; sinks go in as one logsumexp sink per query head. It
-  reads only head 0 of a dense mask, so the selector never sends per-head masks.
+  reads only head 0 of a dense mask, so per-head masks are refused.
   """
+  del default_positions
+  if x.mask is not None and x.mask.shape[1] > 1:
+    raise ValueError("ejkernel's XLA block-sparse path reads only head 0 of a dense mask.")
   mask = masks.full_mask(
       q_positions=x.q_positions, kv_positions=x.kv_positions, causal=config.causal,
       window=config.window, chunk_size=config.chunk_size, q_segment_ids=x.q_segment_ids,
@@ -53,7 +58,8 @@ def run_ejkernel_xla(x: KernelInputs, config: AttentionConfig) -> jax.Array:
   return out.astype(x.query.dtype)
 
 
-def run_triton(x: KernelInputs, config: AttentionConfig) -> jax.Array:
+def run_triton(x: KernelInputs, config: AttentionConfig, default_positions: bool = True
+               ) -> jax.Array:
   """ejkernel's Triton block-sparse kernel (GPU).
 
   It masks from positions and segment ids, so it gets the explicit
@@ -86,18 +92,31 @@ def run_triton(x: KernelInputs, config: AttentionConfig) -> jax.Array:
   return jnp.where((q_seg >= 0)[:, None, :, None], out, 0).astype(x.query.dtype)
 
 
-def run_reference(x: KernelInputs, config: AttentionConfig) -> jax.Array:
+def run_reference(x: KernelInputs, config: AttentionConfig, default_positions: bool = True
+                  ) -> jax.Array:
+  del default_positions
   return reference.reference_bhtd(x, config)[0]
 
 
+def run_splash(x: KernelInputs, config: AttentionConfig, default_positions: bool = True
+               ) -> jax.Array:
+  assert default_positions, "the selector sends splash default positions only"
+  return splash_tpu.run_splash(x, config)
+
+
 KERNELS = {
-    "splash": splash_tpu.run_splash,
+    "splash": run_splash,
     "triton": run_triton,
-    "xla": run_ejkernel_xla,
+    "xla": blocksparse_xla.run_blocksparse,
     "reference": run_reference,
 }
 
 
-def run(backend: str, x: KernelInputs, config: AttentionConfig) -> jax.Array:
-  """Runs `backend` on one shard: KernelInputs -> output [B, Hq, T, Dv]."""
-  return KERNELS[backend](x, config)
+def run(backend: str, x: KernelInputs, config: AttentionConfig, default_positions: bool
+        ) -> jax.Array:
+  """Runs `backend` on one shard: KernelInputs -> output [B, Hq, T, Dv].
+
+  `default_positions`: the positions in `x` are the end-aligned defaults over
+  the whole (unsharded) query, so static masks may be derived from indices.
+  """
+  return KERNELS[backend](x, config, default_positions)

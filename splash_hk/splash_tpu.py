@@ -55,10 +55,10 @@ def padded_layout(query_len: int, kv_len: int, block_sizes) -> tuple[tuple[int, 
   Returns:
     ((block_q, block_kv, block_q_bwd, block_kv_bwd), padded_query_len, padded_kv_len).
   """
-  bwd_q, bwd_kv = block_sizes.backward
+  fwd_q, fwd_kv, bwd_q, bwd_kv = block_sizes.resolve(LANE, LANE)
   q_cap, kv_cap = _round_up(query_len, LANE), _round_up(kv_len, LANE)
-  bq, bq_bwd = min(block_sizes.block_q, q_cap), min(bwd_q, q_cap)
-  bkv, bkv_bwd = min(block_sizes.block_kv, kv_cap), min(bwd_kv, kv_cap)
+  bq, bq_bwd = min(fwd_q, q_cap), min(bwd_q, q_cap)
+  bkv, bkv_bwd = min(fwd_kv, kv_cap), min(bwd_kv, kv_cap)
   return ((bq, bkv, bq_bwd, bkv_bwd), _round_up(query_len, math.lcm(bq, bq_bwd)),
           _round_up(kv_len, math.lcm(bkv, bkv_bwd)))
 

@@ -48,13 +48,12 @@ def test_reference_when_requested():
   assert d.backend == "reference" and not d.fallback and "requested" in d.reason
 
 
-def test_per_head_mask_falls_back_to_reference_with_reason():
-  d = sh.fallback.select_backend(sh.AttentionConfig(), query_shape=Q, key_shape=K,
-                                 mask_shape=(2, 8, 256, 256), hardware="cpu")
-  assert d.backend == "reference" and d.fallback and "per-head dense mask" in d.reason
-  shared = sh.fallback.select_backend(sh.AttentionConfig(), query_shape=Q, key_shape=K,
-                                      mask_shape=(2, 1, 256, 256), hardware="cpu")
-  assert shared.backend == "xla"
+def test_xla_serves_every_mask():
+  for mask_shape in [(2, 8, 256, 256), (2, 1, 256, 256), None]:
+    d = sh.fallback.select_backend(sh.AttentionConfig(chunk_size=64), query_shape=(2, 1, 8, 64),
+                                   key_shape=K, mask_shape=mask_shape, positions_given=True,
+                                   hardware="cpu")
+    assert d.backend == "xla" and not d.fallback
 
 
 def test_weights_need_reference():
@@ -74,9 +73,8 @@ def test_disallowed_fallback_raises_with_reason():
   with pytest.raises(ValueError, match="needs a TPU.*allow_fallback=False"):
     sh.fallback.select_backend(config, query_shape=Q, key_shape=K, hardware="cpu")
   q = jnp.ones((1, 4, 2, 8))
-  with pytest.raises(ValueError, match="per-head dense mask"):
-    sh.attention(q, q, q, config=sh.AttentionConfig(allow_fallback=False),
-                 mask=jnp.ones((1, 2, 4, 4), bool))
+  with pytest.raises(ValueError, match="weights were requested"):
+    sh.attention(q, q, q, config=sh.AttentionConfig(allow_fallback=False), return_weights=True)
 
 
 def test_selection_is_made_at_trace_time_from_shapes():
@@ -100,9 +98,8 @@ def test_each_fallback_reason_is_logged_once(monkeypatch):
   monkeypatch.setattr(absl_logging, "warning", lambda msg, *args: seen.append(msg % args))
   monkeypatch.setattr(selector, "_LOGGED_REASONS", set())
   q = jnp.ones((1, 4, 2, 8))
-  per_head = jnp.ones((1, 2, 4, 4), bool)
   for _ in range(3):
-    sh.attention(q, q, q, mask=per_head)
+    sh.attention(q, q, q, config=sh.AttentionConfig(platform="triton"))
   sh.attention(q, q, q)  # no fallback, nothing logged
   sh.attention(q, q, q, return_weights=True)
-  assert len(seen) == 2 and "per-head" in seen[0] and "weights" in seen[1]
+  assert len(seen) == 2 and "needs a GPU" in seen[0] and "weights" in seen[1]

@@ -130,9 +130,9 @@ def test_shard_map_really_shards(monkeypatch):
   shapes = []
   real = kernel.KERNELS["xla"]
 
-  def spy(x, config):
+  def spy(x, config, default_positions):
     shapes.append((x.query.shape, x.key.shape, x.q_segment_ids.shape))
-    return real(x, config)
+    return real(x, config, default_positions)
 
   monkeypatch.setitem(kernel.KERNELS, "xla", spy)
   q, k, v, sinks, seg, _ = _inputs(8, 16, 16, 8)
@@ -149,7 +149,7 @@ def test_gqa_kv_heads_repeat_to_the_head_shards(monkeypatch):
   shapes = []
   real = kernel.KERNELS["xla"]
   monkeypatch.setitem(kernel.KERNELS, "xla",
-                      lambda x, c: shapes.append((x.query.shape[1], x.key.shape[1])) or real(x, c))
+                      lambda x, c, d: shapes.append((x.query.shape[1], x.key.shape[1])) or real(x, c, d))
   q, k, v, *_ = _inputs(2, 16, 16, 2)  # Hq = 8, Hkv = 2 on tp = 4
   sh.attention(q, k, v, mesh=_mesh("2x4"))
   assert shapes == [(2, 1)]  # each shard: 2 query heads and their one kv head

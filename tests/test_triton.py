@@ -47,7 +47,7 @@ def test_triton_gets_end_aligned_positions_disjoint_padding_and_explicit_config(
   sinks = np.arange(8, dtype=np.float32).reshape(4, 2)
   x = inputs_lib.prepare(q, kv, kv, config=config, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                          softmax_aux=sinks)
-  out = kernel.run("triton", x, config)
+  out = kernel.run("triton", x, config, default_positions=True)
   (call,) = op.calls
   np.testing.assert_array_equal(call["q_positions"], np.tile(np.arange(t) + s - t, (b, 1)))
   np.testing.assert_array_equal(call["kv_positions"], np.tile(np.arange(s), (b, 1)))
@@ -59,6 +59,7 @@ def test_triton_gets_end_aligned_positions_disjoint_padding_and_explicit_config(
   cfg = call["cfg"]
   assert (cfg.platform, cfg.backend) == ("triton", "gpu")
   assert (cfg.fwd_params.q_blocksize, cfg.fwd_params.kv_blocksize) == (64, 32)
+  assert (cfg.bwd_params.q_blocksize, cfg.bwd_params.kv_blocksize) == (64, 32)
   # Padding query rows are zeroed after the kernel.
   out = np.asarray(out)
   assert np.all(out[0, :, -5:] == 0) and np.all(out[0, :, :-5] == 1) and np.all(out[1] == 1)

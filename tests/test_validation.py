@@ -95,7 +95,9 @@ def test_config_is_hashable_and_normalised():
   b = sh.AttentionConfig(sliding_window=(3, 4), logits_soft_cap=5.0, runtime_dtype=jnp.bfloat16)
   assert a == b and hash(a) == hash(b)
   assert a.window == (3, 4) and sh.AttentionConfig(sliding_window=2).window == (2, 2)
-  assert sh.BlockSizes(block_q=64).backward == (64, 128)
+  assert sh.BlockSizes(block_q=64).resolve(512, 256, 128, 128) == (64, 256, 64, 128)
+  assert sh.BlockSizes().resolve(512, 256, 128, 64) == (512, 256, 128, 64)
+  assert sh.BlockSizes(block_kv_bwd=32).resolve(8, 16) == (8, 16, 8, 32)
   # A config is a valid static argument.
   f = jax.jit(lambda q, config: sh.attention(q, q, q, config=config).attention_outputs,
               static_argnames="config")

@@ -36,9 +36,6 @@ def _kernel_limit(
   if return_weights:
     return "attention weights were requested and only the reference path materialises them"
   if backend == "xla":
-    if mask_shape is not None and mask_shape[1] > 1:
-      return ("a per-head dense mask was given and ejkernel's XLA block-sparse path reads only "
-              "head 0 of a dense mask")
     return None
   query_len, kv_len = query_shape[1], key_shape[1]
   if backend == "splash":
@@ -55,8 +52,7 @@ def _kernel_limit(
     if positions_given:
       return ("explicit q_positions/kv_positions were given and splash masks are static "
               "(built from indices at trace time)")
-    bad = [b for b in (config.block_sizes.block_q, config.block_sizes.block_kv,
-                       *config.block_sizes.backward) if b % LANE]
+    bad = [b for b in config.block_sizes.resolve(LANE, LANE) if b % LANE]
     if bad:
       return f"splash block sizes must be multiples of {LANE}, got {config.block_sizes}"
     if sequence_shards > 1:
