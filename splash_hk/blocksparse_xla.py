@@ -261,13 +261,14 @@ def _backward(x: KernelInputs, config: AttentionConfig, plan: Plan, out, lse, d_
 def default_tiles(config: AttentionConfig) -> tuple[int, int, int, int]:
   """Tiles measured fastest on CPU: (block_q, block_kv, block_q_bwd, block_kv_bwd).
 
-  Large forward tiles suit causal/full masks; a sliding window wants tiles no
-  larger than a quarter of its span, so few keys outside it are computed.
+  Large forward tiles suit causal/full masks; a sliding window wants tiles of
+  about half its span, so few keys outside it are computed (measured at
+  T=8192, window 512: 256-tiles 0.108 s, 128-tiles 0.155 s, 512-tiles 0.129 s).
   """
-  fwd_q, fwd_kv, bwd_q, bwd_kv = 512, 512, 128, 256
+  fwd_q, fwd_kv, bwd_q, bwd_kv = 512, 512, 512, 128
   if config.window is not None:
     span = config.window[0] + config.window[1] + 1
-    fwd_q = fwd_kv = bwd_kv = max(128, min(512, 1 << max(0, (span // 4).bit_length() - 1)))
+    fwd_q = fwd_kv = bwd_q = max(128, min(512, 1 << max(0, (span // 2).bit_length() - 1)))
   return fwd_q, fwd_kv, bwd_q, bwd_kv
 
 

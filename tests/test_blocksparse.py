@@ -78,8 +78,9 @@ def test_plan_first_and_last_mark_query_blocks():
 
 
 def test_default_tiles_follow_the_mask():
-  assert blocksparse_xla.default_tiles(sh.AttentionConfig()) == (512, 512, 128, 256)
-  assert blocksparse_xla.default_tiles(sh.AttentionConfig(sliding_window=(512, 0)))[:2] == (128, 128)
+  assert blocksparse_xla.default_tiles(sh.AttentionConfig()) == (512, 512, 512, 128)
+  assert blocksparse_xla.default_tiles(sh.AttentionConfig(sliding_window=(512, 0))) == (256,) * 3 + (128,)
+  assert blocksparse_xla.default_tiles(sh.AttentionConfig(sliding_window=(64, 64)))[:2] == (128, 128)
   assert blocksparse_xla.default_tiles(sh.AttentionConfig(sliding_window=(4096, 0)))[:2] == (512, 512)
 
 
