@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench quickcheck clean gpu-wheels gpu-check
+.PHONY: setup test demo multihost-demo bench quickcheck clean gpu-wheels gpu-check
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m splash_hk.examples.train --sample
+
+multihost-demo: $(STAMP)
+	$(PY) -m splash_hk.examples.launch --num_processes=2 --devices_per_process=4 -- \
+	  $(PY) -m splash_hk.examples.train
 
 bench: $(STAMP)
 	$(PY) -m splash_hk.examples.bench --out=bench_out

@@ -44,18 +44,24 @@ class RecallTask:
     """Tokens before the first answer (pairs and the first query)."""
     return 2 * self.num_pairs + 1
 
-  def batch(self, seed: int, step: int, batch_size: int) -> dict[str, np.ndarray]:
-    """{"inputs" [B, T], "targets" [B, T], "weights" [B, T] (1 on answers)}."""
-    rng = np.random.default_rng([seed, step])
+  def batch(self, seed: int, step: int, batch_size: int,
+            rows: slice | None = None) -> dict[str, np.ndarray]:
+    """{"inputs" [B, T], "targets" [B, T], "weights" [B, T] (1 on answers)}.
+
+    Each row is drawn from its own generator seeded by (seed, step, row), so
+    `rows` (a slice of the batch, e.g. one process's share) is built alone and
+    equals the same rows of the whole batch.
+    """
     n = self.num_pairs
-    keys = np.argsort(rng.random((batch_size, self.num_keys)), axis=1)[:, :n]  # distinct
-    values = self.num_keys + rng.integers(0, self.num_values, size=(batch_size, n))
-    order = np.argsort(rng.random((batch_size, n)), axis=1)
-    queries = np.take_along_axis(keys, order, axis=1)
-    answers = np.take_along_axis(values, order, axis=1)
-    tokens = np.empty((batch_size, 4 * n), np.int32)
-    tokens[:, 0:2 * n:2], tokens[:, 1:2 * n:2] = keys, values
-    tokens[:, 2 * n::2], tokens[:, 2 * n + 1::2] = queries, answers
-    weights = np.zeros((batch_size, 4 * n - 1), np.float32)
+    indices = range(batch_size)[rows or slice(None)]
+    tokens = np.empty((len(indices), 4 * n), np.int32)
+    for out, row in enumerate(indices):
+      rng = np.random.default_rng([seed, step, row])
+      keys = rng.permutation(self.num_keys)[:n]  # distinct
+      values = self.num_keys + rng.integers(0, self.num_values, size=n)
+      order = rng.permutation(n)
+      tokens[out, 0:2 * n:2], tokens[out, 1:2 * n:2] = keys, values
+      tokens[out, 2 * n::2], tokens[out, 2 * n + 1::2] = keys[order], values[order]
+    weights = np.zeros((len(indices), 4 * n - 1), np.float32)
     weights[:, 2 * n::2] = 1.0  # input is a query, target its answer
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}

@@ -3,6 +3,11 @@ r"""Trains a Haiku language model on splash attention: associative recall, end t
   python -m splash_hk.examples.train                       # defaults: < 3 min on 2 CPU cores
   python -m splash_hk.examples.train --cpu_devices=8 --mesh=dp=2,tp=4
   python -m splash_hk.examples.train --checkpoint_dir=/tmp/ckpt --sample
+  python -m splash_hk.examples.launch -- python -m splash_hk.examples.train   # 2 processes
+
+With --coordinator_address/--num_processes/--process_id it is one process of
+a multi-process run (jax.distributed, gloo collectives on CPU): each process
+builds only its rows of every batch, process 0 logs and writes checkpoints.
 
 Prints `final step=N loss=X accuracy=Y` (answer-token loss and accuracy on a
 held-out batch) as its last line.
@@ -45,6 +50,12 @@ _SAMPLE = flags.DEFINE_bool("sample", False, "After training, answer a prompt wi
 _STOP_AFTER_STEPS = flags.DEFINE_integer(
     "stop_after_steps", None, "Exit after this many steps of this run, as if preempted (after "
     "checkpointing); a later run with the same flags resumes from --checkpoint_dir.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0 for a multi-process run; unset = one process.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Processes in a multi-process run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index in a multi-process run.")
+_HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 20,
+                                  "Seconds without a peer's heartbeat before a multi-process run fails.")
 _EVAL_BATCH = 256
 
 
@@ -65,10 +76,24 @@ def _parse_mesh(spec: str) -> dict[str, int]:
 
 def main(argv):
   del argv
+  import jax  # pylint: disable=g-import-not-at-top
   if _CPU_DEVICES.value:
-    import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
-  _run()
+  if _COORDINATOR.value:
+    if not 0 <= _PROCESS_ID.value < _NUM_PROCESSES.value:
+      _fail(f"--process_id must be in [0, --num_processes), got {_PROCESS_ID.value}.")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                               heartbeat_timeout_seconds=_HEARTBEAT.value)
+    if jax.process_index():
+      logging.set_verbosity(logging.WARNING)
+  try:
+    _run()
+  except Exception as e:  # pylint: disable=broad-except
+    if jax.process_count() == 1 or isinstance(e, SystemExit):
+      raise
+    _fail(f"process {jax.process_index()}: the multi-process run failed (a peer may have died): "
+          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
 
 def _run():
@@ -101,12 +126,18 @@ def _run():
     if value < 1:
       _fail(f"--{name} must be >= 1, got {value}.")
 
+  multi_process = jax.process_count() > 1
+  if multi_process and _SAMPLE.value:
+    _fail("--sample decodes in one process; run it without --num_processes.")
+  if multi_process and _BATCH_SIZE.value % jax.process_count():
+    _fail(f"--batch_size ({_BATCH_SIZE.value}) must divide over {jax.process_count()} processes.")
   mesh = None
-  if _MESH.value:
-    axes = _parse_mesh(_MESH.value)
+  mesh_spec = _MESH.value or (f"dp={jax.device_count()}" if multi_process else None)
+  if mesh_spec:
+    axes = _parse_mesh(mesh_spec)
     needed = int(np.prod(list(axes.values())))
     if needed != jax.device_count():
-      _fail(f"--mesh={_MESH.value} needs {needed} devices but there are {jax.device_count()} "
+      _fail(f"--mesh={mesh_spec} needs {needed} devices but there are {jax.device_count()} "
             "(set --cpu_devices on CPU).")
     mesh = jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
   if _DTYPE.value == "bfloat16":
@@ -136,12 +167,27 @@ def _run():
 
   evaluate = jax.jit(loss_and_accuracy)
 
-  def place(batch):
+  def data(seed, step, batch_size):
+    """This process's rows of a global batch, as arrays sharded over the batch axes."""
     if mesh is None:
-      return batch
-    spec = sh.sharding.stable_spec(PartitionSpec(("dp", "fsdp")), (_BATCH_SIZE.value, 1), mesh,
-                                   keep=(0,))
-    return jax.device_put(batch, NamedSharding(mesh, spec))
+      return task.batch(seed, step, batch_size)
+    spec = sh.sharding.stable_spec(PartitionSpec(("dp", "fsdp")), (batch_size, 1), mesh, keep=(0,))
+    sharding = NamedSharding(mesh, spec)
+    rows = sorted({idx[0].indices(batch_size) for idx in
+                   sharding.addressable_devices_indices_map((batch_size, 1)).values()})
+    start, stop = rows[0][0], rows[-1][1]
+    local = task.batch(seed, step, batch_size, slice(start, stop))
+    return {k: jax.make_array_from_process_local_data(sharding, v, (batch_size, *v.shape[1:]))
+            for k, v in local.items()}
+
+  def replicate(tree):
+    return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+
+  def to_host(tree):  # replicated arrays: every process holds the whole value
+    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
+
+  def scalar(x) -> float:
+    return x if isinstance(x, float) else float(to_host(x))
 
   params = forward.init(jax.random.PRNGKey(_SEED.value), task.batch(_SEED.value, 0, 2)["inputs"])
   opt_state = optimizer.init(params)
@@ -152,16 +198,19 @@ def _run():
       state = pickle.load(f)
     params, opt_state, step = state["params"], state["opt_state"], state["step"]
     logging.info("resumed from %s at step %d", checkpoint, step)
+  params, opt_state = replicate(params), replicate(opt_state)
 
   def save(step):
+    state = {"step": step, "params": to_host(params), "opt_state": to_host(opt_state)}
+    if jax.process_index():
+      return
     os.makedirs(_CHECKPOINT_DIR.value, exist_ok=True)
     tmp = checkpoint + f".tmp{os.getpid()}"
     with open(tmp, "wb") as f:
-      pickle.dump({"step": step, "params": jax.device_get(params),
-                   "opt_state": jax.device_get(opt_state)}, f)
+      pickle.dump(state, f)
     os.replace(tmp, checkpoint)  # atomic: a killed run leaves the previous checkpoint whole
 
-  eval_batch = task.batch(_SEED.value + 1, 0, _EVAL_BATCH)
+  eval_batch = data(_SEED.value + 1, 0, _EVAL_BATCH)
   head_size = config.model_size // config.num_heads
   heads = lambda n: jax.ShapeDtypeStruct((_BATCH_SIZE.value, task.seq_len, n, head_size), jnp.float32)
   kv_heads = heads(config.num_kv_heads or config.num_heads)
@@ -170,24 +219,26 @@ def _run():
                task.num_pairs, task.seq_len, task.vocab_size, _ATTENTION.value, _MESH.value,
                decision.reason)
   progress = None
-  if sys.stderr.isatty():
+  if sys.stderr.isatty() and not jax.process_index():
     import tqdm  # pylint: disable=g-import-not-at-top
     progress = tqdm.tqdm(total=_STEPS.value, initial=step, desc="train", unit="step")
   started, first_step = time.time(), step
   loss = accuracy = float("nan")
   while step < _STEPS.value:
-    batch = place(task.batch(_SEED.value, step, _BATCH_SIZE.value))
+    batch = data(_SEED.value, step, _BATCH_SIZE.value)
     params, opt_state, loss, accuracy = train_step(params, opt_state, batch)
+    if multi_process:  # one program at a time: gloo collectives of overlapping programs can deadlock
+      jax.block_until_ready(loss)
     step += 1
     if step % _LOG_EVERY.value == 0 or step == _STEPS.value:
-      loss, accuracy = float(loss), float(accuracy)
+      loss, accuracy = scalar(loss), scalar(accuracy)
       tokens_per_s = (step - first_step) * _BATCH_SIZE.value * task.seq_len / (time.time() - started)
       if progress is not None:
         progress.set_postfix(loss=f"{loss:.4f}", accuracy=f"{accuracy:.3f}", tok_s=f"{tokens_per_s:.0f}")
       else:
         logging.info("step=%d loss=%.6f accuracy=%.4f tokens/s=%.0f", step, loss, accuracy, tokens_per_s)
     if step % _EVAL_EVERY.value == 0 and step != _STEPS.value:
-      eval_loss, eval_accuracy = evaluate(params, eval_batch)
+      eval_loss, eval_accuracy = to_host(evaluate(params, eval_batch))
       logging.info("eval step=%d loss=%.6f accuracy=%.4f", step, eval_loss, eval_accuracy)
     if checkpoint and (step % _CHECKPOINT_EVERY.value == 0 or step == _STEPS.value):
       save(step)
@@ -201,9 +252,12 @@ def _run():
 
   if _SAMPLE.value:
     _sample(task, config, params, mesh)
-  eval_loss, eval_accuracy = evaluate(params, eval_batch)
-  print(f"train step={step} loss={float(loss):.6f} accuracy={float(accuracy):.4f}")
-  print(f"final step={step} loss={float(eval_loss):.6f} accuracy={float(eval_accuracy):.4f}", flush=True)
+  eval_loss, eval_accuracy = to_host(evaluate(params, eval_batch))
+  if not jax.process_index():
+    loss, accuracy = scalar(loss), scalar(accuracy)
+    print(f"train step={step} loss={loss:.6f} accuracy={accuracy:.4f}")
+    print(f"final step={step} loss={float(eval_loss):.6f} accuracy={float(eval_accuracy):.4f}",
+          flush=True)
 
 
 def _sample(task, config, params, mesh):

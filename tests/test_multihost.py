@@ -1,0 +1,98 @@
+"""Two processes (jax.distributed, gloo on loopback) behave like one process with 8 devices."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import splash_hk as sh
+from splash_hk.examples import launch
+import multihost_worker
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+FINAL = re.compile(r"^final step=(\d+) loss=([0-9.]+) accuracy=([0-9.]+)$", re.M)
+STEP = re.compile(r"\] step=(\d+) loss=([0-9.]+)")
+
+
+def test_attention_on_a_mesh_spanning_two_processes_equals_one_process(tmp_path):
+  out_file = str(tmp_path / "out.npz")
+  codes = launch.launch([sys.executable, os.path.join(HERE, "multihost_worker.py"), out_file],
+                        num_processes=2, devices_per_process=4, timeout=110, env=ENV)
+  assert codes == [0, 0]
+  got = np.load(out_file)
+  q, k, v, seg, sinks = multihost_worker.inputs()
+  mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+  config = sh.AttentionConfig(**multihost_worker.CONFIG)
+
+  def loss(q, k, v, sinks):
+    out = sh.attention(q, k, v, config=config, q_segment_ids=seg, softmax_aux=sinks, mesh=mesh)
+    return jnp.sum(out.attention_outputs ** 2), out.attention_outputs
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+      q, k, v, sinks)
+  for i, want in enumerate((out, *grads)):
+    np.testing.assert_allclose(got[f"arr_{i}"], np.asarray(want), atol=1e-5)
+
+
+def _run(*args, timeout=110):
+  proc = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=ENV,
+                        timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc
+
+
+def test_training_across_two_processes_matches_one_process():
+  flags = ["splash_hk.examples.train", "--steps=20", "--log_every=20", "--mesh=dp=2,tp=4"]
+  two = _run("splash_hk.examples.launch", "--timeout=100", "--", sys.executable, "-m", *flags)
+  one = _run(*flags, "--cpu_devices=8")
+  assert len(FINAL.findall(two.stdout)) == 1  # only process 0 prints
+  (two_final,), (one_final,) = FINAL.findall(two.stdout), FINAL.findall(one.stdout)
+  assert abs(float(two_final[1]) - float(one_final[1])) < 1e-4
+  two_step = dict(STEP.findall(two.stderr))["20"]
+  one_step = dict(STEP.findall(one.stderr))["20"]
+  assert abs(float(two_step) - float(one_step)) < 1e-4
+
+
+def test_a_killed_process_makes_the_other_exit_not_hang():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  command = lambda i: [sys.executable, "-m", "splash_hk.examples.train", "--steps=100000",
+                       "--log_every=10", f"--coordinator_address=127.0.0.1:{port}",
+                       "--num_processes=2", f"--process_id={i}", "--cpu_devices=4",
+                       "--heartbeat_timeout=10"]
+  procs = [subprocess.Popen(command(i), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ENV) for i in range(2)]
+  try:
+    deadline = time.time() + 90
+    seen = ""
+    while "step=10 " not in seen and time.time() < deadline:  # process 0 is training
+      seen += procs[0].stderr.readline()
+    assert "step=10 " in seen, seen[-2000:]
+    procs[1].kill()
+    killed = time.time()
+    _, stderr = procs[0].communicate(timeout=60)
+    assert procs[0].returncode != 0
+    assert time.time() - killed < 60
+    assert "another task died" in stderr or "error:" in stderr, stderr[-2000:]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+
+
+def test_launcher_stops_the_others_when_one_fails():
+  script = ("import sys, time\n"
+            "if '--process_id=1' in sys.argv: sys.exit(3)\n"
+            "time.sleep(60)\n")
+  started = time.time()
+  codes = launch.launch([sys.executable, "-c", script], num_processes=2, devices_per_process=1,
+                        timeout=50, env=ENV)
+  assert codes[1] == 3 and codes[0] != 0 and time.time() - started < 30
