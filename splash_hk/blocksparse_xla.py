@@ -29,7 +29,7 @@ def _round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # identity: it holds arrays
 class Plan:
   """The static block structure of a call: which block pairs to compute, in order."""
 
@@ -43,9 +43,6 @@ class Plan:
   masked: np.ndarray  # [P] whether the pair needs an element mask
   first: np.ndarray  # [P] first pair of its query block
   last: np.ndarray  # [P] last pair of its query block
-
-  def __hash__(self):
-    return id(self)
 
 
 @functools.lru_cache(maxsize=256)
