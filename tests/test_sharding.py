@@ -75,7 +75,7 @@ def test_sharded_equals_unsharded_train_forward_and_grads(mesh_name, num_kv_head
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 8])
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch", [1, 2, 8])
 def test_sharded_equals_unsharded_decode(mesh_name, num_kv_heads, batch):
   q, k, v, sinks, seg, cot = _inputs(batch, 1, 16, num_kv_heads)
   mesh = _mesh(mesh_name, explicit=False)

@@ -64,6 +64,11 @@ def test_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
       s: l for s, l in _losses(whole).items() if s >= 20}
 
 
+def test_bfloat16_compute_trains():
+  losses = _losses(_train("--steps=10", "--log_every=5", "--dtype=bfloat16"))
+  assert losses[10] < losses[5] < 4.5
+
+
 @pytest.mark.parametrize("flags,needle", [
     (("--cpu_devices=8", "--mesh=dp=3"), "needs 3 devices"),
     (("--mesh=dp=2,xx=4",), "--mesh must look like"),
