@@ -37,6 +37,15 @@ def explain(
   Takes the same arguments as `attention`; arrays may be `jax.ShapeDtypeStruct`s.
   Validates the inputs; with `allow_fallback=False` a fallback raises ValueError.
   """
+  return _decide(query, key, value, config=config, q_segment_ids=q_segment_ids,
+                 kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+                 kv_positions=kv_positions, mask=mask, softmax_aux=softmax_aux, mesh=mesh,
+                 axes=axes, return_weights=return_weights)[0]
+
+
+def _decide(query, key, value, *, config, q_segment_ids, kv_segment_ids, q_positions,
+            kv_positions, mask, softmax_aux, mesh, axes, return_weights) -> tuple[Decision, int]:
+  """Validates, then selects: (decision, how many shards the query sequence is split into)."""
   validation.validate_qkv(query, key, value, config)
   validation.validate_extras(
       query, key, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -45,11 +54,12 @@ def explain(
   if mesh is not None:
     validation.validate_mesh(mesh, axes)
     sequence_shards = sharding.query_sequence_shards(query.shape, mesh, axes)
-  return selector.select_backend(
+  decision = selector.select_backend(
       config, query_shape=query.shape, key_shape=key.shape, value_shape=value.shape,
       mask_shape=None if mask is None else mask.shape,
       positions_given=q_positions is not None or kv_positions is not None,
       sequence_shards=sequence_shards, return_weights=return_weights)
+  return decision, sequence_shards
 
 
 def attention(
@@ -106,13 +116,13 @@ def attention(
   extras = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                 q_positions=q_positions, kv_positions=kv_positions, mask=mask,
                 softmax_aux=softmax_aux)
-  decision = explain(query, key, value, config=config, mesh=mesh, axes=axes,
-                     return_weights=return_weights, **extras)
+  decision, sequence_shards = _decide(query, key, value, config=config, mesh=mesh, axes=axes,
+                                      return_weights=return_weights, **extras)
   selector.log_fallback(decision)
   x = inputs_lib.prepare(query, key, value, config=config, **extras)
   mode = detect_mode(query.shape[1], key.shape[1])
-  default_positions = q_positions is None and kv_positions is None and (
-      mesh is None or sharding.query_sequence_shards(query.shape, mesh, axes) == 1)
+  # Static (index-derived) masks need the default positions over the whole query.
+  default_positions = q_positions is None and kv_positions is None and sequence_shards == 1
 
   def body(x: inputs_lib.KernelInputs) -> tuple[jax.Array, jax.Array | None]:
     if return_weights:
