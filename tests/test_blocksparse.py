@@ -9,7 +9,7 @@ import pytest
 
 import splash_hk as sh
 from splash_hk import blocksparse_xla
-from cases import CASES, CASES_BY_NAME, Case
+from cases import CASES, Case
 
 TILES = [sh.BlockSizes(4, 8, 8, 4), sh.BlockSizes(5, 3, 3, 7)]
 LONG = [

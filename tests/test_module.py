@@ -1,6 +1,5 @@
 """Haiku modules and chex variants (jit, no jit, pmap) against the float64 oracle."""
 
-import functools
 
 import chex
 import haiku as hk

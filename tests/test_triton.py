@@ -17,7 +17,6 @@ import splash_hk as sh
 from splash_hk import _ejkernel
 from splash_hk import inputs as inputs_lib
 from splash_hk import kernel
-from splash_hk.fallback import reference
 
 
 class _RecordingOp:
