@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo multihost-demo bench quickcheck clean gpu-wheels gpu-check
+.PHONY: setup test bazel-install bazel-test demo multihost-demo bench quickcheck clean gpu-wheels gpu-check
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,16 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Debian's bazel-bootstrap (4.2.3) runs offline: WORKSPACE points it at local
+# stand-ins and at .venv's interpreter. Installing it is the one step that needs apt.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+bazel-install:
+	@command -v bazel >/dev/null || $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bazel-bootstrap \
+	  || { $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bazel-bootstrap; }
+
+bazel-test: $(STAMP) bazel-install
+	bazel test //...
 
 demo: $(STAMP)
 	$(PY) -m splash_hk.examples.train --sample
@@ -43,4 +53,5 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 clean:
+	if command -v bazel >/dev/null; then bazel clean --expunge; fi
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,181 @@
+"""BUILD cannot drift: every library and test file belongs to a Bazel target.
+
+BUILD and the .bzl files it loads are Starlark, which (for what they use) is
+Python: they are evaluated here with stand-ins for Bazel's rules that record
+each target's files, so the check needs no Bazel and runs in `make test`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import types
+from typing import Any
+from xml.etree import ElementTree
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+RULES = ("py_library", "py_binary", "py_test")
+
+
+def _label_path(root: pathlib.Path, label: str) -> pathlib.Path | None:
+  """The file a label names ("//pkg:file", "file"), or None for a target (":name")."""
+  if label.startswith((":", "@")):
+    return None
+  if label.startswith("//"):
+    package, _, name = label[2:].partition(":")
+    return root / package / name
+  return root / label
+
+
+def read_targets(root: pathlib.Path) -> dict[str, dict[str, Any]]:
+  """Evaluates root/BUILD; returns {name: {"rule", "srcs", "size", ...}}."""
+  targets: dict[str, dict[str, Any]] = {}
+
+  def rule(kind: str):
+    def record(name: str, **attrs: Any) -> None:
+      if name in targets:
+        raise ValueError(f"BUILD defines {name!r} twice")
+      srcs = [_label_path(root, s) for s in attrs.get("srcs", [])]
+      targets[name] = {**attrs, "rule": kind, "srcs": [s for s in srcs if s is not None]}
+    return record
+
+  def glob(include: list[str], exclude: tuple[str, ...] = (), **_: Any) -> list[str]:
+    drop = {p for pattern in exclude for p in root.glob(pattern)}
+    return sorted(str(p.relative_to(root)) for pattern in include for p in root.glob(pattern)
+                  if p.is_file() and p not in drop)
+
+  def ignore(*_: Any, **__: Any) -> None:
+    return None
+
+  native = types.SimpleNamespace(glob=glob, package_name=lambda: "",
+                                 **{kind: rule(kind) for kind in RULES})
+  scope: dict[str, Any] = {"glob": glob, "package": ignore, "exports_files": ignore,
+                           "filegroup": ignore, **{kind: rule(kind) for kind in RULES}}
+
+  def load(label: str, *names: str, **aliases: str) -> None:
+    bzl: dict[str, Any] = {"native": native}
+    exec(compile(_label_path(root, label).read_text(), label, "exec"), bzl)  # noqa: S102
+    scope.update({n: bzl[n] for n in names})
+    scope.update({alias: bzl[n] for alias, n in aliases.items()})
+
+  scope["load"] = load
+  exec(compile((root / "BUILD").read_text(), "BUILD", "exec"), scope)  # noqa: S102
+  return targets
+
+
+def drift(root: pathlib.Path) -> list[str]:
+  """What BUILD misses or names wrongly, one line each; empty when in sync."""
+  targets = read_targets(root)
+  problems = []
+  covered = {s.resolve() for t in targets.values() for s in t["srcs"]}
+  tested = {s.resolve() for t in targets.values() if t["rule"] == "py_test" for s in t["srcs"]}
+  files = sorted([*root.glob("tests/*.py"), *root.glob("splash_hk/**/*.py")])
+  for f in files:
+    where = f.relative_to(root)
+    if f.resolve() not in covered:
+      problems.append(f"{where} is in no BUILD target's srcs")
+    elif f.name.startswith("test_") and f.parent.name == "tests" and f.resolve() not in tested:
+      problems.append(f"{where} is a test file but in no py_test")
+  for name, t in targets.items():
+    for s in t["srcs"]:
+      if not s.is_file():
+        problems.append(f"//:{name} names {s.relative_to(root)}, which does not exist")
+    if t["rule"] == "py_test" and "size" not in t:
+      problems.append(f"//:{name} has no size")
+  return problems
+
+
+def test_build_covers_every_file():
+  assert drift(ROOT) == []
+
+
+def test_every_test_file_has_a_sized_py_test_of_its_own():
+  targets = read_targets(ROOT)
+  for f in sorted(ROOT.glob("tests/test_*.py")):
+    owners = [n for n, t in targets.items()
+              if t["rule"] == "py_test" and f.resolve() in {s.resolve() for s in t["srcs"]}]
+    assert owners == [f.stem], f"{f.name}: py_test targets {owners}, want [{f.stem!r}]"
+    assert targets[f.stem]["size"] in ("small", "medium", "large", "enormous")
+
+
+def test_train_and_bench_binaries_exist():
+  targets = read_targets(ROOT)
+  for name in ("train", "bench"):
+    assert targets[name]["rule"] == "py_binary", name
+
+
+def _tree(tmp_path: pathlib.Path, build: str, files: list[str]) -> pathlib.Path:
+  for f in files:
+    (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / f).write_text("")
+  (tmp_path / "BUILD").write_text(textwrap.dedent(build))
+  return tmp_path
+
+
+@pytest.mark.parametrize("build, files, want", [
+    ("""
+     py_library(name = "lib", srcs = ["splash_hk/a.py"])
+     py_test(name = "test_a", srcs = ["tests/test_a.py"], size = "small")
+     """, ["splash_hk/a.py", "splash_hk/b.py", "tests/test_a.py"],
+     ["splash_hk/b.py is in no BUILD target's srcs"]),
+    ("""
+     py_library(name = "lib", srcs = glob(["splash_hk/**/*.py"]) + ["tests/test_a.py"])
+     """, ["splash_hk/sub/a.py", "tests/test_a.py"],
+     ["tests/test_a.py is a test file but in no py_test"]),
+    ("""
+     py_test(name = "test_a", srcs = ["tests/test_a.py", "tests/gone.py"])
+     """, ["tests/test_a.py"],
+     ["//:test_a names tests/gone.py, which does not exist", "//:test_a has no size"]),
+    ("""
+     py_library(name = "lib", srcs = glob(["splash_hk/**/*.py"], exclude = ["splash_hk/x/*"]))
+     """, ["splash_hk/a.py", "splash_hk/x/b.py"],
+     ["splash_hk/x/b.py is in no BUILD target's srcs"]),
+])
+def test_drift_is_reported(tmp_path, build, files, want):
+  assert drift(_tree(tmp_path, build, files)) == want
+
+
+def test_drift_sees_through_the_py_pytest_macro(tmp_path):
+  root = _tree(tmp_path, """
+      load("//bazel_rules:pytest.bzl", "py_pytest")
+      py_pytest(name = "test_a", src = "tests/test_a.py", size = "small")
+      """, ["tests/test_a.py", "tests/test_b.py", "bazel_rules/pytest_main.py"])
+  (root / "bazel_rules" / "pytest.bzl").write_text((ROOT / "bazel_rules" / "pytest.bzl").read_text())
+  assert drift(root) == ["tests/test_b.py is in no BUILD target's srcs"]
+
+
+def _run_shard(tmp_path: pathlib.Path, index: int, total: int) -> tuple[int, list[str], bool]:
+  """Runs bazel_rules/pytest_main.py as Bazel runs shard `index` of `total`."""
+  xml = tmp_path / f"shard{index}.xml"
+  status = tmp_path / f"status{index}"
+  env = {**os.environ, "TEST_TOTAL_SHARDS": str(total), "TEST_SHARD_INDEX": str(index),
+         "TEST_SHARD_STATUS_FILE": str(status), "XML_OUTPUT_FILE": str(xml),
+         "TEST_TMPDIR": str(tmp_path)}
+  proc = subprocess.run([sys.executable, str(ROOT / "bazel_rules" / "pytest_main.py"),
+                         str(tmp_path / "test_five.py")],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+  names = ([case.get("name") for case in ElementTree.parse(xml).iter("testcase")]
+           if xml.exists() else [])
+  return proc.returncode, names, status.exists()
+
+
+def test_bazel_shards_split_the_tests_exactly_once(tmp_path):
+  (tmp_path / "test_five.py").write_text(
+      "import pytest\n\n@pytest.mark.parametrize('i', range(5))\ndef test_n(i):\n  pass\n")
+  runs = [_run_shard(tmp_path, index, 3) for index in range(3)]
+  assert [code for code, _, _ in runs] == [0, 0, 0]
+  assert all(touched for _, _, touched in runs)
+  names = [n for _, shard, _ in runs for n in shard]
+  assert sorted(names) == sorted(f"test_n[{i}]" for i in range(5))
+  assert [len(shard) for _, shard, _ in runs] == [2, 2, 1]
+
+
+def test_a_bazel_shard_without_tests_fails(tmp_path):
+  (tmp_path / "test_five.py").write_text("def test_one():\n  pass\n")
+  code, names, _ = _run_shard(tmp_path, 1, 2)
+  assert code != 0 and names == []
