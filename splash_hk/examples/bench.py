@@ -30,6 +30,7 @@ import numpy as np
 import splash_hk as sh
 from splash_hk import inputs as inputs_lib
 from splash_hk import kernel
+from splash_hk.examples import paths
 
 IMPLS = ("splash_hk_xla", "splash_interpret", "reference", "jax_nn", "ejkernel_xla")
 DENSE = ("reference", "jax_nn", "ejkernel_xla")
@@ -252,13 +253,14 @@ def _report(rows, peaks):
           f"{r.max_error:9.2e}  {r.note}")
   _print_speedups(rows)
   if _OUT.value:
-    os.makedirs(_OUT.value, exist_ok=True)
-    with open(os.path.join(_OUT.value, "bench.json"), "w") as f:
+    out = paths.user_path(_OUT.value)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench.json"), "w") as f:
       json.dump({"matmul_peaks_gflops": peaks, "flags": {
           "num_heads": _NUM_HEADS.value, "head_dim": _HEAD_DIM.value, "batch": _BATCH.value,
           "dtype": _DTYPE.value, "repeats": _REPEATS.value},
                  "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
-    _plot(rows, os.path.join(_OUT.value, "bench.png"))
+    _plot(rows, os.path.join(out, "bench.png"))
 
 
 def _print_speedups(rows):
@@ -266,9 +268,11 @@ def _print_speedups(rows):
   for r in rows:
     base = by_key.get(("jax_nn", r.seq_len, r.mask, r.num_kv_heads))
     if r.impl == "splash_hk_xla" and base is not None and np.isfinite(base.forward_s):
+      both = np.isfinite(base.forward_backward_s) and np.isfinite(r.forward_backward_s)
+      backward = (f", forward+backward {base.forward_backward_s / r.forward_backward_s:.2f}x"
+                  if both else "")
       print(f"speedup of splash_hk_xla over jax_nn: T={r.seq_len} {r.mask} Hkv={r.num_kv_heads}: "
-            f"forward {base.forward_s / r.forward_s:.2f}x, forward+backward "
-            f"{base.forward_backward_s / r.forward_backward_s:.2f}x")
+            f"forward {base.forward_s / r.forward_s:.2f}x{backward}")
 
 
 def _plot(rows, path):
@@ -276,9 +280,12 @@ def _plot(rows, path):
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   groups = sorted({(r.mask, r.num_kv_heads) for r in rows})
-  fig, axes = plt.subplots(2, len(groups), figsize=(4.5 * len(groups), 7), squeeze=False)
+  fields = [f for f in ("forward_s", "forward_backward_s")
+            if any(np.isfinite(getattr(r, f)) for r in rows)]
+  fig, axes = plt.subplots(len(fields), len(groups), figsize=(4.5 * len(groups), 3.5 * len(fields)),
+                           squeeze=False)
   for col, (mask, hkv) in enumerate(groups):
-    for line, field in enumerate(("forward_s", "forward_backward_s")):
+    for line, field in enumerate(fields):
       ax = axes[line][col]
       for impl in sorted({r.impl for r in rows}):
         points = sorted((r.seq_len, getattr(r, field)) for r in rows
@@ -288,7 +295,7 @@ def _plot(rows, path):
           ax.plot(*zip(*points), marker="o", label=impl)
       ax.set_xscale("log", base=2)
       ax.set_yscale("log")
-      ax.set_title(f"{mask}, Hkv={hkv}: {'forward' if line == 0 else 'forward+backward'}")
+      ax.set_title(f"{mask}, Hkv={hkv}: {'forward' if field == 'forward_s' else 'forward+backward'}")
       ax.set_xlabel("sequence length")
       ax.set_ylabel("seconds")
       ax.legend(fontsize=7)

@@ -107,6 +107,7 @@ def _run():
 
   import splash_hk as sh  # pylint: disable=g-import-not-at-top
   from splash_hk.examples import model as model_lib  # pylint: disable=g-import-not-at-top
+  from splash_hk.examples import paths  # pylint: disable=g-import-not-at-top
   from splash_hk.examples import recall  # pylint: disable=g-import-not-at-top
 
   try:
@@ -192,7 +193,8 @@ def _run():
   params = forward.init(jax.random.PRNGKey(_SEED.value), task.batch(_SEED.value, 0, 2)["inputs"])
   opt_state = optimizer.init(params)
   step = 0
-  checkpoint = None if not _CHECKPOINT_DIR.value else os.path.join(_CHECKPOINT_DIR.value, "checkpoint.pkl")
+  checkpoint_dir = paths.user_path(_CHECKPOINT_DIR.value) if _CHECKPOINT_DIR.value else None
+  checkpoint = None if not checkpoint_dir else os.path.join(checkpoint_dir, "checkpoint.pkl")
   if checkpoint and os.path.exists(checkpoint):
     with open(checkpoint, "rb") as f:
       state = pickle.load(f)
@@ -204,7 +206,7 @@ def _run():
     state = {"step": step, "params": to_host(params), "opt_state": to_host(opt_state)}
     if jax.process_index():
       return
-    os.makedirs(_CHECKPOINT_DIR.value, exist_ok=True)
+    os.makedirs(checkpoint_dir, exist_ok=True)
     tmp = checkpoint + f".tmp{os.getpid()}"
     with open(tmp, "wb") as f:
       pickle.dump(state, f)
