@@ -122,12 +122,13 @@ def attention(
   x = inputs_lib.prepare(query, key, value, config=config, **extras)
   mode = detect_mode(query.shape[1], key.shape[1])
   # Static (index-derived) masks need the default positions over the whole query.
-  default_positions = q_positions is None and kv_positions is None and sequence_shards == 1
+  default_positions = q_positions is None and kv_positions is None
 
   def body(x: inputs_lib.KernelInputs) -> tuple[jax.Array, jax.Array | None]:
     if return_weights:
       return reference.reference_bhtd(x, config, return_weights=True)
-    return kernel.run(decision.backend, x, config, default_positions), None  # [B, Hq, T, Dv]
+    return kernel.run(decision.backend, x, config, default_positions,
+                      sequence_shards), None  # [B, Hq, T, Dv]
 
   if mesh is None:
     out, weights = body(x)

@@ -98,10 +98,10 @@ def run_reference(x: KernelInputs, config: AttentionConfig, default_positions: b
   return reference.reference_bhtd(x, config)[0]
 
 
-def run_splash(x: KernelInputs, config: AttentionConfig, default_positions: bool = True
-               ) -> jax.Array:
+def run_splash(x: KernelInputs, config: AttentionConfig, default_positions: bool = True,
+               sequence_shards: int = 1) -> jax.Array:
   assert default_positions, "the selector sends splash default positions only"
-  return splash_tpu.run_splash(x, config)
+  return splash_tpu.run_splash(x, config, sequence_shards)
 
 
 KERNELS = {
@@ -112,11 +112,20 @@ KERNELS = {
 }
 
 
-def run(backend: str, x: KernelInputs, config: AttentionConfig, default_positions: bool
-        ) -> jax.Array:
+def run(backend: str, x: KernelInputs, config: AttentionConfig, default_positions: bool,
+        sequence_shards: int = 1) -> jax.Array:
   """Runs `backend` on one shard: KernelInputs -> output [B, Hq, T, Dv].
 
-  `default_positions`: the positions in `x` are the end-aligned defaults over
-  the whole (unsharded) query, so static masks may be derived from indices.
+  Args:
+    backend: a key of KERNELS.
+    x: the arrays of one shard.
+    config: the attention config.
+    default_positions: the positions in `x` are the end-aligned defaults over
+      the whole query, so static masks may be derived from indices.
+    sequence_shards: `x` holds one of this many equal, consecutive slices of
+      the query. Splash builds a static mask per slice; the other backends
+      then mask from the positions in `x`.
   """
-  return KERNELS[backend](x, config, default_positions)
+  if backend == "splash":
+    return run_splash(x, config, default_positions, sequence_shards)
+  return KERNELS[backend](x, config, default_positions and sequence_shards == 1)

@@ -2,7 +2,8 @@
 
 Splash masks are static: they see row/column indices, not traced positions, so
 this path serves the default (end-aligned) positions only; the selector sends
-calls with explicit positions or a dense mask elsewhere. Sequences that do not
+calls with explicit positions or a dense mask elsewhere. A sharded query
+sequence gets one static mask per slice. Sequences that do not
 fill whole blocks are padded, the padding masked with segment ids, and sliced
 off. Kernels (and their MaskInfo) are built once per static shape and config.
 """
@@ -85,8 +86,27 @@ def build_kernel(*, padded: tuple[int, int], offset: int, heads: int, is_mqa: bo
                 interpret=config.interpret)
 
 
-def run_splash(x: KernelInputs, config: AttentionConfig) -> jax.Array:
-  """Splash attention on one shard: KernelInputs (default positions) -> [B, Hq, T, Dv]."""
+def run_splash(x: KernelInputs, config: AttentionConfig, sequence_shards: int = 1) -> jax.Array:
+  """Splash attention on one shard: KernelInputs (default positions) -> [B, Hq, T, Dv].
+
+  With `sequence_shards` n > 1, `x` holds one of n equal, consecutive query
+  slices (T = T_global / n) and its positions are the defaults over the whole
+  query. The mask of slice i is the static mask shifted by i * T, so one
+  kernel per slice is built (once per shape) and `lax.switch` runs the slice's
+  own, chosen by its first query position.
+  """
+  if sequence_shards == 1:
+    return _run_at_offset(x, config, x.key.shape[2] - x.query.shape[2])
+  query_len, kv_len = x.query.shape[2], x.key.shape[2]
+  first = kv_len - sequence_shards * query_len  # position of the global query's row 0
+  index = jnp.clip((x.q_positions[0, 0] - first) // query_len, 0, sequence_shards - 1)
+  branches = [functools.partial(_run_at_offset, config=config, offset=first + i * query_len)
+              for i in range(sequence_shards)]
+  return jax.lax.switch(index, branches, x)
+
+
+def _run_at_offset(x: KernelInputs, config: AttentionConfig, offset: int) -> jax.Array:
+  """Splash with the static mask of queries at positions offset + arange(T)."""
   batch, num_heads, query_len, head_dim = x.query.shape
   num_kv_heads, kv_len = x.key.shape[1], x.key.shape[2]
   groups = num_heads // num_kv_heads
@@ -109,7 +129,7 @@ def run_splash(x: KernelInputs, config: AttentionConfig) -> jax.Array:
         kv=jnp.pad(kv_seg, ((0, 0), (0, s_pad - kv_len)), constant_values=-2))  # [B, Sp]
   sinks = (jnp.full((num_heads,), _SILENT_SINK, jnp.float32) if x.sinks is None
            else jax.nn.logsumexp(x.sinks, axis=-1))  # [Hq]
-  kernel = build_kernel(padded=(t_pad, s_pad), offset=kv_len - query_len,
+  kernel = build_kernel(padded=(t_pad, s_pad), offset=offset,
                         heads=groups if groups > 1 else num_heads, is_mqa=groups > 1,
                         config=config, blocks=blocks)
   seg_axes = None if segment_ids is None else splash.SegmentIds(0, 0)

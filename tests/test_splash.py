@@ -43,14 +43,15 @@ GRAD_CASES = {"causal_200_mqa_padded", "window_1000_padded", "chunk", "segments_
               "sinks_kv_n_gqa", "soft_cap_scale", "prefill", "everything"}
 
 
-def _grads_vs_oracle(case, config, q, k, v, extras, mesh=None):
+def _grads_vs_oracle(case, config, q, k, v, extras, mesh=None, axes=sh.MeshAxes()):
   sinks = extras.get("softmax_aux")
   rest = {n: a for n, a in extras.items() if n != "softmax_aux"}
   cot = np.random.default_rng(7).normal(size=(*q.shape[:3], v.shape[-1])).astype(np.float32)
   argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
 
   def ours(q, k, v, s):
-    out = sh.attention(q, k, v, config=config, softmax_aux=s, mesh=mesh, **rest).attention_outputs
+    out = sh.attention(q, k, v, config=config, softmax_aux=s, mesh=mesh, axes=axes,
+                       **rest).attention_outputs
     return jnp.sum(out * cot)
 
   got = jax.jit(jax.grad(ours, argnums=argnums))(q, k, v, sinks)
@@ -135,12 +136,36 @@ def test_splash_is_auto_on_tpu_and_needs_tpu_or_interpret():
   assert d.fallback and "multiples of 128" in d.reason
 
 
-def test_splash_sequence_sharding_falls_back():
+SEQUENCE_AXES = sh.MeshAxes(batch="dp", heads="tp", sequence="sp")
+
+
+@pytest.mark.parametrize("case,grads", [
+    (Case("seq_window_sinks_segments", batch=2, query_len=256, kv_len=256, num_heads=4,
+          num_kv_heads=2, head_dim=32, window=(100, 0), sinks="heads_n", segments="packed"), True),
+    (Case("seq_prefill_chunk_padded", batch=2, query_len=400, kv_len=528, num_heads=4,
+          num_kv_heads=1, head_dim=32, causal=False, chunk=96), False),
+], ids=["window_sinks_segments_grads", "prefill_chunk_padded"])
+def test_splash_with_a_sharded_query_sequence(case, grads):
+  # Each query slice has its own static mask (row 0 of slice 1 sits at T/2 + S - T).
+  config = case.config.replace(**SPLASH)
   mesh = jax.make_mesh((2, 2, 2), ("dp", "sp", "tp"))
-  q = jax.ShapeDtypeStruct((2, 256, 4, 32), jnp.float32)
+  q, k, v, extras = case.arrays(seed=6)
+  assert sh.explain(q, k, v, config=config, mesh=mesh, axes=SEQUENCE_AXES, **extras
+                    ).backend == "splash"
+  out = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config, mesh=mesh,
+                                             axes=SEQUENCE_AXES, **extras))(q, k, v)
+  np.testing.assert_allclose(np.asarray(out.attention_outputs), case.oracle(q, k, v, extras)[0],
+                             atol=3e-3)
+  if grads:
+    _grads_vs_oracle(case, config, q, k, v, extras, mesh=mesh, axes=SEQUENCE_AXES)
+
+
+def test_splash_sequence_shards_shorter_than_a_block_fall_back():
+  mesh = jax.make_mesh((2, 2, 2), ("dp", "sp", "tp"))
+  q = jax.ShapeDtypeStruct((2, 200, 4, 32), jnp.float32)
   d = sh.explain(q, q, q, config=sh.AttentionConfig(platform="splash", interpret=True), mesh=mesh,
-                 axes=sh.MeshAxes(batch="dp", heads="tp", sequence="sp"))
-  assert d.backend == "xla" and "sequence is sharded" in d.reason
+                 axes=SEQUENCE_AXES)
+  assert d.backend == "xla" and "in 2 sequence shards" in d.reason
 
 
 def test_kernels_are_built_once_per_static_shape():

@@ -44,6 +44,9 @@ def _kernel_limit(
               "AttentionConfig(interpret=True) to run it in interpret mode")
     if mode is Mode.DECODE:
       return "decode (T == 1): one query row does not fill a splash block"
+    if sequence_shards > 1 and query_len // sequence_shards < LANE:
+      return (f"query_len {query_len} in {sequence_shards} sequence shards: a shard shorter "
+              f"than one {LANE}-row splash block is cheaper unpadded")
     if min(query_len, kv_len) < LANE:
       return (f"query_len {query_len} / kv_len {kv_len}: a sequence shorter than one "
               f"{LANE}-row splash block is cheaper unpadded")
@@ -55,8 +58,6 @@ def _kernel_limit(
     bad = [b for b in config.block_sizes.resolve(LANE, LANE) if b % LANE]
     if bad:
       return f"splash block sizes must be multiples of {LANE}, got {config.block_sizes}"
-    if sequence_shards > 1:
-      return "the query sequence is sharded and the splash path builds its masks per shard"
     return None
   if backend == "triton":
     if hardware != "gpu":
