@@ -1,19 +1,17 @@
-"""`attention`: validate -> mode -> select -> (shard) -> kernel."""
+"""`attention` and `explain`: normalise -> select -> (shard) -> kernel."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+import functools
 
-from splash_hk import inputs as inputs_lib
+import jax
+
+from splash_hk import inputs
 from splash_hk import kernel
 from splash_hk import sharding
-from splash_hk import validation
 from splash_hk.config import AttentionConfig
-from splash_hk.fallback import reference
 from splash_hk.fallback import selector
-from splash_hk.mode import detect_mode
-from splash_hk.types import AttentionOutput, Decision
+from splash_hk.types import AttentionOutput, Decision, Extras
 
 
 def explain(
@@ -37,29 +35,10 @@ def explain(
   Takes the same arguments as `attention`; arrays may be `jax.ShapeDtypeStruct`s.
   Validates the inputs; with `allow_fallback=False` a fallback raises ValueError.
   """
-  return _decide(query, key, value, config=config, q_segment_ids=q_segment_ids,
-                 kv_segment_ids=kv_segment_ids, q_positions=q_positions,
-                 kv_positions=kv_positions, mask=mask, softmax_aux=softmax_aux, mesh=mesh,
-                 axes=axes, return_weights=return_weights)[0]
-
-
-def _decide(query, key, value, *, config, q_segment_ids, kv_segment_ids, q_positions,
-            kv_positions, mask, softmax_aux, mesh, axes, return_weights) -> tuple[Decision, int]:
-  """Validates, then selects: (decision, how many shards the query sequence is split into)."""
-  validation.validate_qkv(query, key, value, config)
-  validation.validate_extras(
-      query, key, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-      q_positions=q_positions, kv_positions=kv_positions, mask=mask, softmax_aux=softmax_aux)
-  sequence_shards = 1
-  if mesh is not None:
-    validation.validate_mesh(mesh, axes)
-    sequence_shards = sharding.query_sequence_shards(query.shape, mesh, axes)
-  decision = selector.select_backend(
-      config, query_shape=query.shape, key_shape=key.shape, value_shape=value.shape,
-      mask_shape=None if mask is None else mask.shape,
-      positions_given=q_positions is not None or kv_positions is not None,
-      sequence_shards=sequence_shards, return_weights=return_weights)
-  return decision, sequence_shards
+  extras = Extras(q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask, softmax_aux)
+  facts = inputs.facts(query, key, value, config=config, extras=extras, mesh=mesh, axes=axes,
+                       return_weights=return_weights)
+  return selector.select(facts)
 
 
 def attention(
@@ -113,26 +92,14 @@ def attention(
     AttentionOutput with `attention_outputs` [B, T, Hq, Dv] in the input (or
     runtime) dtype and `attention_weights` (None unless asked for).
   """
-  extras = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                q_positions=q_positions, kv_positions=kv_positions, mask=mask,
-                softmax_aux=softmax_aux)
-  decision, sequence_shards = _decide(query, key, value, config=config, mesh=mesh, axes=axes,
-                                      return_weights=return_weights, **extras)
+  extras = Extras(q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask, softmax_aux)
+  x, facts = inputs.normalise(query, key, value, config=config, extras=extras, mesh=mesh,
+                              axes=axes, return_weights=return_weights)
+  decision = selector.select(facts)
   selector.log_fallback(decision)
-  x = inputs_lib.prepare(query, key, value, config=config, **extras)
-  mode = detect_mode(query.shape[1], key.shape[1])
-  # Static (index-derived) masks need the default positions over the whole query.
-  default_positions = q_positions is None and kv_positions is None
-
-  def body(x: inputs_lib.KernelInputs) -> tuple[jax.Array, jax.Array | None]:
-    if return_weights:
-      return reference.reference_bhtd(x, config, return_weights=True)
-    return kernel.run(decision.backend, x, config, default_positions,
-                      sequence_shards), None  # [B, Hq, T, Dv]
-
+  body = functools.partial(kernel.run, decision.backend, facts=facts)
   if mesh is None:
-    out, weights = body(x)
+    result = body(x)
   else:
-    out, weights = sharding.shard_kernel(body, x, mesh=mesh, axes=axes, mode=mode,
-                                         with_weights=return_weights)
-  return AttentionOutput(jnp.swapaxes(out, 1, 2), weights)  # [B, T, Hq, Dv]
+    result = sharding.shard_kernel(body, x, mesh=mesh, axes=axes, facts=facts)
+  return AttentionOutput(result.out, result.weights)  # [B, T, Hq, Dv], [B, Hq, T, S] or None

@@ -12,12 +12,25 @@ Platform = Literal["auto", "splash", "triton", "xla", "reference"]
 PLATFORMS: tuple[str, ...] = ("auto", "splash", "triton", "xla", "reference")
 
 
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def require_int(name: str, value: Any, minimum: int = 1, allow_none: bool = False) -> None:
+  """Raises ValueError naming `name` unless `value` is an int >= `minimum` (or None if allowed)."""
+  if value is None and allow_none:
+    return
+  if not _is_int(value) or value < minimum:
+    bound = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    raise ValueError(f"`{name}` must be {bound}{' or None' if allow_none else ''}, got {value!r}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Tile sizes of the block-sparse kernels; None lets each backend use its tuned default.
 
   `block_q`/`block_kv` tile the forward pass, `*_bwd` the backward pass. The
-  defaults: XLA path, measured on CPU (see `blocksparse_xla.default_tiles`);
+  defaults: XLA path, measured on CPU (see `splash_hk.backends.xla.default_tiles`);
   splash, 128 everywhere (its blocks must be multiples of 128, clamped to the
   padded sequence); Triton, ejkernel's GPU heuristics (64 forward, 32 backward).
   """
@@ -29,12 +42,7 @@ class BlockSizes:
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if value is None:
-        continue
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(
-            f"BlockSizes.{field.name} must be a positive int or None, got {value!r}.")
+      require_int(f"BlockSizes.{field.name}", getattr(self, field.name), allow_none=True)
 
   def resolve(self, block_q: int, block_kv: int, block_q_bwd: int | None = None,
               block_kv_bwd: int | None = None) -> tuple[int, int, int, int]:
@@ -56,7 +64,8 @@ class AttentionConfig:
   Attributes:
     causal: key j is visible to query i only if `kv_pos[j] <= q_pos[i]`.
     sliding_window: `w` or `(left, right)`: key j is visible to query i only if
-      `q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right`; `w` means `(w, w)`.
+      `q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right`; `w` means `(w, w)` and is
+      stored as that pair, so equal windows make equal (and equally hashed) configs.
     chunk_size: chunked attention (Llama-4): visible only within the same
       `pos // chunk_size` chunk.
     logits_soft_cap: `c` maps logits `l` to `c * tanh(l / c)` before masking.
@@ -70,7 +79,7 @@ class AttentionConfig:
   """
 
   causal: bool = True
-  sliding_window: int | tuple[int, int] | None = None
+  sliding_window: int | tuple[int, int] | None = None  # stored as (left, right)
   chunk_size: int | None = None
   logits_soft_cap: float | None = None
   softmax_scale: float | None = None
@@ -85,16 +94,8 @@ class AttentionConfig:
     set_ = lambda name, value: object.__setattr__(self, name, value)
     if not isinstance(self.causal, bool):
       raise ValueError(f"causal must be a bool, got {self.causal!r}.")
-    window = self.sliding_window
-    if window is not None:
-      pair = (window, window) if _is_int(window) else tuple(window) if isinstance(window, (tuple, list)) else None
-      if pair is None or len(pair) != 2 or not all(_is_int(w) and w >= 0 for w in pair):
-        raise ValueError(
-            "sliding_window must be None, an int >= 0 or a pair (left, right) "
-            f"of ints >= 0, got {window!r}.")
-      set_("sliding_window", int(window) if _is_int(window) else (int(pair[0]), int(pair[1])))
-    if self.chunk_size is not None and not (_is_int(self.chunk_size) and self.chunk_size > 0):
-      raise ValueError(f"chunk_size must be None or an int > 0, got {self.chunk_size!r}.")
+    set_("sliding_window", _window_pair(self.sliding_window))
+    require_int("chunk_size", self.chunk_size, allow_none=True)
     for name in ("logits_soft_cap", "softmax_scale"):
       value = getattr(self, name)
       if value is None:
@@ -115,13 +116,23 @@ class AttentionConfig:
 
   @property
   def window(self) -> tuple[int, int] | None:
-    """The sliding window as (left, right), or None."""
-    w = self.sliding_window
-    return None if w is None else (w, w) if isinstance(w, int) else w
+    """The sliding window as (left, right), or None (`sliding_window` is stored normalised)."""
+    return self.sliding_window
+
+  def scale(self, head_dim: int) -> float:
+    """The logit scale: `softmax_scale`, or `head_dim ** -0.5` when unset."""
+    return self.softmax_scale or head_dim**-0.5
 
   def replace(self, **changes) -> "AttentionConfig":
     return dataclasses.replace(self, **changes)
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
+def _window_pair(window: Any) -> tuple[int, int] | None:
+  """`w` -> (w, w); (left, right) -> (left, right); None -> None. Equal windows compare equal."""
+  if window is None:
+    return None
+  pair = (window, window) if _is_int(window) else tuple(window) if isinstance(window, (tuple, list)) else ()
+  if len(pair) != 2 or not all(_is_int(w) and w >= 0 for w in pair):
+    raise ValueError("sliding_window must be None, an int >= 0 or a pair (left, right) "
+                     f"of ints >= 0, got {window!r}.")
+  return int(pair[0]), int(pair[1])

@@ -1,79 +1,100 @@
-"""Defaults and normal forms of the optional inputs, shared by every path.
+"""The one normal form: validated public arguments -> KernelInputs + the call's static Facts.
 
-`prepare` turns the public BTHD arguments into `KernelInputs`: BHTD arrays,
-explicit positions (end-aligned defaults), segment ids given for both sides or
-neither, sinks as [Hq, n] float32. Kernels see only this normal form.
+`attention`, `explain` and `reference_attention` all enter here. `facts`
+reads only shapes and dtypes (so `explain` works on ShapeDtypeStructs);
+`normalise` also builds the arrays: explicit positions (end-aligned defaults),
+segment ids for both sides or neither, sinks as [Hq, n] float32.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from splash_hk import masks
+from splash_hk import validation
 from splash_hk.config import AttentionConfig
+from splash_hk.mode import detect_mode
+from splash_hk.sharding import specs
+from splash_hk.sharding.axes import MeshAxes
+from splash_hk.types import Extras, Facts, KernelInputs
+
+__all__ = ("Extras", "facts", "facts_from_shapes", "normalise", "sinks_per_query_head")
 
 
-class KernelInputs(NamedTuple):
-  """Per-call (or per-shard) arrays in kernel layout. A pytree; None fields are absent."""
+def facts_from_shapes(
+    config: AttentionConfig,
+    query_shape: Sequence[int],
+    key_shape: Sequence[int],
+    value_dim: int | None = None,
+    *,
+    default_positions: bool = True,
+    mask_shape: Sequence[int] | None = None,
+    return_weights: bool = False,
+    sequence_shards: int = 1,
+    load_balanced: bool = False,
+) -> Facts:
+  """Facts of a call from its (already validated) shapes."""
+  return Facts(
+      config=config, query_shape=tuple(query_shape), key_shape=tuple(key_shape),
+      value_dim=query_shape[-1] if value_dim is None else value_dim,
+      mode=detect_mode(query_shape[1], key_shape[1]), default_positions=default_positions,
+      mask_shape=None if mask_shape is None else tuple(mask_shape),
+      return_weights=return_weights, sequence_shards=sequence_shards,
+      load_balanced=load_balanced)
 
-  query: jax.Array  # [B, Hq, T, D]
-  key: jax.Array  # [B, Hkv, S, D]
-  value: jax.Array  # [B, Hkv, S, Dv]
-  q_positions: jax.Array  # [B, T] int32
-  kv_positions: jax.Array  # [B, S] int32
-  q_segment_ids: jax.Array | None = None  # [B, T] int32
-  kv_segment_ids: jax.Array | None = None  # [B, S] int32
-  mask: jax.Array | None = None  # [B or 1, 1 or Hq, T, S] bool
-  sinks: jax.Array | None = None  # [Hq, n] float32
+
+def facts(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: Extras,
+          mesh: jax.sharding.Mesh | None = None, axes: MeshAxes = MeshAxes(),
+          return_weights: bool = False) -> Facts:
+  """Validates the public arguments (shapes and dtypes only); returns the call's Facts."""
+  validation.validate_qkv(query, key, value, config)
+  validation.validate_extras(query, key, extras)
+  sequence_shards = 1
+  if mesh is not None:
+    validation.validate_mesh(mesh, axes)
+    sequence_shards = specs.query_sequence_shards(query.shape, mesh, axes)
+  return facts_from_shapes(
+      config, query.shape, key.shape, value.shape[-1],
+      default_positions=extras.q_positions is None and extras.kv_positions is None,
+      mask_shape=None if extras.mask is None else extras.mask.shape,
+      return_weights=return_weights, sequence_shards=sequence_shards)
 
 
-def sinks_per_query_head(softmax_aux: jax.Array, num_heads: int) -> jax.Array:
+def normalise(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: Extras,
+              mesh: jax.sharding.Mesh | None = None, axes: MeshAxes = MeshAxes(),
+              return_weights: bool = False) -> tuple[KernelInputs, Facts]:
+  """Validated public arguments -> (KernelInputs with defaults filled in, Facts)."""
+  call = facts(query, key, value, config=config, extras=extras, mesh=mesh, axes=axes,
+               return_weights=return_weights)
+  query, key, value = (jnp.asarray(a) for a in (query, key, value))
+  if config.runtime_dtype is not None:
+    query, key, value = (a.astype(config.runtime_dtype) for a in (query, key, value))
+  batch = call.query_shape[0]
+  q_pos, kv_pos = masks.end_aligned_positions(batch, call.query_len, call.kv_len)
+  as_int = lambda a, default=None: default if a is None else jnp.asarray(a, jnp.int32)
+  q_seg = as_int(extras.q_segment_ids, as_int(extras.kv_segment_ids))  # only when T == S
+  kv_seg = as_int(extras.kv_segment_ids, q_seg)
+  x = KernelInputs(
+      query=query,  # [B, T, Hq, D]
+      key=key,  # [B, S, Hkv, D]
+      value=value,  # [B, S, Hkv, Dv]
+      q_positions=as_int(extras.q_positions, q_pos),  # [B, T]
+      kv_positions=as_int(extras.kv_positions, kv_pos),  # [B, S]
+      q_segment_ids=q_seg,  # [B, T] or None
+      kv_segment_ids=kv_seg,  # [B, S] or None
+      mask=None if extras.mask is None else jnp.asarray(extras.mask),  # [B|1, 1|Hq, T, S]
+      sinks=None if extras.softmax_aux is None else sinks_per_query_head(
+          extras.softmax_aux, call.num_heads),  # [Hq, n]
+  )
+  return x, call
+
+
+def sinks_per_query_head(softmax_aux: Any, num_heads: int) -> jax.Array:
   """[Hq], [Hq, n] or [Hkv, n] -> [Hq, n] float32 (kv-head sinks shared by their group)."""
   aux = jnp.asarray(softmax_aux, jnp.float32)
   if aux.ndim == 1:
     return aux[:, None]  # [Hq, 1]
   return jnp.repeat(aux, num_heads // aux.shape[0], axis=0)  # [Hq, n]
-
-
-def prepare(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    *,
-    config: AttentionConfig,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    q_positions: jax.Array | None = None,
-    kv_positions: jax.Array | None = None,
-    mask: jax.Array | None = None,
-    softmax_aux: jax.Array | None = None,
-) -> KernelInputs:
-  """Validated BTHD inputs -> KernelInputs (BHTD, defaults filled in)."""
-  batch, query_len, num_heads, _ = query.shape
-  kv_len = key.shape[1]
-  if config.runtime_dtype is not None:
-    query, key, value = (x.astype(config.runtime_dtype) for x in (query, key, value))
-  default_q, default_kv = masks.default_positions(batch, query_len, kv_len)
-  q_positions = default_q if q_positions is None else q_positions.astype(jnp.int32)
-  kv_positions = default_kv if kv_positions is None else kv_positions.astype(jnp.int32)
-  if q_segment_ids is None and kv_segment_ids is not None:
-    q_segment_ids = kv_segment_ids  # validation allowed this only when T == S
-  if kv_segment_ids is None and q_segment_ids is not None:
-    kv_segment_ids = q_segment_ids
-  if q_segment_ids is not None:
-    q_segment_ids = q_segment_ids.astype(jnp.int32)
-    kv_segment_ids = kv_segment_ids.astype(jnp.int32)
-  return KernelInputs(
-      query=jnp.swapaxes(query, 1, 2),  # [B, Hq, T, D]
-      key=jnp.swapaxes(key, 1, 2),  # [B, Hkv, S, D]
-      value=jnp.swapaxes(value, 1, 2),  # [B, Hkv, S, Dv]
-      q_positions=q_positions,
-      kv_positions=kv_positions,
-      q_segment_ids=q_segment_ids,
-      kv_segment_ids=kv_segment_ids,
-      mask=mask,
-      sinks=None if softmax_aux is None else sinks_per_query_head(softmax_aux, num_heads),
-  )

@@ -18,11 +18,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ArrayLike = Any  # np.ndarray or jax.Array
 
 
-def default_positions(batch: int, query_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
+def end_aligned_positions(batch: int, query_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
   """End-aligned default positions (FlashAttention-2 convention).
 
   Returns:
@@ -72,6 +73,37 @@ def position_mask(
   """Visibility from positions: q_pos [..., T], kv_pos [..., S] -> [..., T, S] (or None)."""
   return position_rules(q_pos[..., :, None], kv_pos[..., None, :], causal=causal, window=window,
                         chunk_size=chunk_size)
+
+
+def visible_interval(q_pos: np.ndarray, kv_len: int, *, causal: bool,
+                     window: tuple[int, int] | None, chunk_size: int | None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+  """The keys each query may see when `kv_positions = arange(kv_len)` (static, NumPy).
+
+  The position rules leave every row one interval of key positions; this is
+  that interval clipped to the keys. Segments and dense masks only narrow it.
+
+  Returns:
+    (lo, hi) [T] int64, inclusive; a row with no visible key has lo > hi.
+  """
+  q_pos = np.asarray(q_pos, np.int64)
+  lo = np.zeros_like(q_pos)
+  hi = np.full_like(q_pos, kv_len - 1)
+  if causal:
+    hi = np.minimum(hi, q_pos)
+  if window is not None:
+    lo, hi = np.maximum(lo, q_pos - window[0]), np.minimum(hi, q_pos + window[1])
+  if chunk_size is not None:
+    first = (q_pos // chunk_size) * chunk_size
+    lo, hi = np.maximum(lo, first), np.minimum(hi, first + chunk_size - 1)
+  return lo, hi
+
+
+def visible_pairs(query_len: int, kv_len: int, **rules) -> int:
+  """How many (query, key) pairs the position rules let through at default positions."""
+  q_pos = np.arange(query_len) + (kv_len - query_len)
+  lo, hi = visible_interval(q_pos, kv_len, **rules)
+  return int(np.maximum(hi - lo + 1, 0).sum())
 
 
 def segment_mask(q_segment_ids: ArrayLike, kv_segment_ids: ArrayLike) -> ArrayLike:

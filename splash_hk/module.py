@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk.attention import attention
-from splash_hk.config import AttentionConfig
+from splash_hk.config import AttentionConfig, require_int
 from splash_hk.sharding.axes import MeshAxes
 
 
@@ -35,13 +35,6 @@ class KVCache(NamedTuple):
         value=jnp.zeros((batch, max_len, num_kv_heads, value_size or key_size), dtype),
         length=jnp.zeros((), jnp.int32),
     )
-
-
-def _check_positive(name: str, value, allow_none: bool = False) -> None:
-  if value is None and allow_none:
-    return
-  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-    raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
 
 
 class SplashAttention(hk.Module):
@@ -73,8 +66,7 @@ class SplashAttention(hk.Module):
     super().__init__(name=name)
     if not isinstance(config, AttentionConfig):
       raise ValueError(f"`config` must be a splash_hk.AttentionConfig, got {type(config).__name__}.")
-    if not isinstance(num_sinks, int) or isinstance(num_sinks, bool) or num_sinks < 0:
-      raise ValueError(f"`num_sinks` must be an int >= 0, got {num_sinks!r}.")
+    require_int("num_sinks", num_sinks, minimum=0)
     self.config = config
     self.mesh = mesh
     self.axes = axes
@@ -154,11 +146,11 @@ class MultiHeadAttention(hk.Module):
       name: module name.
     """
     super().__init__(name=name)
-    _check_positive("num_heads", num_heads)
-    _check_positive("key_size", key_size)
-    _check_positive("num_kv_heads", num_kv_heads, allow_none=True)
-    _check_positive("value_size", value_size, allow_none=True)
-    _check_positive("model_size", model_size, allow_none=True)
+    require_int("num_heads", num_heads)
+    require_int("key_size", key_size)
+    for name, value in (("num_kv_heads", num_kv_heads), ("value_size", value_size),
+                        ("model_size", model_size)):
+      require_int(name, value, allow_none=True)
     num_kv_heads = num_kv_heads or num_heads
     if num_heads % num_kv_heads:
       raise ValueError(f"`num_heads` ({num_heads}) must be a multiple of `num_kv_heads` "

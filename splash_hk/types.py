@@ -1,12 +1,14 @@
-"""Result and decision types."""
+"""Result, decision and kernel-boundary types (no logic beyond derived shapes)."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
+
+from splash_hk.config import AttentionConfig
 
 
 class Mode(enum.Enum):
@@ -24,12 +26,14 @@ class Decision:
   Attributes:
     backend: "splash", "triton", "xla" or "reference".
     reason: why this backend; for a fallback, what the preferred one could not do.
-    fallback: True when the backend is not the one the platform asked for.
+    fallback: True when the backend (or sequence strategy) is not the one asked for.
+    ring: True when the call runs as a context-parallel ring over the sequence axis.
   """
 
   backend: str
   reason: str
   fallback: bool = False
+  ring: bool = False
 
 
 class AttentionOutput(NamedTuple):
@@ -43,3 +47,90 @@ class AttentionOutput(NamedTuple):
 
   attention_outputs: jax.Array
   attention_weights: jax.Array | None = None
+
+
+class Extras(NamedTuple):
+  """The optional per-call arrays of `attention`, as the caller passed them (see there)."""
+
+  q_segment_ids: Any = None
+  kv_segment_ids: Any = None
+  q_positions: Any = None
+  kv_positions: Any = None
+  mask: Any = None
+  softmax_aux: Any = None
+
+
+class KernelInputs(NamedTuple):
+  """One call's (or one shard's) arrays in normal form. A pytree; None fields are absent.
+
+  The layout stays the public BTHD one: a backend transposes what it computes
+  on, so nothing proportional to S is copied before it decides what it reads.
+  """
+
+  query: jax.Array  # [B, T, Hq, D]
+  key: jax.Array  # [B, S, Hkv, D]
+  value: jax.Array  # [B, S, Hkv, Dv]
+  q_positions: jax.Array  # [B, T] int32
+  kv_positions: jax.Array  # [B, S] int32
+  q_segment_ids: jax.Array | None = None  # [B, T] int32, negative = padding
+  kv_segment_ids: jax.Array | None = None  # [B, S] int32, negative = padding
+  mask: jax.Array | None = None  # [B or 1, 1 or Hq, T, S] bool
+  sinks: jax.Array | None = None  # [Hq, n] float32
+
+
+class KernelOutput(NamedTuple):
+  """What a backend returns for one call or shard. A pytree; None fields are absent."""
+
+  out: jax.Array  # [B, T, Hq, Dv]
+  lse: jax.Array | None = None  # [B, T, Hq] float32 log-sum-exp of the visible logits
+  weights: jax.Array | None = None  # [B, Hq, T, S] float32 (reference, when asked for)
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+  """What is known of a call at trace time: hashable, so backends may cache on it.
+
+  Built once per call by `splash_hk.inputs` from the public arguments; every
+  layer below reads it instead of re-deriving shapes, scale or rules.
+  """
+
+  config: AttentionConfig
+  query_shape: tuple[int, int, int, int]  # [B, T, Hq, D] of the whole call
+  key_shape: tuple[int, int, int, int]  # [B, S, Hkv, D]
+  value_dim: int
+  mode: Mode
+  default_positions: bool  # positions are the end-aligned defaults: masks follow from indices
+  mask_shape: tuple[int, ...] | None = None  # the dense mask's shape, if one is given
+  return_weights: bool = False
+  sequence_shards: int = 1  # the query sequence is split over this many devices
+  load_balanced: bool = False  # the sequence is in dual-chunk (load-balanced) order
+
+  @property
+  def query_len(self) -> int:
+    return self.query_shape[1]
+
+  @property
+  def kv_len(self) -> int:
+    return self.key_shape[1]
+
+  @property
+  def num_heads(self) -> int:
+    return self.query_shape[2]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.key_shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.query_shape[3]
+
+  @property
+  def scale(self) -> float:
+    return self.config.scale(self.head_dim)
+
+  @property
+  def rules(self) -> dict:
+    """The positional mask rules, as keywords of `splash_hk.masks.position_rules`."""
+    c = self.config
+    return dict(causal=c.causal, window=c.window, chunk_size=c.chunk_size)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from splash_hk.config import AttentionConfig
 from splash_hk.sharding.axes import MeshAxes
+from splash_hk.types import Extras
 
 Shaped = Any  # anything with .shape and .dtype
 
@@ -22,14 +23,16 @@ def _fail(message: str):
   raise ValueError(message)
 
 
+def _array(x: Any, name: str, layout: str) -> None:
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    _fail(f"`{name}` must be an array {layout} (a jax.Array or np.ndarray), got "
+          f"{type(x).__name__}; wrap it with jnp.asarray.")
+
+
 def _rank(x: Shaped, rank: int, name: str, layout: str) -> None:
+  _array(x, name, layout)
   chex.assert_rank(x, rank, exception_type=ValueError,
                    custom_message=f"`{name}` must be {layout}, got shape {tuple(x.shape)}.")
-
-
-def _shape(x: Shaped, shape: tuple[int, ...], name: str, layout: str) -> None:
-  chex.assert_shape(x, shape, exception_type=ValueError,
-                    custom_message=f"`{name}` must be {layout} = {shape}, got {tuple(x.shape)}.")
 
 
 def _integer(x: Shaped, name: str) -> None:
@@ -45,8 +48,8 @@ def validate_qkv(query: Shaped, key: Shaped, value: Shaped, config: AttentionCon
   _rank(query, 4, "query", "[batch, query_len, num_heads, head_dim]")
   _rank(key, 4, "key", "[batch, kv_len, num_kv_heads, head_dim]")
   _rank(value, 4, "value", "[batch, kv_len, num_kv_heads, value_head_dim]")
-  batch, query_len, num_heads, head_dim = query.shape
-  _, kv_len, num_kv_heads, key_dim = key.shape
+  batch, _, num_heads, head_dim = query.shape
+  num_kv_heads, key_dim = key.shape[2:]
   if min(query.shape) < 1 or min(key.shape) < 1 or min(value.shape) < 1:
     _fail(f"`query`, `key` and `value` must have no empty axis, got query {tuple(query.shape)}, "
           f"key {tuple(key.shape)}, value {tuple(value.shape)}.")
@@ -70,48 +73,50 @@ def validate_qkv(query: Shaped, key: Shaped, value: Shaped, config: AttentionCon
           f"{value.dtype}; cast them or set AttentionConfig(runtime_dtype=...).")
 
 
-def validate_extras(
-    query: Shaped,
-    key: Shaped,
-    *,
-    q_segment_ids: Shaped | None,
-    kv_segment_ids: Shaped | None,
-    q_positions: Shaped | None,
-    kv_positions: Shaped | None,
-    mask: Shaped | None,
-    softmax_aux: Shaped | None,
-) -> None:
+def validate_extras(query: Shaped, key: Shaped, extras: Extras) -> None:
   """Segment ids, positions, dense mask and sinks against query/key."""
-  batch, query_len, num_heads, _ = query.shape
-  kv_len, num_kv_heads = key.shape[1], key.shape[2]
-  for name, x, length, axis in (("q_segment_ids", q_segment_ids, query_len, "query_len"),
-                                ("kv_segment_ids", kv_segment_ids, kv_len, "kv_len"),
-                                ("q_positions", q_positions, query_len, "query_len"),
-                                ("kv_positions", kv_positions, kv_len, "kv_len")):
+  batch, query_len = query.shape[:2]
+  kv_len = key.shape[1]
+  for name, length, axis in (("q_segment_ids", query_len, "query_len"),
+                             ("kv_segment_ids", kv_len, "kv_len"),
+                             ("q_positions", query_len, "query_len"),
+                             ("kv_positions", kv_len, "kv_len")):
+    x = getattr(extras, name)
     if x is not None:
-      _shape(x, (batch, length), name, f"[batch, {axis}]")
+      layout = f"[batch, {axis}] = {(batch, length)}"
+      _rank(x, 2, name, layout)
+      chex.assert_shape(x, (batch, length), exception_type=ValueError,
+                        custom_message=f"`{name}` must be {layout}, got {tuple(x.shape)}.")
       _integer(x, name)
-  if query_len != kv_len and (q_segment_ids is None) != (kv_segment_ids is None):
-    missing = "kv_segment_ids" if kv_segment_ids is None else "q_segment_ids"
+  if query_len != kv_len and (extras.q_segment_ids is None) != (extras.kv_segment_ids is None):
+    missing = "kv_segment_ids" if extras.kv_segment_ids is None else "q_segment_ids"
     _fail(f"`{missing}` is required when query_len ({query_len}) != kv_len ({kv_len}) and "
           "the other segment ids are given: ids of one length cannot default to the other.")
-  if mask is not None:
-    _rank(mask, 4, "mask", "[batch, 1 or num_heads, query_len, kv_len]")
-    if (mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, num_heads)
-        or tuple(mask.shape[2:]) != (query_len, kv_len)):
-      _fail(f"`mask` must be [batch or 1, 1 or num_heads, query_len, kv_len] = "
-            f"[{batch}, 1 or {num_heads}, {query_len}, {kv_len}], got {tuple(mask.shape)}.")
-    if mask.dtype != jnp.bool_:
-      _fail(f"`mask` must be bool (True = may attend), got {mask.dtype}; pass mask != 0.")
-  if softmax_aux is not None:
-    ok = ((softmax_aux.ndim == 1 and softmax_aux.shape[0] == num_heads)
-          or (softmax_aux.ndim == 2 and softmax_aux.shape[0] in (num_heads, num_kv_heads)
-              and softmax_aux.shape[1] >= 1))
-    if not ok:
-      _fail(f"`softmax_aux` (sinks) must be [num_heads] = [{num_heads}], [num_heads, n] or "
-            f"[num_kv_heads, n] = [{num_kv_heads}, n], got {tuple(softmax_aux.shape)}.")
-    if not jnp.issubdtype(softmax_aux.dtype, jnp.floating):
-      _fail(f"`softmax_aux` must have a floating dtype, got {softmax_aux.dtype}.")
+  if extras.mask is not None:
+    _validate_mask(extras.mask, batch, query.shape[2], query_len, kv_len)
+  if extras.softmax_aux is not None:
+    _validate_sinks(extras.softmax_aux, query.shape[2], key.shape[2])
+
+
+def _validate_mask(mask: Shaped, batch: int, num_heads: int, query_len: int, kv_len: int) -> None:
+  _rank(mask, 4, "mask", "[batch, 1 or num_heads, query_len, kv_len]")
+  if (mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, num_heads)
+      or tuple(mask.shape[2:]) != (query_len, kv_len)):
+    _fail(f"`mask` must be [batch or 1, 1 or num_heads, query_len, kv_len] = "
+          f"[{batch}, 1 or {num_heads}, {query_len}, {kv_len}], got {tuple(mask.shape)}.")
+  if mask.dtype != jnp.bool_:
+    _fail(f"`mask` must be bool (True = may attend), got {mask.dtype}; pass mask != 0.")
+
+
+def _validate_sinks(softmax_aux: Shaped, num_heads: int, num_kv_heads: int) -> None:
+  _array(softmax_aux, "softmax_aux", "[num_heads] or [num_heads or num_kv_heads, n]")
+  shape = tuple(softmax_aux.shape)
+  if not ((len(shape) == 1 and shape[0] == num_heads)
+          or (len(shape) == 2 and shape[0] in (num_heads, num_kv_heads) and shape[1] >= 1)):
+    _fail(f"`softmax_aux` (sinks) must be [num_heads] = [{num_heads}], [num_heads, n] or "
+          f"[num_kv_heads, n] = [{num_kv_heads}, n], got {shape}.")
+  if not jnp.issubdtype(softmax_aux.dtype, jnp.floating):
+    _fail(f"`softmax_aux` must have a floating dtype, got {softmax_aux.dtype}.")
 
 
 def validate_mesh(mesh: Any, axes: MeshAxes) -> None:

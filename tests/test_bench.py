@@ -6,9 +6,6 @@ import subprocess
 import sys
 import warnings
 
-import numpy as np
-
-import splash_hk as sh
 from splash_hk.examples import bench
 from splash_hk.examples import paths
 
@@ -47,16 +44,6 @@ def test_user_paths_resolve_against_the_users_directory(monkeypatch, tmp_path):
   assert paths.user_path("/abs/out") == "/abs/out"
   monkeypatch.setenv("HOME", "/home/me")
   assert paths.user_path("~/ckpt") == "/home/me/ckpt"
-
-
-def test_visible_pairs():
-  assert bench.visible_pairs(4, sh.AttentionConfig()) == 10
-  assert bench.visible_pairs(4, sh.AttentionConfig(causal=False)) == 16
-  assert bench.visible_pairs(8, sh.AttentionConfig(sliding_window=(1, 0))) == 15
-  assert bench.visible_pairs(8, sh.AttentionConfig(chunk_size=4)) == 20
-  t = np.arange(64)
-  mask = (t[:, None] >= t[None, :]) & (t[:, None] - t[None, :] <= 5)
-  assert bench.visible_pairs(64, sh.AttentionConfig(sliding_window=(5, 0))) == mask.sum()
 
 
 def test_speedups_without_backward_timings_name_only_the_forward(capsys, tmp_path):

@@ -152,9 +152,9 @@ def test_prefill_then_decode_equals_full_forward(monkeypatch, num_kv_heads, wind
   params = model.init(jax.random.PRNGKey(2), tokens)
   full = model.apply(params, tokens)
   modes = []
-  real = selector.select_backend
-  monkeypatch.setattr(selector, "select_backend", lambda *a, **k: modes.append(
-      sh.detect_mode(k["query_shape"][1], k["key_shape"][1])) or real(*a, **k))
+  real = selector.select
+  monkeypatch.setattr(selector, "select", lambda facts, *a: modes.append(facts.mode) or real(
+      facts, *a))
   caches = caches_fn.apply({}, b, t)
   step = jax.jit(model.apply)
   logits, caches = step(params, tokens[:, :prompt], caches)  # prefill

@@ -51,7 +51,7 @@ def test_reference_when_requested():
 def test_xla_serves_every_mask():
   for mask_shape in [(2, 8, 256, 256), (2, 1, 256, 256), None]:
     d = sh.fallback.select_backend(sh.AttentionConfig(chunk_size=64), query_shape=(2, 1, 8, 64),
-                                   key_shape=K, mask_shape=mask_shape, positions_given=True,
+                                   key_shape=K, mask_shape=mask_shape, default_positions=False,
                                    hardware="cpu")
     assert d.backend == "xla" and not d.fallback
 

@@ -1,5 +1,6 @@
 """sh.attention(mesh=...) equals the unsharded result on every mesh shape; stable specs."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -126,30 +127,29 @@ def test_query_sequence_sharding_uses_global_positions(query_len):
   assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", "sp", "tp", None)), 4)
 
 
+def _spy_on_xla(monkeypatch, record):
+  real = kernel.BACKENDS["xla"]
+  spy = lambda x, facts: record(x) or real.attend(x, facts)
+  monkeypatch.setitem(kernel.BACKENDS, "xla", dataclasses.replace(real, attend=spy))
+
+
 def test_shard_map_really_shards(monkeypatch):
   shapes = []
-  real = kernel.KERNELS["xla"]
-
-  def spy(x, config, default_positions):
-    shapes.append((x.query.shape, x.key.shape, x.q_segment_ids.shape))
-    return real(x, config, default_positions)
-
-  monkeypatch.setitem(kernel.KERNELS, "xla", spy)
+  _spy_on_xla(monkeypatch, lambda x: shapes.append(
+      (x.query.shape, x.key.shape, x.q_segment_ids.shape)))
   q, k, v, sinks, seg, _ = _inputs(8, 16, 16, 8)
   mesh = _mesh("2x4")
   fn = jax.jit(lambda q, k, v: sh.attention(q, k, v, mesh=mesh, q_segment_ids=seg).attention_outputs)
   out = fn(q, k, v)
-  assert shapes == [((4, 2, 16, 16), (4, 2, 16, 16), (4, 16))]  # B/2, Hq/4 per device
+  assert shapes == [((4, 16, 2, 16), (4, 16, 2, 16), (4, 16))]  # B/2, Hq/4 per device
   hlo = fn.lower(q, k, v).compile().as_text()
-  assert "f32[4,2,16,16]" in hlo
+  assert "f32[4,16,2,16]" in hlo
   assert out.sharding == NamedSharding(mesh, P("dp", None, "tp", None))
 
 
 def test_gqa_kv_heads_repeat_to_the_head_shards(monkeypatch):
   shapes = []
-  real = kernel.KERNELS["xla"]
-  monkeypatch.setitem(kernel.KERNELS, "xla",
-                      lambda x, c, d: shapes.append((x.query.shape[1], x.key.shape[1])) or real(x, c, d))
+  _spy_on_xla(monkeypatch, lambda x: shapes.append((x.query.shape[2], x.key.shape[2])))
   q, k, v, *_ = _inputs(2, 16, 16, 2)  # Hq = 8, Hkv = 2 on tp = 4
   sh.attention(q, k, v, mesh=_mesh("2x4"))
   assert shapes == [(2, 1)]  # each shard: 2 query heads and their one kv head

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import splash_hk as sh
-from splash_hk import inputs as inputs_lib
-from splash_hk import kernel
+from splash_hk import masks
+from splash_hk.examples import baselines
 from splash_hk.examples import paths
 
 IMPLS = ("splash_hk_xla", "splash_interpret", "reference", "jax_nn", "ejkernel_xla")
@@ -69,20 +69,6 @@ def parse_mask(spec: str) -> tuple[sh.AttentionConfig, dict]:
   raise ValueError(f"--masks: unknown mask {spec!r}; use causal, window:W, chunk:C or full.")
 
 
-def visible_pairs(seq_len: int, config: sh.AttentionConfig) -> int:
-  """How many (query, key) pairs the mask lets through, per head."""
-  pos = np.arange(seq_len)
-  lo, hi = np.zeros(seq_len, np.int64), np.full(seq_len, seq_len - 1, np.int64)
-  if config.causal:
-    hi = pos
-  if config.window is not None:
-    lo, hi = np.maximum(lo, pos - config.window[0]), np.minimum(hi, pos + config.window[1])
-  if config.chunk_size is not None:
-    first = pos // config.chunk_size * config.chunk_size
-    lo, hi = np.maximum(lo, first), np.minimum(hi, first + config.chunk_size - 1)
-  return int(np.maximum(hi - lo + 1, 0).sum())
-
-
 def make_impl(name: str, config: sh.AttentionConfig, nn_kwargs: dict):
   """q [B, T, Hq, D], k, v -> [B, T, Hq, D] for one implementation."""
   if name == "splash_hk_xla":
@@ -93,20 +79,9 @@ def make_impl(name: str, config: sh.AttentionConfig, nn_kwargs: dict):
   if name == "reference":
     return lambda q, k, v: sh.fallback.reference_attention(q, k, v, config).attention_outputs
   if name == "ejkernel_xla":
-    return lambda q, k, v: jnp.swapaxes(kernel.run_ejkernel_xla(
-        inputs_lib.prepare(q, k, v, config=config), config), 1, 2)
+    return functools.partial(baselines.ejkernel_xla, config=config)
   if name == "jax_nn":
-    kwargs = dict(nn_kwargs)
-    chunk = kwargs.pop("chunk", None)
-
-    def nn(q, k, v):
-      if chunk is not None:  # jax.nn has no chunked mask: pass it dense
-        t = np.arange(q.shape[1])
-        kwargs["mask"] = (t[:, None] >= t[None, :]) & (t[:, None] // chunk == t[None, :] // chunk)
-      if k.shape[2] != q.shape[2]:  # jax.nn's GQA takes repeated kv heads
-        k, v = (jnp.repeat(a, q.shape[2] // k.shape[2], axis=2) for a in (k, v))
-      return jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
-    return nn
+    return functools.partial(baselines.jax_nn, nn_kwargs=nn_kwargs)
   raise ValueError(f"--impls: unknown implementation {name!r}; choose from {IMPLS}.")
 
 
@@ -159,7 +134,7 @@ def main(argv):
     if impl not in IMPLS:
       sys.exit(f"error: --impls: unknown implementation {impl!r}; choose from {IMPLS}.")
   try:
-    masks = [(spec, *parse_mask(spec)) for spec in _MASKS.value]
+    mask_specs = [(spec, *parse_mask(spec)) for spec in _MASKS.value]
   except ValueError as e:
     sys.exit(f"error: {e}")
   peaks = matmul_peaks(dtype)
@@ -171,8 +146,10 @@ def main(argv):
       q = jnp.asarray(rng.normal(size=shape(_NUM_HEADS.value)), dtype)
       k = jnp.asarray(rng.normal(size=shape(num_kv_heads)), dtype)
       v = jnp.asarray(rng.normal(size=shape(num_kv_heads)), dtype)
-      for spec, config, nn_kwargs in masks:
-        flops = 4 * _BATCH.value * _NUM_HEADS.value * _HEAD_DIM.value * visible_pairs(seq_len, config)
+      for spec, config, nn_kwargs in mask_specs:
+        pairs = masks.visible_pairs(seq_len, seq_len, causal=config.causal, window=config.window,
+                                    chunk_size=config.chunk_size)
+        flops = 4 * _BATCH.value * _NUM_HEADS.value * _HEAD_DIM.value * pairs
         for impl in _IMPLS.value:
           row = Row(impl, seq_len, spec, num_kv_heads)
           rows.append(row)

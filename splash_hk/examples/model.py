@@ -91,8 +91,5 @@ class Transformer(hk.Module):
 
 def _reference_mask(seq_len: int, window: tuple[int, int] | None) -> np.ndarray:
   """Causal (and window) mask [1, 1, T, T] for hk.MultiHeadAttention."""
-  i, j = np.arange(seq_len)[:, None], np.arange(seq_len)[None, :]
-  mask = j <= i
-  if window is not None:
-    mask &= (j >= i - window[0]) & (j <= i + window[1])
-  return mask[None, None]
+  pos = np.arange(seq_len)
+  return sh.masks.position_mask(pos, pos, causal=True, window=window, chunk_size=None)[None, None]

@@ -1,56 +1,56 @@
-"""Plain ("vanilla") dense attention with the whole semantics: the fallback of every kernel."""
+"""Plain ("vanilla") dense attention with the whole semantics: the selector's last resort.
+
+`BACKEND` serves every call (it is the only one that materialises weights);
+`reference_attention` is the same computation from public arguments.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from splash_hk import inputs as inputs_lib
+from splash_hk import inputs
 from splash_hk import masks
-from splash_hk import validation
+from splash_hk.backends import base
 from splash_hk.config import AttentionConfig
-from splash_hk.types import AttentionOutput
+from splash_hk.types import AttentionOutput, Extras, Facts, KernelInputs, KernelOutput
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def logits_and_mask(x: inputs_lib.KernelInputs, config: AttentionConfig) -> tuple[jax.Array, jax.Array]:
+def logits_and_mask(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array]:
   """Scaled, soft-capped float32 logits [B, Hkv, G, T, S] and their mask [B, 1|Hkv, 1|G, T, S]."""
-  batch, num_heads, query_len, head_dim = x.query.shape
-  num_kv_heads = x.key.shape[1]
+  batch, query_len, num_heads, head_dim = x.query.shape
+  num_kv_heads = x.key.shape[2]
   groups = num_heads // num_kv_heads
-  scale = config.softmax_scale or head_dim**-0.5
-  q = x.query.reshape(batch, num_kv_heads, groups, query_len, head_dim)  # [B, Hkv, G, T, D]
-  logits = jnp.einsum("bkgtd,bksd->bkgts", q, x.key, precision=_HIGHEST,
-                      preferred_element_type=jnp.float32) * scale  # [B, Hkv, G, T, S]
-  if config.logits_soft_cap is not None:
-    cap = config.logits_soft_cap
+  q = x.query.reshape(batch, query_len, num_kv_heads, groups, head_dim)  # [B, T, Hkv, G, D]
+  logits = jnp.einsum("btkgd,bskd->bkgts", q, x.key, precision=_HIGHEST,
+                      preferred_element_type=jnp.float32) * facts.scale  # [B, Hkv, G, T, S]
+  cap = facts.config.logits_soft_cap
+  if cap is not None:
     logits = cap * jnp.tanh(logits / cap)
   mask = masks.full_mask(
-      q_positions=x.q_positions, kv_positions=x.kv_positions, causal=config.causal,
-      window=config.window, chunk_size=config.chunk_size, q_segment_ids=x.q_segment_ids,
-      kv_segment_ids=x.kv_segment_ids, mask=x.mask)  # [B, 1|Hq, T, S]
+      q_positions=x.q_positions, kv_positions=x.kv_positions, **facts.rules,
+      q_segment_ids=x.q_segment_ids, kv_segment_ids=x.kv_segment_ids, mask=x.mask)  # [B, 1|Hq, T, S]
   mask = mask.reshape(mask.shape[0], -1, groups if mask.shape[1] > 1 else 1, *mask.shape[2:])
   return logits, mask
 
 
-def reference_bhtd(
-    x: inputs_lib.KernelInputs,
-    config: AttentionConfig,
-    return_weights: bool = False,
-) -> tuple[jax.Array, jax.Array | None]:
-  """Dense attention on kernel-layout inputs.
+def why_not(facts: Facts, hardware: str) -> str | None:
+  """The reference serves every call."""
+  del facts, hardware
+  return None
+
+
+def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
+  """Dense attention on one shard: out [B, T, Hq, Dv], lse [B, T, Hq], weights if asked for.
 
   GQA groups query heads over their kv head instead of repeating keys/values.
-
-  Returns:
-    output [B, Hq, T, Dv] in the query dtype, and weights [B, Hq, T, S] float32
-    when asked for (None otherwise).
   """
-  batch, num_heads, query_len, _ = x.query.shape
-  num_kv_heads, kv_len = x.key.shape[1], x.key.shape[2]
+  batch, query_len, num_heads, _ = x.query.shape
+  num_kv_heads, kv_len = x.key.shape[2], x.key.shape[1]
   groups = num_heads // num_kv_heads
-  logits, mask = logits_and_mask(x, config)  # [B, Hkv, G, T, S]
+  logits, mask = logits_and_mask(x, facts)  # [B, Hkv, G, T, S]
   logits = jnp.where(mask, logits, -jnp.inf)
   row_max = jnp.max(logits, axis=-1, keepdims=True)  # [B, Hkv, G, T, 1]
   if x.sinks is not None:
@@ -64,12 +64,17 @@ def reference_bhtd(
   if x.sinks is not None:
     denominator = denominator + jnp.sum(jnp.exp(sinks - row_max), axis=-1, keepdims=True)
   weights = jnp.where(visible, unnormalized / jnp.where(visible, denominator, 1.0), 0.0)
-  out = jnp.einsum("bkgts,bksd->bkgtd", weights, x.value.astype(jnp.float32),
-                   precision=_HIGHEST)  # [B, Hkv, G, T, Dv]
-  out = out.reshape(batch, num_heads, query_len, -1).astype(x.query.dtype)  # [B, Hq, T, Dv]
-  if not return_weights:
-    return out, None
-  return out, weights.reshape(batch, num_heads, query_len, kv_len)  # [B, Hq, T, S]
+  out = jnp.einsum("bkgts,bskd->btkgd", weights, x.value.astype(jnp.float32),
+                   precision=_HIGHEST)  # [B, T, Hkv, G, Dv]
+  out = out.reshape(batch, query_len, num_heads, -1).astype(x.query.dtype)  # [B, T, Hq, Dv]
+  has_mass = denominator > 0
+  lse = jnp.where(has_mass, row_max + jnp.log(jnp.where(has_mass, denominator, 1.0)), -jnp.inf)
+  lse = lse[..., 0].reshape(batch, num_heads, query_len)  # [B, Hq, T]
+  weights = weights.reshape(batch, num_heads, query_len, kv_len) if facts.return_weights else None
+  return KernelOutput(out, jnp.swapaxes(lse, 1, 2), weights)  # [B, T, Hq, Dv], [B, T, Hq]
+
+
+BACKEND = base.Backend(name="reference", why_not=why_not, attend=attend)
 
 
 def reference_attention(
@@ -112,11 +117,8 @@ def reference_attention(
   config = AttentionConfig() if config is None else config
   if config_overrides:
     config = config.replace(**config_overrides)
-  validation.validate_qkv(query, key, value, config)
-  extras = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                q_positions=q_positions, kv_positions=kv_positions, mask=mask,
-                softmax_aux=softmax_aux)
-  validation.validate_extras(query, key, **extras)
-  x = inputs_lib.prepare(query, key, value, config=config, **extras)
-  out, weights = reference_bhtd(x, config, return_weights)
-  return AttentionOutput(jnp.swapaxes(out, 1, 2), weights)  # [B, T, Hq, Dv]
+  extras = Extras(q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask, softmax_aux)
+  x, facts = inputs.normalise(query, key, value, config=config, extras=extras,
+                              return_weights=return_weights)
+  result = attend(x, facts)
+  return AttentionOutput(result.out, result.weights)

@@ -1,7 +1,8 @@
 """PartitionSpecs that are always valid for their tensors.
 
-Specs here are for kernel-layout (BHTD) tensors: dimension 0 is batch and
-dimension 1 is heads, which `stable_spec` keeps sharded wherever it can.
+`stable_spec` keeps the batch and head dimensions sharded wherever it can;
+its default `keep=(0, 1)` suits BHTD tensors, and the attention specs (for the
+BTHD normal form) keep dimensions 0 and 2 (`BTHD_KEEP`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from typing import Any, Sequence
 
 from jax.sharding import PartitionSpec
 
-from splash_hk.inputs import KernelInputs
 from splash_hk.sharding.axes import AxisEntry, MeshAxes, _as_tuple
-from splash_hk.types import Mode
+from splash_hk.types import KernelInputs, KernelOutput, Mode
 
 Mesh = Any  # jax.sharding.Mesh or AbstractMesh: anything with .shape {name: size}
+BTHD_KEEP = (0, 2)  # batch and heads of a [B, T, H, D] tensor
 
 
 def _entry(names: Sequence[str]) -> AxisEntry:
@@ -66,12 +67,10 @@ def stable_spec(
 
 def query_sequence_shards(query_shape: Sequence[int], mesh: Mesh, axes: MeshAxes) -> int:
   """How many shards the query sequence of a public [B, T, Hq, D] query is split into."""
-  batch, query_len, num_heads, head_dim = query_shape
-  if query_len == 1:
+  if query_shape[1] == 1:
     return 1
-  spec = stable_spec((axes.batch, axes.heads, axes.sequence), (batch, num_heads, query_len, head_dim),
-                     mesh)
-  return entry_size(spec[2], mesh)
+  spec = stable_spec((axes.batch, axes.sequence, axes.heads), query_shape, mesh, keep=BTHD_KEEP)
+  return entry_size(spec[1], mesh)
 
 
 def kv_head_repeats(num_heads: int, num_kv_heads: int, head_shards: int) -> int:
@@ -90,27 +89,27 @@ def attention_specs(
     mesh: Mesh,
     axes: MeshAxes,
     mode: Mode,
-) -> tuple[KernelInputs, PartitionSpec, int]:
-  """Specs for every kernel input and the output, and the kv-head repeat factor.
+) -> tuple[KernelInputs, KernelOutput, int]:
+  """Specs for every kernel input and output, and the kv-head repeat factor.
 
   Args:
-    x: the (global) kernel inputs; only shapes are read.
+    x: the (global) kernel inputs, BTHD; only shapes are read.
     mesh: the device mesh.
     axes: which mesh axes carry batch, heads and query sequence.
     mode: DECODE never shards the query axis.
 
   Returns:
-    (in_specs, out_spec, kv_repeats): a KernelInputs of PartitionSpecs (None
-    where the input is None), the output [B, Hq, T, Dv] spec, and how often
-    each kv head must be repeated before sharding (see `kv_head_repeats`).
+    (in_specs, out_specs, kv_repeats): a KernelInputs of PartitionSpecs (None
+    where the input is None); a KernelOutput of specs for the output
+    [B, T, Hq, Dv], the log-sum-exp [B, T, Hq] and the weights [B, Hq, T, S];
+    and how often each kv head must be repeated before sharding.
   """
-  batch, num_heads, query_len, _ = x.query.shape
-  num_kv_heads = x.key.shape[1]
+  batch, _, num_heads, _ = x.query.shape
   sequence = None if mode is Mode.DECODE else axes.sequence
-  q_spec = stable_spec((axes.batch, axes.heads, sequence), x.query.shape, mesh)
-  batch_entry, head_entry, seq_entry = q_spec[0], q_spec[1], q_spec[2]
-  repeats = kv_head_repeats(num_heads, num_kv_heads, entry_size(head_entry, mesh))
-  kv_spec = PartitionSpec(batch_entry, head_entry, None, None)
+  q_spec = stable_spec((axes.batch, sequence, axes.heads), x.query.shape, mesh, keep=BTHD_KEEP)
+  batch_entry, seq_entry, head_entry = q_spec[0], q_spec[1], q_spec[2]
+  repeats = kv_head_repeats(num_heads, x.key.shape[2], entry_size(head_entry, mesh))
+  kv_spec = PartitionSpec(batch_entry, None, head_entry, None)
   q_rows = PartitionSpec(batch_entry, seq_entry)
   kv_rows = PartitionSpec(batch_entry, None)
   mask_spec = None
@@ -120,7 +119,7 @@ def attention_specs(
                               seq_entry, None)
   present = lambda value, spec: None if value is None else spec
   in_specs = KernelInputs(
-      query=PartitionSpec(batch_entry, head_entry, seq_entry, None),
+      query=PartitionSpec(batch_entry, seq_entry, head_entry, None),
       key=kv_spec,
       value=kv_spec,
       q_positions=q_rows,
@@ -130,4 +129,7 @@ def attention_specs(
       mask=present(x.mask, mask_spec),
       sinks=present(x.sinks, PartitionSpec(head_entry, None)),
   )
-  return in_specs, PartitionSpec(batch_entry, head_entry, seq_entry, None), repeats
+  out_specs = KernelOutput(out=PartitionSpec(batch_entry, seq_entry, head_entry, None),
+                           lse=PartitionSpec(batch_entry, seq_entry, head_entry),
+                           weights=PartitionSpec(batch_entry, head_entry, seq_entry, None))
+  return in_specs, out_specs, repeats

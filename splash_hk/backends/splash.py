@@ -1,4 +1,4 @@
-"""JAX's Pallas TPU splash kernel (runs on CPU with `interpret=True`), adapted to our semantics.
+"""The splash backend: JAX's Pallas TPU splash kernel (CPU with `interpret=True`), adapted.
 
 Splash masks are static: they see row/column indices, not traced positions, so
 this path serves the default (end-aligned) positions only; the selector sends
@@ -19,8 +19,9 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from splash_hk import masks
+from splash_hk.backends import base
 from splash_hk.config import AttentionConfig
-from splash_hk.inputs import KernelInputs
+from splash_hk.types import Facts, KernelInputs, KernelOutput, Mode
 
 LANE = 128  # splash blocks are multiples of this
 # A sink this low adds exp(-1e30 - m) == 0 to every real row, but gives a row
@@ -28,8 +29,31 @@ LANE = 128  # splash blocks are multiples of this
 _SILENT_SINK = -1e30
 
 
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
+def why_not(facts: Facts, hardware: str) -> str | None:
+  """Why JAX's Pallas splash kernel cannot serve this call, or None."""
+  config, query_len, kv_len = facts.config, facts.query_len, facts.kv_len
+  shards = facts.sequence_shards
+  if facts.return_weights:
+    return base.WEIGHTS_REFUSAL
+  if hardware != "tpu" and not config.interpret:
+    return (f"the Pallas splash kernel needs a TPU (this is {hardware}); set "
+            "AttentionConfig(interpret=True) to run it in interpret mode")
+  if facts.mode is Mode.DECODE:
+    return "decode (T == 1): one query row does not fill a splash block"
+  if shards > 1 and query_len // shards < LANE:
+    return (f"query_len {query_len} in {shards} sequence shards: a shard shorter "
+            f"than one {LANE}-row splash block is cheaper unpadded")
+  if min(query_len, kv_len) < LANE:
+    return (f"query_len {query_len} / kv_len {kv_len}: a sequence shorter than one "
+            f"{LANE}-row splash block is cheaper unpadded")
+  if facts.mask_shape is not None:
+    return "a dense mask was given: a traced mask cannot be proven a segment mask"
+  if not facts.default_positions:
+    return ("explicit q_positions/kv_positions were given and splash masks are static "
+            "(built from indices at trace time)")
+  if any(b % LANE for b in config.block_sizes.resolve(LANE, LANE)):
+    return f"splash block sizes must be multiples of {LANE}, got {config.block_sizes}"
+  return None
 
 
 class PositionMask(splash_mask._ComputableMask):  # pylint: disable=protected-access
@@ -57,11 +81,11 @@ def padded_layout(query_len: int, kv_len: int, block_sizes) -> tuple[tuple[int, 
     ((block_q, block_kv, block_q_bwd, block_kv_bwd), padded_query_len, padded_kv_len).
   """
   fwd_q, fwd_kv, bwd_q, bwd_kv = block_sizes.resolve(LANE, LANE)
-  q_cap, kv_cap = _round_up(query_len, LANE), _round_up(kv_len, LANE)
+  q_cap, kv_cap = base.round_up(query_len, LANE), base.round_up(kv_len, LANE)
   bq, bq_bwd = min(fwd_q, q_cap), min(bwd_q, q_cap)
   bkv, bkv_bwd = min(fwd_kv, kv_cap), min(bwd_kv, kv_cap)
-  return ((bq, bkv, bq_bwd, bkv_bwd), _round_up(query_len, math.lcm(bq, bq_bwd)),
-          _round_up(kv_len, math.lcm(bkv, bkv_bwd)))
+  return ((bq, bkv, bq_bwd, bkv_bwd), base.round_up(query_len, math.lcm(bq, bq_bwd)),
+          base.round_up(kv_len, math.lcm(bkv, bkv_bwd)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,23 +110,26 @@ def build_kernel(*, padded: tuple[int, int], offset: int, heads: int, is_mqa: bo
                 interpret=config.interpret)
 
 
-def run_splash(x: KernelInputs, config: AttentionConfig, sequence_shards: int = 1) -> jax.Array:
-  """Splash attention on one shard: KernelInputs (default positions) -> [B, Hq, T, Dv].
+def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
+  """Splash attention on one shard: KernelInputs (default positions) -> out [B, T, Hq, Dv].
 
-  With `sequence_shards` n > 1, `x` holds one of n equal, consecutive query
-  slices (T = T_global / n) and its positions are the defaults over the whole
-  query. The mask of slice i is the static mask shifted by i * T, so one
+  With `facts.sequence_shards` n > 1, `x` holds one of n equal, consecutive
+  query slices (T = T_global / n) and its positions are the defaults over the
+  whole query. The mask of slice i is the static mask shifted by i * T, so one
   kernel per slice is built (once per shape) and `lax.switch` runs the slice's
   own, chosen by its first query position.
   """
-  if sequence_shards == 1:
-    return _run_at_offset(x, config, x.key.shape[2] - x.query.shape[2])
+  x = x._replace(query=base.to_bhtd(x.query), key=base.to_bhtd(x.key),
+                 value=base.to_bhtd(x.value))  # [B, H, T, D]
+  config, sequence_shards = facts.config, facts.sequence_shards
   query_len, kv_len = x.query.shape[2], x.key.shape[2]
+  if sequence_shards == 1:
+    return KernelOutput(base.to_bhtd(_run_at_offset(x, config, kv_len - query_len)))
   first = kv_len - sequence_shards * query_len  # position of the global query's row 0
   index = jnp.clip((x.q_positions[0, 0] - first) // query_len, 0, sequence_shards - 1)
   branches = [functools.partial(_run_at_offset, config=config, offset=first + i * query_len)
               for i in range(sequence_shards)]
-  return jax.lax.switch(index, branches, x)
+  return KernelOutput(base.to_bhtd(jax.lax.switch(index, branches, x)))
 
 
 def _run_at_offset(x: KernelInputs, config: AttentionConfig, offset: int) -> jax.Array:
@@ -111,12 +138,10 @@ def _run_at_offset(x: KernelInputs, config: AttentionConfig, offset: int) -> jax
   num_kv_heads, kv_len = x.key.shape[1], x.key.shape[2]
   groups = num_heads // num_kv_heads
   blocks, t_pad, s_pad = padded_layout(query_len, kv_len, config.block_sizes)
-  scale = config.softmax_scale or head_dim**-0.5
-  pad = lambda a, n, axis: jnp.pad(a, [(0, n - a.shape[axis]) if i == axis else (0, 0)
-                                       for i in range(a.ndim)])
-  q = pad(x.query * jnp.asarray(scale, x.query.dtype), t_pad, 2)  # [B, Hq, Tp, D]
-  k = pad(x.key, s_pad, 2)  # [B, Hkv, Sp, D]
-  v = pad(x.value, s_pad, 2)  # [B, Hkv, Sp, Dv]
+  q = base.pad_axis(x.query * jnp.asarray(config.scale(head_dim), x.query.dtype), 2,
+                    t_pad)  # [B, Hq, Tp, D]
+  k = base.pad_axis(x.key, 2, s_pad)  # [B, Hkv, Sp, D]
+  v = base.pad_axis(x.value, 2, s_pad)  # [B, Hkv, Sp, Dv]
   q_seg, kv_seg = x.q_segment_ids, x.kv_segment_ids
   segment_ids = None
   if q_seg is not None or t_pad != query_len or s_pad != kv_len:
@@ -124,11 +149,10 @@ def _run_at_offset(x: KernelInputs, config: AttentionConfig, offset: int) -> jax
       q_seg = jnp.zeros((batch, query_len), jnp.int32)
       kv_seg = jnp.zeros((batch, kv_len), jnp.int32)
     q_seg, kv_seg = masks.disjoint_padding(q_seg, kv_seg)
-    segment_ids = splash.SegmentIds(
-        q=jnp.pad(q_seg, ((0, 0), (0, t_pad - query_len)), constant_values=-1),  # [B, Tp]
-        kv=jnp.pad(kv_seg, ((0, 0), (0, s_pad - kv_len)), constant_values=-2))  # [B, Sp]
+    segment_ids = splash.SegmentIds(q=base.pad_axis(q_seg, 1, t_pad, -1),  # [B, Tp]
+                                    kv=base.pad_axis(kv_seg, 1, s_pad, -2))  # [B, Sp]
   sinks = (jnp.full((num_heads,), _SILENT_SINK, jnp.float32) if x.sinks is None
-           else jax.nn.logsumexp(x.sinks, axis=-1))  # [Hq]
+           else base.sink_logsumexp(x.sinks))  # [Hq]
   kernel = build_kernel(padded=(t_pad, s_pad), offset=offset,
                         heads=groups if groups > 1 else num_heads, is_mqa=groups > 1,
                         config=config, blocks=blocks)
@@ -144,3 +168,6 @@ def _run_at_offset(x: KernelInputs, config: AttentionConfig, offset: int) -> jax
   out = jax.vmap(per_example, in_axes=(0, 0, 0, seg_axes))(q, k, v, segment_ids)
   out = out.reshape(batch, num_heads, t_pad, -1)[:, :, :query_len]  # [B, Hq, T, Dv]
   return out.astype(x.query.dtype)
+
+
+BACKEND = base.Backend(name="splash", why_not=why_not, attend=attend)

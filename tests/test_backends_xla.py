@@ -1,4 +1,4 @@
-"""The block-sparse XLA path: many tiles per call, the static plan, memory."""
+"""The xla backend (splash_hk/backends/xla.py): many tiles per call, the static plan, memory."""
 
 import functools
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import splash_hk as sh
-from splash_hk import blocksparse_xla
+from splash_hk.backends import xla
 from cases import CASES, Case
 
 TILES = [sh.BlockSizes(4, 8, 8, 4), sh.BlockSizes(5, 3, 3, 7)]
@@ -53,7 +53,7 @@ def test_many_tiles_gradients_match_oracle(name):
 
 def _plan(t, s, block, **rules):
   rules = dict(dict(causal=True, window=None, chunk_size=None, default_positions=True), **rules)
-  return blocksparse_xla.make_plan(t, s, block_q=block, block_kv=block, **rules)
+  return xla.make_plan(t, s, block_q=block, block_kv=block, **rules)
 
 
 def test_plan_skips_invisible_blocks():
@@ -78,10 +78,10 @@ def test_plan_first_and_last_mark_query_blocks():
 
 
 def test_default_tiles_follow_the_mask():
-  assert blocksparse_xla.default_tiles(sh.AttentionConfig()) == (512, 512, 512, 128)
-  assert blocksparse_xla.default_tiles(sh.AttentionConfig(sliding_window=(512, 0))) == (256,) * 3 + (128,)
-  assert blocksparse_xla.default_tiles(sh.AttentionConfig(sliding_window=(64, 64)))[:2] == (128, 128)
-  assert blocksparse_xla.default_tiles(sh.AttentionConfig(sliding_window=(4096, 0)))[:2] == (512, 512)
+  assert xla.default_tiles(sh.AttentionConfig()) == (512, 512, 512, 128)
+  assert xla.default_tiles(sh.AttentionConfig(sliding_window=(512, 0))) == (256,) * 3 + (128,)
+  assert xla.default_tiles(sh.AttentionConfig(sliding_window=(64, 64)))[:2] == (128, 128)
+  assert xla.default_tiles(sh.AttentionConfig(sliding_window=(4096, 0)))[:2] == (512, 512)
 
 
 def test_causal_16k_forward_and_backward_memory_is_linear():

@@ -1,4 +1,4 @@
-"""The GPU (ejkernel Triton) path on CPU, up to the kernel call: selection, config, arguments.
+"""The triton backend (ejkernel's GPU kernel) on CPU, up to the kernel call: limits, arguments.
 
 The kernel itself runs only on a GPU (tests/test_gpu.py, `make gpu-check`).
 """
@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 import splash_hk as sh
-from splash_hk import _ejkernel
-from splash_hk import inputs as inputs_lib
+from splash_hk import inputs
 from splash_hk import kernel
+from splash_hk.backends import _ejkernel
+from splash_hk.types import Extras
 
 
 class _RecordingOp:
@@ -44,9 +45,9 @@ def test_triton_gets_end_aligned_positions_disjoint_padding_and_explicit_config(
   kv_seg = np.zeros((b, s), np.int32)
   kv_seg[1, :3] = -3
   sinks = np.arange(8, dtype=np.float32).reshape(4, 2)
-  x = inputs_lib.prepare(q, kv, kv, config=config, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                         softmax_aux=sinks)
-  out = kernel.run("triton", x, config, default_positions=True)
+  extras = Extras(q_segment_ids=q_seg, kv_segment_ids=kv_seg, softmax_aux=sinks)
+  x, facts = inputs.normalise(q, kv, kv, config=config, extras=extras)
+  out = kernel.run("triton", x, facts).out
   (call,) = op.calls
   np.testing.assert_array_equal(call["q_positions"], np.tile(np.arange(t) + s - t, (b, 1)))
   np.testing.assert_array_equal(call["kv_positions"], np.tile(np.arange(s), (b, 1)))
@@ -61,7 +62,7 @@ def test_triton_gets_end_aligned_positions_disjoint_padding_and_explicit_config(
   assert (cfg.bwd_params.q_blocksize, cfg.bwd_params.kv_blocksize) == (64, 32)
   # Padding query rows are zeroed after the kernel.
   out = np.asarray(out)
-  assert np.all(out[0, :, -5:] == 0) and np.all(out[0, :, :-5] == 1) and np.all(out[1] == 1)
+  assert np.all(out[0, -5:] == 0) and np.all(out[0, :-5] == 1) and np.all(out[1] == 1)
 
 
 @pytest.mark.parametrize("kwargs,needle", [

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import splash_hk as sh
-from splash_hk import splash_tpu
+from splash_hk.backends import splash as splash_tpu
 from cases import Case
 
 SPLASH = dict(platform="splash", interpret=True, allow_fallback=False)

@@ -1,4 +1,4 @@
-"""Block-sparse attention in pure JAX: the portable ("xla") backend.
+"""Block-sparse attention in pure JAX: the portable ("xla") backend, on any hardware.
 
 The static part of the mask (causal, window, chunk over the default
 end-aligned positions) decides at trace time which (query block, key block)
@@ -21,12 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from splash_hk import masks
+from splash_hk.backends import base
 from splash_hk.config import AttentionConfig
-from splash_hk.inputs import KernelInputs
-
-
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
+from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # identity: it holds arrays
@@ -37,7 +34,7 @@ class Plan:
   block_kv: int
   padded_q: int
   padded_kv: int
-  static: bool  # block skipping from default positions (else every pair is computed and masked)
+  default_positions: bool  # block skipping from indices (else every pair is computed and masked)
   q_block: np.ndarray  # [P] query block of each pair, grouped by query block
   kv_block: np.ndarray  # [P] key block of each pair
   masked: np.ndarray  # [P] whether the pair needs an element mask
@@ -50,20 +47,12 @@ def make_plan(query_len: int, kv_len: int, *, causal: bool, window: tuple[int, i
               chunk_size: int | None, default_positions: bool, block_q: int, block_kv: int) -> Plan:
   """Which (query block, key block) pairs can see a key (cached per static shape and config)."""
   block_q, block_kv = min(block_q, query_len), min(block_kv, kv_len)
-  padded_q, padded_kv = _round_up(query_len, block_q), _round_up(kv_len, block_kv)
-  q_pos = np.arange(query_len) + (kv_len - query_len)  # [T]
-  lo = np.zeros(query_len, np.int64)
-  hi = np.full(query_len, kv_len - 1, np.int64)  # inclusive
+  padded_q, padded_kv = base.round_up(query_len, block_q), base.round_up(kv_len, block_kv)
   if default_positions:
-    if causal:
-      hi = np.minimum(hi, q_pos)
-    if window is not None:
-      lo = np.maximum(lo, q_pos - window[0])
-      hi = np.minimum(hi, q_pos + window[1])
-    if chunk_size is not None:
-      first = (q_pos // chunk_size) * chunk_size
-      lo = np.maximum(lo, first)
-      hi = np.minimum(hi, first + chunk_size - 1)
+    lo, hi = masks.visible_interval(np.arange(query_len) + (kv_len - query_len), kv_len,
+                                    causal=causal, window=window, chunk_size=chunk_size)
+  else:
+    lo, hi = np.zeros(query_len, np.int64), np.full(query_len, kv_len - 1, np.int64)
   pairs = []
   for i in range(padded_q // block_q):
     rows = slice(i * block_q, min((i + 1) * block_q, query_len))
@@ -90,13 +79,13 @@ class _Blocks:
   """Block views of one call's inputs (padded, kernel layout, GQA-grouped)."""
 
   def __init__(self, x: KernelInputs, config: AttentionConfig, plan: Plan):
+    """`x` in BHTD layout (query [B, Hq, T, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv])."""
     batch, num_heads, query_len, head_dim = x.query.shape
     self.num_kv_heads, self.kv_len = x.key.shape[1], x.key.shape[2]
     self.groups = num_heads // self.num_kv_heads
     self.query_len, self.plan, self.config, self.x = query_len, plan, config, x
-    self.scale = config.softmax_scale or head_dim**-0.5
-    pad = lambda a, axis, n: jnp.pad(a, [(0, n - a.shape[axis]) if d == axis else (0, 0)
-                                         for d in range(a.ndim)])
+    self.scale = config.scale(head_dim)
+    pad = lambda a, axis, n: base.pad_axis(a, axis, n)
     q = (x.query * jnp.asarray(self.scale, x.query.dtype)).reshape(
         batch, self.num_kv_heads, self.groups, query_len, head_dim)
     self.q = pad(q, 3, plan.padded_q)  # [B, Hkv, G, Tp, D]
@@ -136,7 +125,7 @@ class _Blocks:
     k_idx = j * plan.block_kv + jnp.arange(plan.block_kv, dtype=jnp.int32)  # [bk]
     mask = (q_idx[:, None] < self.query_len) & (k_idx[None, :] < self.kv_len)  # padding
     mask = mask[None, None, None]  # [1, 1, 1, bq, bk]
-    if plan.static:
+    if plan.default_positions:
       pos = masks.position_rules(q_idx[:, None] + (self.kv_len - self.query_len), k_idx[None, :],
                                  **rules)
       if pos is not None:
@@ -158,7 +147,7 @@ class _Blocks:
     dynamic masks (segments, dense mask) skip the element mask."""
     s, t = self.logits(q, k)
     apply = lambda s: jnp.where(self.element_mask(i, j), s, -jnp.inf)
-    if self.q_seg is not None or self.mask is not None or not self.plan.static:
+    if self.q_seg is not None or self.mask is not None or not self.plan.default_positions:
       return apply(s), t
     return jax.lax.cond(needs_mask, apply, lambda s: s, s), t
 
@@ -214,13 +203,17 @@ def _forward(x: KernelInputs, config: AttentionConfig, plan: Plan):
   return out[:, :, :, :blocks.query_len], lse[:, :, :, :blocks.query_len]
 
 
-def _backward(x: KernelInputs, config: AttentionConfig, plan: Plan, out, lse, d_out):
-  """Gradients of q, k, v, sinks from saved out/lse (probabilities recomputed per block pair)."""
+def _backward(x: KernelInputs, config: AttentionConfig, plan: Plan, out, lse, d_out, d_lse):
+  """Gradients of q, k, v, sinks from saved out/lse (probabilities recomputed per block pair).
+
+  `d_lse` is the cotangent of the log-sum-exp output: d lse_i / d s_ij = p_ij,
+  so it enters exactly where `delta` does, with the opposite sign.
+  """
   blocks = _Blocks(x, config, plan)
   pad_rows = lambda a, fill=0.0: jnp.pad(a, [(0, 0)] * 3 + [(0, plan.padded_q - a.shape[3])]
                                          + [(0, 0)] * (a.ndim - 4), constant_values=fill)
   d_out = d_out.astype(jnp.float32)  # [B, Hkv, G, T, Dv]
-  delta = jnp.sum(d_out * out.astype(jnp.float32), axis=-1)  # [B, Hkv, G, T]
+  delta = jnp.sum(d_out * out.astype(jnp.float32), axis=-1) - d_lse  # [B, Hkv, G, T]
   d_out_p, delta_p, lse_p = pad_rows(d_out), pad_rows(delta), pad_rows(lse, jnp.inf)
   tables = [jnp.asarray(a) for a in (plan.q_block, plan.kv_block, plan.masked)]
 
@@ -269,35 +262,56 @@ def default_tiles(config: AttentionConfig) -> tuple[int, int, int, int]:
   return fwd_q, fwd_kv, bwd_q, bwd_kv
 
 
-def run_blocksparse(x: KernelInputs, config: AttentionConfig, default_positions: bool) -> jax.Array:
-  """Block-sparse attention on one shard: KernelInputs -> [B, Hq, T, Dv].
+def why_not(facts: Facts, hardware: str) -> str | None:
+  """The xla path serves every call except one that asks for the weights."""
+  del hardware
+  return base.WEIGHTS_REFUSAL if facts.return_weights else None
 
-  Tiles: `config.block_sizes` where set, else `default_tiles(config)`.
+
+def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
+  """Block-sparse attention on one shard: KernelInputs -> out [B, T, Hq, Dv], lse [B, T, Hq].
+
+  Tiles: `config.block_sizes` where set, else `default_tiles(config)`. The
+  log-sum-exp (-inf for a row with nothing to attend to) is differentiable.
   """
-  batch, num_heads, query_len, _ = x.query.shape
+  config = facts.config
+  batch, query_len, num_heads, _ = x.query.shape
   tiles = config.block_sizes.resolve(*default_tiles(config))
   plan_for = functools.partial(
-      make_plan, query_len, x.key.shape[2], causal=config.causal, window=config.window,
-      chunk_size=config.chunk_size, default_positions=default_positions)
+      make_plan, query_len, x.key.shape[1], **facts.rules,
+      default_positions=facts.default_positions and facts.sequence_shards == 1)
   plan, backward_plan = plan_for(block_q=tiles[0], block_kv=tiles[1]), plan_for(
       block_q=tiles[2], block_kv=tiles[3])
 
   # Everything goes in as arguments (no closure over tracers, so remat/jit nest safely);
   # integer and boolean inputs get no cotangent (None).
   @jax.custom_vjp
-  def attend(x):
-    return _forward(x, config, plan)[0]
+  def run(y):
+    return _public_lse(*_forward(y, config, plan))
 
-  def attend_fwd(x):
-    out, lse = _forward(x, config, plan)
-    return out, (x, out, lse)
+  def run_fwd(y):
+    out, lse = _forward(y, config, plan)
+    return _public_lse(out, lse), (y, out, lse)
 
-  def attend_bwd(residuals, d_out):
+  def run_bwd(residuals, cotangents):
     y, out, lse = residuals
-    dq, dk, dv, d_sinks = _backward(y, config, backward_plan, out, lse, d_out)
+    d_out, d_lse = cotangents
+    dq, dk, dv, d_sinks = _backward(y, config, backward_plan, out, lse, d_out, d_lse)
     zeros = jax.tree.map(lambda _: None, y)
     return (zeros._replace(query=dq, key=dk, value=dv, sinks=d_sinks),)
 
-  attend.defvjp(attend_fwd, attend_bwd)
-  out = attend(x)  # [B, Hkv, G, T, Dv]
-  return out.reshape(batch, num_heads, query_len, -1)
+  run.defvjp(run_fwd, run_bwd)
+  out, lse = run(x._replace(query=base.to_bhtd(x.query), key=base.to_bhtd(x.key),
+                            value=base.to_bhtd(x.value)))  # [B, Hkv, G, T, Dv], [B, Hkv, G, T]
+  out = out.reshape(batch, num_heads, query_len, -1)  # [B, Hq, T, Dv]
+  lse = lse.reshape(batch, num_heads, query_len)  # [B, Hq, T]
+  return KernelOutput(base.to_bhtd(out), jnp.swapaxes(lse, 1, 2))
+
+
+def _public_lse(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The forward's lse marks a row with nothing to attend to +inf (so its probabilities
+  recompute to 0); its true log-sum-exp is -inf."""
+  return out, jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+
+BACKEND = base.Backend(name="xla", why_not=why_not, attend=attend)

@@ -1,0 +1,61 @@
+"""The interface every backend implements, and the small helpers they share.
+
+A backend is a `Backend`: a name, `why_not(facts, hardware)` (why it cannot
+serve a call, or None: its own limits, consulted by the selector in order) and
+`attend(x, facts)`, which runs it on one shard of KernelInputs and returns a
+KernelOutput. Adding a backend is one file that defines one of these and one
+line in `splash_hk.kernel.BACKENDS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from splash_hk.types import Facts, KernelInputs, KernelOutput
+
+WhyNot = Callable[[Facts, str], "str | None"]
+Attend = Callable[[KernelInputs, Facts], KernelOutput]
+
+WEIGHTS_REFUSAL = "attention weights were requested and only the reference path materialises them"
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """A kernel backend: its limits and its call, with the same signature for all.
+
+  Attributes:
+    name: the platform name ("splash", "triton", "xla", "reference").
+    why_not: (facts, hardware) -> why this backend cannot serve the call, or None.
+    attend: (KernelInputs of one shard, facts) -> KernelOutput; `out` always,
+      `lse` where the backend computes it, `weights` when asked for and served.
+  """
+
+  name: str
+  why_not: WhyNot
+  attend: Attend
+
+
+def round_up(n: int, multiple: int) -> int:
+  """The smallest multiple of `multiple` that is >= n."""
+  return -(-n // multiple) * multiple
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+  """`x` padded at the end of `axis` to `size` with `value`."""
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def sink_logsumexp(sinks: jax.Array) -> jax.Array:
+  """[Hq, n] -> [Hq]: n sinks of a head act exactly as one sink of their logsumexp."""
+  return jax.nn.logsumexp(sinks, axis=-1)
+
+
+def to_bhtd(x: jax.Array) -> jax.Array:
+  """[B, T, H, D] <-> [B, H, T, D] (its own inverse)."""
+  return jnp.swapaxes(x, 1, 2)

@@ -1,0 +1,68 @@
+"""The triton backend: ejkernel's Triton block-sparse kernel (GPU), adapted to our semantics.
+
+It masks from positions and segment ids, so it gets the explicit (end-aligned)
+positions and segment ids whose padding can never match; rows that are padding
+are zeroed afterwards. Its limits: a GPU, no chunked or dense masks (it ignores
+`chunk_size` and would turn a dense mask into segment ids), query blocks of 16
+or more rows (no decode) and head dims that are multiples of 16.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from splash_hk import masks
+from splash_hk.backends import _ejkernel
+from splash_hk.backends import base
+from splash_hk.types import Facts, KernelInputs, KernelOutput, Mode
+
+
+def why_not(facts: Facts, hardware: str) -> str | None:
+  """Why ejkernel's Triton kernel cannot serve this call, or None."""
+  if facts.return_weights:
+    return base.WEIGHTS_REFUSAL
+  if hardware != "gpu":
+    return f"ejkernel's Triton kernel needs a GPU (this is {hardware})"
+  if facts.mode is Mode.DECODE:
+    return "decode (T == 1): ejkernel's Triton kernel tiles queries in blocks of 16 or more"
+  if facts.head_dim % 16 or facts.value_dim % 16:
+    return (f"head dims {facts.head_dim} / {facts.value_dim} are not multiples of 16, which "
+            "ejkernel's Triton kernel needs")
+  if facts.mask_shape is not None:
+    return ("a dense mask was given and ejkernel's Triton kernel would turn it into segment "
+            "ids (a traced mask cannot be proven a segment mask)")
+  if facts.config.chunk_size is not None:
+    return "chunked masks: ejkernel's Triton kernel ignores chunk_size"
+  return None
+
+
+def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
+  """ejkernel's Triton kernel on one shard: KernelInputs -> out [B, T, Hq, Dv]."""
+  config = facts.config
+  batch, query_len = x.query.shape[:2]
+  kv_len = x.key.shape[1]
+  q_seg = jnp.zeros((batch, query_len), jnp.int32) if x.q_segment_ids is None else x.q_segment_ids
+  kv_seg = jnp.zeros((batch, kv_len), jnp.int32) if x.kv_segment_ids is None else x.kv_segment_ids
+  q_seg, kv_seg = masks.disjoint_padding(q_seg, kv_seg)
+  out = _ejkernel.blocksparse_op().run(
+      query=base.to_bhtd(x.query),  # [B, Hq, T, D]
+      key=base.to_bhtd(x.key),  # [B, Hkv, S, D]
+      value=base.to_bhtd(x.value),  # [B, Hkv, S, Dv]
+      q_segment_ids=q_seg,
+      kv_segment_ids=kv_seg,
+      q_positions=x.q_positions,
+      kv_positions=x.kv_positions,
+      softmax_aux=None if x.sinks is None else base.sink_logsumexp(x.sinks).astype(x.query.dtype),
+      logits_soft_cap=config.logits_soft_cap,
+      softmax_scale=facts.scale,
+      sliding_window=config.window,
+      causal=config.causal,
+      fused_backward=config.fused_backward,
+      platform="triton",
+      cfg=_ejkernel.blocksparse_config(config, "triton", num_warps=4, num_stages=2),
+  )  # [B, Hq, T, Dv]
+  out = jnp.where((q_seg >= 0)[:, :, None, None], base.to_bhtd(out), 0)  # [B, T, Hq, Dv]
+  return KernelOutput(out.astype(x.query.dtype))
+
+
+BACKEND = base.Backend(name="triton", why_not=why_not, attend=attend)

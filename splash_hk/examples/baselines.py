@@ -1,0 +1,61 @@
+"""The implementations the bench compares splash_hk against (not part of the library).
+
+- `jax_nn`: `jax.nn.dot_product_attention(implementation="xla")`, dense.
+- `ejkernel_xla`: ejkernel's XLA block-sparse attention, adapted to our
+  semantics. Its dense core aligns causal masks top-left whatever the
+  positions and ignores `chunk_size`, so it gets the whole mask, built by
+  `splash_hk.masks.full_mask` from end-aligned positions, with `causal=False`;
+  sinks go in as one logsumexp sink per query head. It reads only head 0 of a
+  dense mask, so per-head masks are refused.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import splash_hk as sh
+from splash_hk import inputs
+from splash_hk import masks
+from splash_hk.backends import _ejkernel
+from splash_hk.backends import base
+from splash_hk.types import Extras
+
+
+def ejkernel_xla(q: jax.Array, k: jax.Array, v: jax.Array, config: sh.AttentionConfig,
+                 **extras) -> jax.Array:
+  """ejkernel's XLA block-sparse path: q [B, T, Hq, D], k, v -> [B, T, Hq, Dv]."""
+  x, facts = inputs.normalise(q, k, v, config=config, extras=Extras(**extras))
+  if x.mask is not None and x.mask.shape[1] > 1:
+    raise ValueError("ejkernel's XLA block-sparse path reads only head 0 of a dense mask.")
+  mask = masks.full_mask(
+      q_positions=x.q_positions, kv_positions=x.kv_positions, **facts.rules,
+      q_segment_ids=x.q_segment_ids, kv_segment_ids=x.kv_segment_ids, mask=x.mask)  # [B|1, 1, T, S]
+  mask = jnp.broadcast_to(mask, (q.shape[0], *mask.shape[1:]))  # [B, 1, T, S]
+  out = _ejkernel.blocksparse_op().run(
+      query=base.to_bhtd(x.query),
+      key=base.to_bhtd(x.key),
+      value=base.to_bhtd(x.value),
+      softmax_aux=None if x.sinks is None else base.sink_logsumexp(x.sinks).astype(q.dtype),
+      attention_mask=mask,
+      logits_soft_cap=config.logits_soft_cap,
+      softmax_scale=facts.scale,
+      causal=False,
+      fused_backward=config.fused_backward,
+      platform="xla",
+      cfg=_ejkernel.blocksparse_config(config, "xla"),
+  )  # [B, Hq, T, Dv]
+  return base.to_bhtd(out).astype(q.dtype)
+
+
+def jax_nn(q: jax.Array, k: jax.Array, v: jax.Array, nn_kwargs: dict) -> jax.Array:
+  """jax.nn.dot_product_attention with `nn_kwargs`; "chunk" is passed as a dense mask."""
+  kwargs = dict(nn_kwargs)
+  chunk = kwargs.pop("chunk", None)
+  if chunk is not None:  # jax.nn has no chunked mask
+    t = np.arange(q.shape[1])
+    kwargs["mask"] = (t[:, None] >= t[None, :]) & (t[:, None] // chunk == t[None, :] // chunk)
+  if k.shape[2] != q.shape[2]:  # jax.nn's GQA takes repeated kv heads
+    k, v = (jnp.repeat(a, q.shape[2] // k.shape[2], axis=2) for a in (k, v))
+  return jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
