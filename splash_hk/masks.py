@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from splash_hk.types import KernelInputs
+
 ArrayLike = Any  # np.ndarray or jax.Array
 
 
@@ -121,26 +123,22 @@ def disjoint_padding(q_segment_ids: jax.Array, kv_segment_ids: jax.Array
           jnp.where(kv_segment_ids < 0, -2, kv_segment_ids))
 
 
-def full_mask(
-    *,
-    q_positions: jax.Array,
-    kv_positions: jax.Array,
-    causal: bool,
-    window: tuple[int, int] | None,
-    chunk_size: int | None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    mask: jax.Array | None = None,
-) -> jax.Array:
-  """Every rule at once, materialised: [B, 1 or H, T, S] bool (H when `mask` has heads)."""
-  batch, query_len = q_positions.shape
-  kv_len = kv_positions.shape[-1]
+def full_mask(x: KernelInputs, *, causal: bool, window: tuple[int, int] | None,
+              chunk_size: int | None) -> jax.Array:
+  """Every rule at once over a call's positions, segments and dense mask, materialised.
+
+  Returns:
+    [B, 1 or H, T, S] bool (H when `x.mask` has heads).
+  """
+  batch, query_len = x.q_positions.shape
+  kv_len = x.kv_positions.shape[-1]
   out = jnp.ones((batch, 1, query_len, kv_len), jnp.bool_)  # [B, 1, T, S]
-  pos = position_mask(q_positions, kv_positions, causal=causal, window=window, chunk_size=chunk_size)
+  pos = position_mask(x.q_positions, x.kv_positions, causal=causal, window=window,
+                      chunk_size=chunk_size)
   if pos is not None:
     out = out & pos[:, None]
-  if q_segment_ids is not None:
-    out = out & segment_mask(q_segment_ids, kv_segment_ids)[:, None]
-  if mask is not None:
-    out = out & mask
+  if x.q_segment_ids is not None:
+    out = out & segment_mask(x.q_segment_ids, x.kv_segment_ids)[:, None]
+  if x.mask is not None:
+    out = out & x.mask
   return out

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from splash_hk import masks
+from splash_hk.types import KernelInputs
 import oracle
 
 RULES = [dict(causal=c, window=w, chunk_size=k) for c, w, k in itertools.product(
@@ -69,8 +70,8 @@ def test_full_mask_combines_every_rule():
   q_seg = rng.integers(-1, 2, size=(2, 6))
   kv_seg = rng.integers(-1, 2, size=(2, 9))
   dense = rng.random((2, 3, 6, 9)) < 0.7
-  got = masks.full_mask(q_positions=q_pos, kv_positions=kv_pos, causal=True, window=(4, 0),
-                        chunk_size=5, q_segment_ids=q_seg, kv_segment_ids=kv_seg, mask=dense)
+  x = KernelInputs(None, None, None, q_pos, kv_pos, q_seg, kv_seg, dense)
+  got = masks.full_mask(x, causal=True, window=(4, 0), chunk_size=5)
   want = oracle.visible(2, 6, 9, 3, causal=True, window=(4, 0), chunk=5, q_seg=q_seg,
                         kv_seg=kv_seg, mask=dense)
   np.testing.assert_array_equal(np.asarray(got), want)

@@ -29,9 +29,7 @@ def logits_and_mask(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array
   cap = facts.config.logits_soft_cap
   if cap is not None:
     logits = cap * jnp.tanh(logits / cap)
-  mask = masks.full_mask(
-      q_positions=x.q_positions, kv_positions=x.kv_positions, **facts.rules,
-      q_segment_ids=x.q_segment_ids, kv_segment_ids=x.kv_segment_ids, mask=x.mask)  # [B, 1|Hq, T, S]
+  mask = masks.full_mask(x, **facts.rules)  # [B, 1|Hq, T, S]
   mask = mask.reshape(mask.shape[0], -1, groups if mask.shape[1] > 1 else 1, *mask.shape[2:])
   return logits, mask
 
