@@ -21,7 +21,7 @@ from splash_hk.sharding import specs
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Extras, Facts, KernelInputs
 
-__all__ = ("Extras", "facts", "facts_from_shapes", "normalise", "sinks_per_query_head")
+__all__ = ("Extras", "facts", "facts_from_shapes", "normalise")
 
 
 def facts_from_shapes(
@@ -69,6 +69,11 @@ def normalise(query: Any, key: Any, value: Any, *, config: AttentionConfig, extr
   """Validated public arguments -> (KernelInputs with defaults filled in, Facts)."""
   call = facts(query, key, value, config=config, extras=extras, mesh=mesh, axes=axes,
                return_weights=return_weights)
+  sinks = None
+  if extras.softmax_aux is not None:  # [Hq], [Hq, n] or [Hkv, n]: kv-head sinks serve their group
+    sinks = jnp.asarray(extras.softmax_aux, jnp.float32)
+    sinks = sinks.reshape(sinks.shape[0], -1)  # [Hq or Hkv, n]
+    sinks = jnp.repeat(sinks, call.num_heads // sinks.shape[0], axis=0)  # [Hq, n]
   query, key, value = (jnp.asarray(a) for a in (query, key, value))
   if config.runtime_dtype is not None:
     query, key, value = (a.astype(config.runtime_dtype) for a in (query, key, value))
@@ -86,15 +91,6 @@ def normalise(query: Any, key: Any, value: Any, *, config: AttentionConfig, extr
       q_segment_ids=q_seg,  # [B, T] or None
       kv_segment_ids=kv_seg,  # [B, S] or None
       mask=None if extras.mask is None else jnp.asarray(extras.mask),  # [B|1, 1|Hq, T, S]
-      sinks=None if extras.softmax_aux is None else sinks_per_query_head(
-          extras.softmax_aux, call.num_heads),  # [Hq, n]
+      sinks=sinks,  # [Hq, n] or None
   )
   return x, call
-
-
-def sinks_per_query_head(softmax_aux: Any, num_heads: int) -> jax.Array:
-  """[Hq], [Hq, n] or [Hkv, n] -> [Hq, n] float32 (kv-head sinks shared by their group)."""
-  aux = jnp.asarray(softmax_aux, jnp.float32)
-  if aux.ndim == 1:
-    return aux[:, None]  # [Hq, 1]
-  return jnp.repeat(aux, num_heads // aux.shape[0], axis=0)  # [Hq, n]
