@@ -4,18 +4,29 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test bazel-install bazel-test demo multihost-demo bench quickcheck clean gpu-wheels gpu-check
+.PHONY: setup test wheel-check bazel-install bazel-test demo multihost-demo bench quickcheck clean gpu-wheels gpu-check
 
-$(STAMP): setup.py
+LOCK := requirements-lock.txt
+
+$(STAMP): setup.py $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,examples]'
+	$(PY) -m pip install -q -c $(LOCK) -e '.[test,examples,gpu]'
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The built wheel (not an editable install) in a fresh venv, against the lock:
+# it installs, ships py.typed, and runs an attention call from outside the checkout.
+WHEEL_DIR := build/wheel-check
+wheel-check: $(STAMP)
+	rm -rf $(WHEEL_DIR) && $(PYTHON) -m venv $(WHEEL_DIR)/venv
+	$(PY) -m pip wheel -q --no-deps -w $(WHEEL_DIR)/dist .
+	$(WHEEL_DIR)/venv/bin/pip install -q -c $(LOCK) $(WHEEL_DIR)/dist/splash_hk-*.whl
+	cd $(WHEEL_DIR) && venv/bin/python $(CURDIR)/scripts/wheel_check.py
 
 # Debian's bazel-bootstrap (4.2.3) runs offline: WORKSPACE points it at local
 # stand-ins and at .venv's interpreter. Installing it is the one step that needs apt.

@@ -1,4 +1,11 @@
-"""splash_hk: block-sparse ("splash") attention for JAX/Haiku."""
+"""splash_hk: block-sparse ("splash") attention for JAX/Haiku.
+
+Requirements are ranges: lower bounds are the versions this repository tests
+(requirements-lock.txt pins the whole tested environment); there are no upper
+bounds because no newer release is known to break. ejkernel is an extra: it
+requires jax~=0.10.0 itself, so as a hard requirement it would pin the user's
+JAX; only the Triton (GPU) backend and the bench's ejkernel baseline need it.
+"""
 
 import setuptools
 
@@ -7,18 +14,18 @@ setuptools.setup(
     version="0.1.0",
     description="Block-sparse (splash) attention for JAX and Haiku, with explicit shard_map.",
     packages=setuptools.find_packages(include=["splash_hk", "splash_hk.*"]),
+    package_data={"splash_hk": ["py.typed"]},
     python_requires=">=3.11",
     install_requires=[
-        "jax==0.10.2",
-        "jaxlib==0.10.2",
-        "ejkernel==0.0.80.3",
-        "dm-haiku==0.0.17",  # not dm-haiku[jax]: that extra asks for jax>=0.11.
-        "chex==0.1.92",
-        "absl-py==2.5.1",
-        "numpy==2.4.6",
+        "jax>=0.10.2",
+        "dm-haiku>=0.0.17",  # not dm-haiku[jax]: that extra asks for jax>=0.11 (Python 3.12).
+        "chex>=0.1.92",
+        "absl-py>=2.5.1",
+        "numpy>=2.4.6",
     ],
     extras_require={
-        "test": ["pytest==9.2.0", "hypothesis==6.170.17"],
-        "examples": ["optax==0.2.8", "tqdm==4.70.1", "matplotlib==3.11.2"],
+        "gpu": ["ejkernel>=0.0.80.3"],
+        "test": ["pytest>=9.2.0", "hypothesis>=6.170.17"],
+        "examples": ["optax>=0.2.8", "tqdm>=4.70.1", "matplotlib>=3.11.2"],
     },
 )

@@ -1,17 +1,27 @@
-"""ejkernel's block-sparse op, imported once with its caches kept out of the home directory."""
+"""ejkernel (the `splash_hk[gpu]` extra), imported only when a path needs it, caches out of $HOME."""
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 import tempfile
 
 from splash_hk.config import AttentionConfig
 
+MISSING = ("ejkernel is not installed; it comes with the GPU extra: pip install 'splash_hk[gpu]'")
+
+
+def available() -> bool:
+  """Whether ejkernel can be imported (checked without importing it)."""
+  return importlib.util.find_spec("ejkernel") is not None
+
 
 @functools.lru_cache(maxsize=None)
 def _modules():
+  if not available():
+    raise ImportError(MISSING)
   cache = os.path.join(tempfile.gettempdir(), "splash_hk-ejkernel")
   os.environ.setdefault("EJKERNEL_PERSISTENT_CACHE_DIR", cache)
   os.environ.setdefault("COMPILE_FUNC_DIR", os.path.join(cache, "compiled"))

@@ -23,6 +23,8 @@ def why_not(facts: Facts, hardware: str) -> str | None:
     return base.WEIGHTS_REFUSAL
   if hardware != "gpu":
     return f"ejkernel's Triton kernel needs a GPU (this is {hardware})"
+  if not _ejkernel.available():
+    return _ejkernel.MISSING
   if facts.mode is Mode.DECODE:
     return "decode (T == 1): ejkernel's Triton kernel tiles queries in blocks of 16 or more"
   if facts.head_dim % 16 or facts.value_dim % 16:

@@ -295,7 +295,10 @@ def run() -> None:
   train_step, evaluate = make_steps(forward, optimizer)
   params = forward.init(jax.random.PRNGKey(_SEED.value), task.batch(_SEED.value, 0, 2)["inputs"])
   checkpoint = checkpoint_lib.path(_CHECKPOINT_DIR.value)
-  params, opt_state, step = checkpoint_lib.restore(checkpoint, params, optimizer.init(params))
+  try:
+    params, opt_state, step = checkpoint_lib.restore(checkpoint, params, optimizer.init(params))
+  except checkpoint_lib.CheckpointError as e:
+    _fail(str(e))
   state = TrainState(replicate(params, mesh), replicate(opt_state, mesh), step)
   batches = make_batches(task, mesh)
   eval_batch = batches(_SEED.value + 1, 0, _EVAL_BATCH)
