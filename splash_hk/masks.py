@@ -14,7 +14,7 @@ arrays (inside kernels) alike.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +106,93 @@ def visible_pairs(query_len: int, kv_len: int, **rules) -> int:
   q_pos = np.arange(query_len) + (kv_len - query_len)
   lo, hi = visible_interval(q_pos, kv_len, **rules)
   return int(np.maximum(hi - lo + 1, 0).sum())
+
+
+class BlockRanges(NamedTuple):
+  """What the valid entries of each block of a sequence hold: [B, n] arrays (NumPy or jnp).
+
+  An entry is valid when it is inside the sequence and not padding (segment
+  id >= 0). Blocks with no valid entry hold count 0 and empty ranges.
+  """
+
+  count: Any  # valid entries
+  pos_min: Any
+  pos_max: Any
+  seg_min: Any  # 0 when the call has no segment ids
+  seg_max: Any
+
+
+_FAR = 2**30  # beyond every position and segment id: the empty range is [_FAR, -_FAR]
+
+
+def block_ranges(positions: ArrayLike, segment_ids: ArrayLike | None, block: int,
+                 xp: Any = jnp) -> BlockRanges:
+  """Per-block ranges of positions and segment ids over valid entries.
+
+  Args:
+    positions: [B, L] int.
+    segment_ids: [B, L] int or None (no segments: everything valid, segment 0).
+    block: block size; the last block may be partial (its missing entries are invalid).
+    xp: numpy (static plans, work counts) or jax.numpy (inside kernels).
+  """
+  batch, length = positions.shape
+  n = -(-length // block)
+  pad = lambda a, fill: xp.concatenate(
+      [a, xp.full((batch, n * block - length), fill, a.dtype)], axis=1).reshape(batch, n, block)
+  valid = pad(xp.ones((batch, length), bool) if segment_ids is None else segment_ids >= 0, False)
+  pos = pad(positions, 0)
+  seg = pad(xp.zeros_like(positions) if segment_ids is None else segment_ids, 0)
+  lo = lambda a: xp.min(xp.where(valid, a, _FAR), axis=-1)
+  hi = lambda a: xp.max(xp.where(valid, a, -_FAR), axis=-1)
+  return BlockRanges(xp.sum(valid, axis=-1), lo(pos), hi(pos), lo(seg), hi(seg))
+
+
+def blocks_may_see(q: BlockRanges, kv: BlockRanges, *, causal: bool,
+                   window: tuple[int, int] | None, chunk_size: int | None) -> ArrayLike:
+  """Whether some query of block i may see some key of block j: [B, nq, nk] bool.
+
+  A necessary condition from the ranges alone (each rule's, and their
+  conjunction): a pair it rules out has no visible (query, key) pair, whatever
+  the order of the positions and segment ids inside the blocks.
+  """
+  qa = lambda a: a[:, :, None]  # [B, nq, 1]
+  ka = lambda a: a[:, None, :]  # [B, 1, nk]
+  see = (qa(q.count) > 0) & (ka(kv.count) > 0)
+  see = see & (ka(kv.seg_min) <= qa(q.seg_max)) & (qa(q.seg_min) <= ka(kv.seg_max))
+  if causal:
+    see = see & (ka(kv.pos_min) <= qa(q.pos_max))
+  if window is not None:
+    see = see & (ka(kv.pos_max) >= qa(q.pos_min) - window[0])
+    see = see & (ka(kv.pos_min) <= qa(q.pos_max) + window[1])
+  if chunk_size is not None:
+    see = see & (ka(kv.pos_min) // chunk_size <= qa(q.pos_max) // chunk_size)
+    see = see & (qa(q.pos_min) // chunk_size <= ka(kv.pos_max) // chunk_size)
+  return see
+
+
+def blocks_fully_see(q: BlockRanges, kv: BlockRanges, q_block: int, kv_block: int, *,
+                     causal: bool, window: tuple[int, int] | None,
+                     chunk_size: int | None) -> ArrayLike:
+  """Whether every query of block i sees every key of block j: [B, nq, nk] bool.
+
+  Sufficient from the ranges: full blocks with one shared segment whose every
+  position pair passes the rules. Such blocks need no element mask.
+  """
+  qa = lambda a: a[:, :, None]
+  ka = lambda a: a[:, None, :]
+  full = (qa(q.count) == q_block) & (ka(kv.count) == kv_block)
+  full = full & (qa(q.seg_min) == qa(q.seg_max)) & (ka(kv.seg_min) == ka(kv.seg_max))
+  full = full & (qa(q.seg_min) == ka(kv.seg_min))
+  if causal:
+    full = full & (ka(kv.pos_max) <= qa(q.pos_min))
+  if window is not None:
+    full = full & (ka(kv.pos_min) >= qa(q.pos_max) - window[0])
+    full = full & (ka(kv.pos_max) <= qa(q.pos_min) + window[1])
+  if chunk_size is not None:
+    chunk = qa(q.pos_min) // chunk_size
+    full = full & (qa(q.pos_max) // chunk_size == chunk)
+    full = full & (ka(kv.pos_min) // chunk_size == chunk) & (ka(kv.pos_max) // chunk_size == chunk)
+  return full
 
 
 def segment_mask(q_segment_ids: ArrayLike, kv_segment_ids: ArrayLike) -> ArrayLike:

@@ -18,9 +18,11 @@ class KVCache(NamedTuple):
   """A fixed-capacity key/value cache for one attention layer (a pytree).
 
   Attributes:
-    key: [B, S_max, Hkv, D] projected keys; slots >= `length` are unused.
+    key: [B, S_max, Hkv, D] projected keys; row b's slots >= `length[b]` are
+      unused and may hold anything (they are invisible).
     value: [B, S_max, Hkv, Dv] projected values.
-    length: int32 scalar, how many slots hold tokens.
+    length: [B] int32, how many slots of each row hold tokens (a scalar, as in
+      a cache built by hand, means the same length for every row).
   """
 
   key: jax.Array
@@ -33,7 +35,7 @@ class KVCache(NamedTuple):
     return cls(
         key=jnp.zeros((batch, max_len, num_kv_heads, key_size), dtype),
         value=jnp.zeros((batch, max_len, num_kv_heads, value_size or key_size), dtype),
-        length=jnp.zeros((), jnp.int32),
+        length=jnp.zeros((batch,), jnp.int32),
     )
 
 
@@ -185,6 +187,7 @@ class MultiHeadAttention(hk.Module):
       q_positions: jax.Array | None = None,
       kv_positions: jax.Array | None = None,
       kv_cache: KVCache | None = None,
+      lengths: jax.Array | None = None,
   ) -> jax.Array | tuple[jax.Array, KVCache]:
     """Attends `query` to `key`/`value` (default: self-attention).
 
@@ -196,9 +199,13 @@ class MultiHeadAttention(hk.Module):
         attend), as Haiku's.
       q_segment_ids, kv_segment_ids, q_positions, kv_positions: [..., T] and
         [..., S] ints, as in `splash_hk.attention`.
-      kv_cache: if given, the new keys/values are written at `kv_cache.length`
-        and the queries attend to the whole cache (positions and padding
-        derived from it); returns `(output, new_cache)`. T == 1 is decoding.
+      kv_cache: if given, row b's new keys/values are written at
+        `kv_cache.length[b]` and its queries attend to the row's filled slots
+        (positions and padding derived from the cache); returns
+        `(output, new_cache)`. T == 1 is decoding.
+      lengths: with `kv_cache`, [...] ints: row b appends only its first
+        `lengths[b]` tokens (its other query rows are padding and output 0);
+        default T for every row. `lengths=0` leaves a finished row unchanged.
 
     Returns:
       [..., T, D'], or ([..., T, D'], KVCache) with `kv_cache`.
@@ -219,8 +226,12 @@ class MultiHeadAttention(hk.Module):
       if any(x is not None for x in extras.values()):
         raise ValueError("`kv_cache` derives positions and padding itself: do not pass "
                          "q_segment_ids, kv_segment_ids, q_positions or kv_positions with it.")
-      k, v, extras, new_cache = _append_to_cache(kv_cache, k, v)
+      k, v, extras, new_cache = _append_to_cache(kv_cache, k, v, _row_lengths(lengths, lead,
+                                                                               query_len))
       kv_len = k.shape[1]
+    elif lengths is not None:
+      raise ValueError("`lengths` says how many tokens each row appends to `kv_cache`; pass "
+                       "it with a kv_cache (or use q_segment_ids to mark padding).")
     if mask is not None:
       mask = _haiku_mask(mask, lead, self.num_heads, query_len, kv_len)  # [B, 1|H, T, S]
     out = self.attend(q, k, v, mask=mask, **extras)  # [B, T, H, V]
@@ -236,20 +247,38 @@ class MultiHeadAttention(hk.Module):
     return y.reshape(*x.shape[:-1], heads, head_size)  # [B, T, heads, head_size]
 
 
-def _append_to_cache(cache: KVCache, k: jax.Array, v: jax.Array):
-  """Writes k/v [B, T, Hkv, *] at cache.length; returns the full buffers and their extras."""
+def _row_lengths(lengths: jax.Array | None, lead: list[int], query_len: int) -> jax.Array:
+  """`lengths` (None, a scalar or [...] ints) as [B] int32 over the flattened leading dims."""
+  batch = math.prod(lead)
+  if lengths is None:
+    return jnp.full((batch,), query_len, jnp.int32)
+  lengths = jnp.asarray(lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer) or lengths.shape not in ((), tuple(lead)):
+    raise ValueError(f"`lengths` must be ints of shape [] or {tuple(lead)} (one per row), got "
+                     f"{lengths.dtype}{list(lengths.shape)}.")
+  return jnp.broadcast_to(lengths.astype(jnp.int32), tuple(lead)).reshape(batch)
+
+
+def _append_to_cache(cache: KVCache, k: jax.Array, v: jax.Array, lengths: jax.Array):
+  """Writes row b's k/v [T, Hkv, *] at cache.length[b]; returns the buffers, extras, new cache.
+
+  Slots past the capacity are dropped (never wrapped); the rows past `lengths[b]`
+  are written too but lie past the new length, so no query sees them.
+  """
   batch, query_len = k.shape[:2]
   max_len = cache.key.shape[1]
-  start = cache.length
-  keys = jax.lax.dynamic_update_slice_in_dim(cache.key, k.astype(cache.key.dtype), start, axis=1)
-  values = jax.lax.dynamic_update_slice_in_dim(cache.value, v.astype(cache.value.dtype), start, axis=1)
-  end = start + query_len
+  start = jnp.broadcast_to(jnp.asarray(cache.length, jnp.int32), (batch,))  # [B]
+  new = start[:, None] + jnp.arange(query_len, dtype=jnp.int32)  # [B, T] slots and positions
+  rows = jnp.arange(batch)[:, None]
+  keys = cache.key.at[rows, new].set(k.astype(cache.key.dtype), mode="drop")
+  values = cache.value.at[rows, new].set(v.astype(cache.value.dtype), mode="drop")
+  end = start + lengths  # [B]
   slots = jnp.arange(max_len, dtype=jnp.int32)  # [S_max]
   extras = dict(
-      q_positions=jnp.broadcast_to(start + jnp.arange(query_len, dtype=jnp.int32), (batch, query_len)),
+      q_positions=new,
       kv_positions=jnp.broadcast_to(slots, (batch, max_len)),
-      q_segment_ids=jnp.zeros((batch, query_len), jnp.int32),
-      kv_segment_ids=jnp.broadcast_to(jnp.where(slots < end, 0, -1), (batch, max_len)),
+      q_segment_ids=jnp.where(jnp.arange(query_len) < lengths[:, None], 0, -1),  # [B, T]
+      kv_segment_ids=jnp.where(slots < end[:, None], 0, -1),  # [B, S_max]
   )
   return keys, values, extras, KVCache(keys, values, end)
 

@@ -1,7 +1,9 @@
 """An independent float64 oracle for attention, written from DESIGN.md's semantics.
 
 Shares no code with splash_hk. `xp` is NumPy for values, or jax.numpy under
-`jax.enable_x64(True)` for float64 gradients.
+`jax.enable_x64(True)` for float64 gradients. Row i's output sums only over
+the keys row i sees, so garbage (NaN, Inf) elsewhere never reaches it, and a
+NaN that row i sees (in q_i, or a visible key or value) makes it NaN.
 """
 
 import numpy as np
@@ -48,7 +50,14 @@ def attention(q, k, v, *, causal=True, window=None, chunk=None, soft_cap=None, s
     denom = denom + xp.sum(xp.exp(sink_logits[None, :, None, :] - m), axis=-1, keepdims=True)
   any_visible = allowed.any(axis=-1, keepdims=True)
   w = xp.where(any_visible, e / xp.where(any_visible, denom, 1.0), 0.0)
-  out = xp.einsum("bhts,bshd->bthd", w, v)
+  if xp is np and not np.isfinite(v).all():
+    # Only the keys a row sees contribute: a non-finite value must not reach rows with w == 0
+    # (as w @ v would spread it there). The slow path, for inputs that hold garbage.
+    with np.errstate(invalid="ignore"):  # 0 * inf where a row does not look: discarded below
+      terms = w[..., None] * np.transpose(v, (0, 2, 1, 3))[:, :, None]  # [B, H, T, S, Dv]
+    out = np.transpose(np.where(allowed[..., None], terms, 0.0).sum(axis=3), (0, 2, 1, 3))
+  else:
+    out = xp.einsum("bhts,bshd->bthd", w, v)
   return out, w
 
 

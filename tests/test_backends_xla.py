@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 import splash_hk as sh
+from splash_hk import inputs
 from splash_hk.backends import xla
+from splash_hk.backends import xla_blocks
+from splash_hk.types import Extras
 from cases import CASES, Case
 
 TILES = [sh.BlockSizes(4, 8, 8, 4), sh.BlockSizes(5, 3, 3, 7)]
@@ -51,37 +54,81 @@ def test_many_tiles_gradients_match_oracle(name):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
 
 
-def _plan(t, s, block, **rules):
-  rules = dict(dict(causal=True, window=None, chunk_size=None, default_positions=True), **rules)
-  return xla.make_plan(t, s, block_q=block, block_kv=block, **rules)
+def _schedule(t, s, block, config=sh.AttentionConfig(), batch=1, **extras):
+  q = jnp.zeros((batch, t, 1, 64))
+  k = jnp.zeros((batch, s, 1, 64))
+  x, facts = inputs.normalise(q, k, k, config=config, extras=Extras(**extras))
+  views = xla_blocks.Views(x, facts, block, block)
+  sched = views.schedule()
+  pairs = [[[int(sched.order[g, i, n]) for n in range(int(sched.count[g, i]))]
+            for i in range(views.num_q_blocks)] for g in range(sched.count.shape[0])]
+  return pairs, np.asarray(sched.full)
 
 
-def test_plan_skips_invisible_blocks():
-  causal = _plan(1024, 1024, 256)
-  assert list(zip(causal.q_block, causal.kv_block)) == [(i, j) for i in range(4) for j in range(i + 1)]
-  assert list(causal.masked) == [i == j for i in range(4) for j in range(i + 1)]  # diagonal only
-  window = _plan(1024, 1024, 128, window=(128, 0))
-  assert len(window.q_block) == 8 + 7 and window.masked.all()  # a band of two blocks per row
-  chunk = _plan(1024, 1024, 256, causal=False, chunk_size=256)
-  assert list(zip(chunk.q_block, chunk.kv_block)) == [(i, i) for i in range(4)]
-  assert not chunk.masked.any()
-  prefill = _plan(256, 1024, 256)  # end-aligned: the queries are the last 256 positions
-  assert list(prefill.kv_block) == [0, 1, 2, 3] and list(prefill.masked) == [False] * 3 + [True]
-  explicit = _plan(1024, 1024, 256, default_positions=False)
-  assert len(explicit.q_block) == 16 and explicit.masked.all()  # positions unknown: all pairs
+def test_schedule_of_default_positions_is_the_static_plan():
+  pairs, full = _schedule(1024, 1024, 256)
+  assert pairs == [[list(range(i + 1)) for i in range(4)]]  # causal: the lower triangle
+  assert [[bool(full[0, i, j]) for j in range(i + 1)] for i in range(4)] == [
+      [j < i for j in range(i + 1)] for i in range(4)]  # only the diagonal needs a mask
+  pairs, full = _schedule(1024, 1024, 128, sh.AttentionConfig(sliding_window=(128, 0)))
+  assert pairs == [[[max(0, i - 1), i][(i == 0):] for i in range(8)]] and not full.any()
+  pairs, full = _schedule(1024, 1024, 256, sh.AttentionConfig(causal=False, chunk_size=256))
+  assert pairs == [[[i] for i in range(4)]] and all(full[0, i, i] for i in range(4))
+  pairs, _ = _schedule(256, 1024, 256)  # end-aligned: the queries are the last 256 positions
+  assert pairs == [[[0, 1, 2, 3]]]
 
 
-def test_plan_first_and_last_mark_query_blocks():
-  plan = _plan(512, 512, 128)
-  assert list(plan.first) == [True, True, False, True, False, False, True, False, False, False]
-  assert list(plan.last) == [True, False, True, False, False, True, False, False, False, True]
+def test_schedule_follows_packed_documents_and_cache_lengths():
+  seg = np.repeat(np.arange(8), 128)[None]  # 8 documents of 128 tokens
+  pairs, full = _schedule(1024, 1024, 128, q_segment_ids=seg)
+  assert pairs == [[[i] for i in range(8)]]  # each block sees only its own document
+  lengths = np.array([100, 700])
+  kv_seg = np.where(np.arange(1024)[None] < lengths[:, None], 0, -1)
+  pairs, _ = _schedule(1, 1024, 256, batch=2, q_segment_ids=np.zeros((2, 1), np.int32),
+                       kv_segment_ids=kv_seg, q_positions=lengths[:, None] - 1,
+                       kv_positions=np.tile(np.arange(1024), (2, 1)))
+  assert pairs == [[[0, 1, 2]]]  # decode: the whole batch computes the longest row's blocks
+
+
+ADVERSARIAL = {
+    # name: (segment ids [T] or None, positions [T] or None, config)
+    "unsorted_segments": (np.array([2, 0, 1, 2, 1, 0, 2, 2] * 8), None, sh.AttentionConfig()),
+    "segment_across_blocks": (np.repeat([0, 1, 2], [13, 40, 11]), None,
+                              sh.AttentionConfig(sliding_window=(9, 0))),
+    "padding_inside_blocks": (np.where(np.arange(64) % 11 == 3, -1, np.arange(64) // 20), None,
+                              sh.AttentionConfig(causal=False, chunk_size=12)),
+    "jumping_positions": (None, np.concatenate([np.arange(20), 500 + np.arange(24), 90 + np.arange(20)]),
+                          sh.AttentionConfig(sliding_window=(30, 2))),
+}
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_skipping_is_exact_on_adversarial_layouts(name):
+  seg, pos, config = ADVERSARIAL[name]
+  rng = np.random.default_rng(21)
+  q, k, v = (rng.normal(size=(2, 64, 2, 8)).astype(np.float32) for _ in range(3))
+  extras = {}
+  if seg is not None:
+    extras["q_segment_ids"] = np.stack([seg, seg[::-1]]).astype(np.int32)
+  if pos is not None:
+    extras["q_positions"] = extras["kv_positions"] = np.stack([pos, pos[::-1]]).astype(np.int32)
+  case = Case(name, causal=config.causal, window=config.window, chunk=config.chunk_size)
+  config = config.replace(platform="xla", block_sizes=sh.BlockSizes(8, 8, 8, 8))
+  cot = rng.normal(size=q.shape)
+  got = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(sh.attention(
+      q, k, v, config=config, **extras).attention_outputs * cot), argnums=(0, 1, 2)))(q, k, v)
+  with jax.enable_x64(True):
+    want = jax.value_and_grad(lambda q, k, v: jnp.sum(case.oracle(q, k, v, extras, xp=jnp)[0] * cot),
+                              argnums=(0, 1, 2))(*(jnp.asarray(a, jnp.float64) for a in (q, k, v)))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
 
 
 def test_default_tiles_follow_the_mask():
-  assert xla.default_tiles(sh.AttentionConfig()) == (512, 512, 512, 128)
-  assert xla.default_tiles(sh.AttentionConfig(sliding_window=(512, 0))) == (256,) * 3 + (128,)
-  assert xla.default_tiles(sh.AttentionConfig(sliding_window=(64, 64)))[:2] == (128, 128)
-  assert xla.default_tiles(sh.AttentionConfig(sliding_window=(4096, 0)))[:2] == (512, 512)
+  assert xla.default_tiles(sh.AttentionConfig()) == (512, 256, 512, 128)
+  assert xla.default_tiles(sh.AttentionConfig(sliding_window=(512, 0))) == (512, 256, 512, 128)
+  assert xla.default_tiles(sh.AttentionConfig(sliding_window=(100, 100)))[:3] == (128, 256, 128)
+  assert xla.default_tiles(sh.AttentionConfig(sliding_window=(20, 0)))[0] == 128
 
 
 def test_causal_16k_forward_and_backward_memory_is_linear():

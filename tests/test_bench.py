@@ -6,7 +6,11 @@ import subprocess
 import sys
 import warnings
 
+import pytest
+
 from splash_hk.examples import bench
+from splash_hk.examples import bench_report
+from splash_hk.examples import bench_workloads
 from splash_hk.examples import paths
 
 
@@ -24,11 +28,12 @@ def test_bench_writes_table_json_and_plot(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert not list((tmp_path / "runfiles").iterdir())
   tmp_path = tmp_path / "out"
-  assert "speedup of splash_hk_xla over jax_nn: T=256 causal Hkv=2" in proc.stdout
+  assert "speedup of splash_hk_xla over jax_nn: causal@256 Hkv=2" in proc.stdout
   result = json.loads((tmp_path / "bench.json").read_text())
   assert result["matmul_peaks_gflops"]["square"] > 0
   rows = result["rows"]
-  assert {r["impl"] for r in rows} == set(bench.IMPLS) and len(rows) == 2 * len(bench.IMPLS)
+  assert {r["impl"] for r in rows} == set(bench.DEFAULT_IMPLS)
+  assert len(rows) == 2 * len(bench.DEFAULT_IMPLS)
   for r in rows:
     assert r["forward_s"] > 0 and r["forward_backward_s"] > 0 and r["temp_mib"] > 0, r
     assert r["max_error"] < 1e-5, r
@@ -46,18 +51,41 @@ def test_user_paths_resolve_against_the_users_directory(monkeypatch, tmp_path):
   assert paths.user_path("~/ckpt") == "/home/me/ckpt"
 
 
-def test_speedups_without_backward_timings_name_only_the_forward(capsys, tmp_path):
-  rows = [bench.Row("splash_hk_xla", 256, "causal", 8, forward_s=0.5),
-          bench.Row("jax_nn", 256, "causal", 8, forward_s=2.0)]
-  bench._print_speedups(rows)  # pylint: disable=protected-access
-  assert capsys.readouterr().out == (
-      "speedup of splash_hk_xla over jax_nn: T=256 causal Hkv=8: forward 4.00x\n")
+def test_cache_and_shard_workloads_print_their_ratios(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(
+      [sys.executable, "-m", "splash_hk.examples.bench", "--cpu_devices=2", "--sequence_shards=2",
+       "--impls=splash_hk_xla,splash_hk_xla_sp,reference", "--num_heads=2", "--num_kv_heads=1",
+       "--workloads=packed:2@128,decode:40/256,decode:40/64,prefill:16/64", "--repeats=1",
+       "--nobackward"], capture_output=True, text=True, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert "decode 40 tokens, cache of 256 vs 64 slots (splash_hk_xla, Hkv=1):" in out
+  assert "packed:2@128 Hkv=1 with the query sequence sharded vs unsharded: forward" in out
+  errors = [float(line.split()[-1]) for line in out.splitlines()
+            if line.startswith("splash_hk_xla") and "nan" not in line.split()[-1]]
+  assert errors and max(errors) < 1e-5, out
+
+
+def test_workloads_count_their_visible_pairs():
+  for spec in ("causal@64", "window:5@64", "chunk:16@64", "full@64", "packed:4@64",
+               "decode:20/64", "prefill:12/64"):
+    w = bench_workloads.parse(spec)
+    visible = w.dense_mask(2)  # [B, 1, T, S], from positions and segment ids
+    assert visible.shape == (2, 1, w.query_len, w.kv_len)
+    assert visible[0].sum() == w.useful_pairs, spec
+  with pytest.raises(ValueError, match="unknown workload"):
+    bench_workloads.parse("packed:3@64")  # 64 tokens do not split into 3 documents
+
+
+def test_ratios_without_backward_timings_name_only_the_forward(tmp_path):
+  rows = [bench.Row("splash_hk_xla", "causal@256", 8, forward_s=0.5),
+          bench.Row("jax_nn", "causal@256", 8, forward_s=2.0)]
+  assert bench_report.ratios(rows) == [
+      "speedup of splash_hk_xla over jax_nn: causal@256 Hkv=8: forward 4.00x"]
   rows[0].forward_backward_s, rows[1].forward_backward_s = 1.0, 3.0
-  bench._print_speedups(rows)  # pylint: disable=protected-access
-  assert capsys.readouterr().out.endswith("forward 4.00x, forward+backward 3.00x\n")
-  forward_only = [bench.Row("splash_hk_xla", 256, "causal", 8, forward_s=0.5),
-                  bench.Row("jax_nn", 256, "causal", 8, forward_s=2.0)]
+  assert bench_report.ratios(rows)[0].endswith("forward 4.00x, forward+backward 3.00x")
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # e.g. an empty forward+backward panel's legend
-    bench._plot(forward_only, tmp_path / "forward_only.png")  # pylint: disable=protected-access
+    bench_report.plot(rows[:1], tmp_path / "forward_only.png")
   assert (tmp_path / "forward_only.png").stat().st_size > 5_000

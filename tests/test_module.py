@@ -123,14 +123,14 @@ def _toy_model(vocab, num_layers, num_heads, num_kv_heads, key_size, window):
     return [sh.MultiHeadAttention(num_heads, key_size, num_kv_heads=num_kv_heads, w_init=W_INIT,
                                   config=config, name=f"attn_{i}") for i in range(num_layers)]
 
-  def forward(tokens, caches=None):
+  def forward(tokens, caches=None, lengths=None):
     h = hk.Embed(vocab, num_heads * key_size)(tokens)  # [B, T, D]
     new_caches = []
     for i, attn in enumerate(layers()):
       if caches is None:
         a = attn(h)
       else:
-        a, c = attn(h, kv_cache=caches[i])
+        a, c = attn(h, kv_cache=caches[i], lengths=lengths)
         new_caches.append(c)
       h = h + a
       h = h + hk.nets.MLP([32, num_heads * key_size], name=f"mlp_{i}")(jax.nn.gelu(h))
@@ -164,7 +164,29 @@ def test_prefill_then_decode_equals_full_forward(monkeypatch, num_kv_heads, wind
     pieces.append(logits)
   np.testing.assert_allclose(np.asarray(jnp.concatenate(pieces, axis=1)), np.asarray(full), atol=1e-5)
   assert sh.Mode.PREFILL in modes and sh.Mode.DECODE in modes
-  assert int(caches[0].length) == t
+  np.testing.assert_array_equal(caches[0].length, [t] * b)
+
+
+def test_rows_of_different_lengths_prefill_and_decode_together():
+  # Right-padded prompts of lengths 3, 0 and 6 (capacity 6: the last row fills its cache),
+  # then one decode step in which the full row appends nothing.
+  vocab, prompt_lens, max_len = 11, np.array([3, 0, 6]), 6
+  model, caches_fn = _toy_model(vocab, 2, 4, 2, 8, 3)
+  tokens = np.random.default_rng(12).integers(0, vocab, size=(3, max_len))
+  params = model.init(jax.random.PRNGKey(3), tokens)
+  step = jax.jit(lambda p, t, c, n: model.apply(p, t, c, n))
+  caches = caches_fn.apply({}, 3, max_len)
+  prefill, caches = step(params, tokens, caches, jnp.asarray(prompt_lens))
+  np.testing.assert_array_equal(caches[0].length, prompt_lens)
+  nxt = tokens[:, :1]
+  decode, caches = step(params, nxt, caches, jnp.asarray([1, 1, 0]))
+  np.testing.assert_array_equal(caches[-1].length, [4, 1, 6])
+  for row, n in enumerate(prompt_lens):
+    alone = np.asarray(model.apply(params, np.concatenate([tokens[row, :n], nxt[row]])[None]))
+    np.testing.assert_allclose(prefill[row, :n], alone[0, :n], atol=1e-5)
+    if n < max_len:
+      np.testing.assert_allclose(decode[row, 0], alone[0, n], atol=1e-5)
+  assert np.all(np.isfinite(np.asarray(prefill))) and np.all(np.isfinite(np.asarray(decode)))
 
 
 def test_transform_with_state_remat_layer_stack_and_vmap():

@@ -59,3 +59,32 @@ def sink_logsumexp(sinks: jax.Array) -> jax.Array:
 def to_bhtd(x: jax.Array) -> jax.Array:
   """[B, T, H, D] <-> [B, H, T, D] (its own inverse)."""
   return jnp.swapaxes(x, 1, 2)
+
+
+def zero_padding(x: KernelInputs) -> KernelInputs:
+  """A copy of `x` with padding query rows and padding keys/values (negative segment ids) zeroed."""
+  if x.q_segment_ids is None:
+    return x
+  keep = lambda a, ids: jnp.where((ids >= 0)[:, :, None, None], a, jnp.zeros((), a.dtype))
+  return x._replace(query=keep(x.query, x.q_segment_ids), key=keep(x.key, x.kv_segment_ids),
+                    value=keep(x.value, x.kv_segment_ids))
+
+
+def guard_garbage(kernel: Attend, exact: Attend) -> Attend:
+  """`kernel` (one we do not own) kept from spreading garbage that no query should see.
+
+  Padding is zeroed in a copy (a pass that is small next to the attention such
+  kernels serve: training and prefill). A NaN or Inf left in the queries, keys
+  or values is visible to someone, and a kernel that multiplies probabilities
+  of 0 by it would also spread it to rows that do not see it (0 * NaN = NaN),
+  so such a call runs `exact` instead (decided at run time, `lax.cond`).
+  """
+
+  def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
+    x = zero_padding(x)
+    finite = [jnp.all(jnp.isfinite(a)) for a in (x.query, x.key, x.value)]
+    return jax.lax.cond(finite[0] & finite[1] & finite[2],
+                        lambda y: KernelOutput(kernel(y, facts).out),
+                        lambda y: KernelOutput(exact(y, facts).out), x)
+
+  return attend

@@ -20,6 +20,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 
 from splash_hk import masks
 from splash_hk.backends import base
+from splash_hk.backends import xla
 from splash_hk.config import AttentionConfig
 from splash_hk.types import Facts, KernelInputs, KernelOutput, Mode
 
@@ -170,4 +171,5 @@ def _run_at_offset(x: KernelInputs, config: AttentionConfig, offset: int) -> jax
   return out.astype(x.query.dtype)
 
 
-BACKEND = base.Backend(name="splash", why_not=why_not, attend=attend)
+BACKEND = base.Backend(name="splash", why_not=why_not,
+                       attend=base.guard_garbage(attend, xla.attend))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from splash_hk import masks
 from splash_hk.backends import _ejkernel
 from splash_hk.backends import base
+from splash_hk.backends import xla
 from splash_hk.types import Facts, KernelInputs, KernelOutput, Mode
 
 
@@ -67,4 +68,5 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   return KernelOutput(out.astype(x.query.dtype))
 
 
-BACKEND = base.Backend(name="triton", why_not=why_not, attend=attend)
+BACKEND = base.Backend(name="triton", why_not=why_not,
+                       attend=base.guard_garbage(attend, xla.attend))

@@ -55,13 +55,24 @@ class Transformer(hk.Module):
                                  config=c.attention_config, mesh=self.mesh,
                                  num_sinks=c.num_sinks, name=f"attention_{i}")
 
-  def init_caches(self, batch: int) -> list[sh.KVCache]:
+  def init_caches(self, batch: int, capacity: int | None = None) -> list[sh.KVCache]:
+    """Empty KV caches of `capacity` slots (default: the model's max_len)."""
     c = self.config
-    return [sh.KVCache.zeros(batch, c.max_len, c.num_kv_heads or c.num_heads,
+    return [sh.KVCache.zeros(batch, capacity or c.max_len, c.num_kv_heads or c.num_heads,
                              c.model_size // c.num_heads) for _ in range(c.num_layers)]
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               caches: list[sh.KVCache] | None = None):
+               caches: list[sh.KVCache] | None = None, segment_ids: jax.Array | None = None,
+               lengths: jax.Array | None = None):
+    """tokens [B, T] -> logits [B, T, V] (and the new caches, with `caches`).
+
+    Args:
+      tokens: [B, T] token ids.
+      positions: [B, T] token positions (default arange(T)).
+      caches: one KVCache per layer: append the tokens and attend to the cache.
+      segment_ids: [B, T] documents packed in a row (negative = padding); not with caches.
+      lengths: with caches, [B] how many of the T tokens each row appends.
+    """
     c = self.config
     batch, seq_len = tokens.shape
     if positions is None:
@@ -73,13 +84,12 @@ class Transformer(hk.Module):
       x = hk.LayerNorm(-1, True, True, name=f"ln_attn_{i}")(h)
       attend = self._attention(i)
       if caches is not None:
-        a, cache = attend(x, kv_cache=caches[i])
+        a, cache = attend(x, kv_cache=caches[i], lengths=lengths)
         new_caches.append(cache)
       elif c.attention == "reference":
-        mask = _reference_mask(seq_len, c.attention_config.window)
-        a = attend(x, x, x, mask=mask)
+        a = attend(x, x, x, mask=_reference_mask(seq_len, c.attention_config.window, segment_ids))
       else:
-        a = attend(x)
+        a = attend(x, q_segment_ids=segment_ids)
       h = h + a
       x = hk.LayerNorm(-1, True, True, name=f"ln_mlp_{i}")(h)
       h = h + hk.nets.MLP([4 * c.model_size, c.model_size], activation=jax.nn.gelu,
@@ -89,7 +99,11 @@ class Transformer(hk.Module):
     return logits if caches is None else (logits, new_caches)
 
 
-def _reference_mask(seq_len: int, window: tuple[int, int] | None) -> np.ndarray:
-  """Causal (and window) mask [1, 1, T, T] for hk.MultiHeadAttention."""
+def _reference_mask(seq_len: int, window: tuple[int, int] | None,
+                    segment_ids: jax.Array | None = None) -> jax.Array:
+  """Causal (and window, and same-document) mask [1 or B, 1, T, T] for hk.MultiHeadAttention."""
   pos = np.arange(seq_len)
-  return sh.masks.position_mask(pos, pos, causal=True, window=window, chunk_size=None)[None, None]
+  mask = sh.masks.position_mask(pos, pos, causal=True, window=window, chunk_size=None)[None, None]
+  if segment_ids is None:
+    return mask
+  return mask & sh.masks.segment_mask(segment_ids, segment_ids)[:, None]  # [B, 1, T, T]

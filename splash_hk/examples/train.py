@@ -36,6 +36,7 @@ import splash_hk as sh
 from splash_hk.examples import checkpoint as checkpoint_lib
 from splash_hk.examples import model as model_lib
 from splash_hk.examples import recall
+from splash_hk.examples import sampling
 
 _STEPS = flags.DEFINE_integer("steps", 1200, "Training steps.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Sequences per step (global).")
@@ -59,7 +60,12 @@ _LOG_EVERY = flags.DEFINE_integer("log_every", 100, "Steps between log lines.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 200, "Steps between held-out evaluations.")
 _CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", None, "Save/resume params, optimizer, step.")
 _CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 100, "Steps between checkpoints.")
-_SAMPLE = flags.DEFINE_bool("sample", False, "After training, answer a prompt with KV-cache decoding.")
+_SAMPLE = flags.DEFINE_bool("sample", False, "After training, decode a batch of prompts of different "
+                            "lengths with the KV cache.")
+_SAMPLE_ROWS = flags.DEFINE_integer("sample_rows", 8, "Prompts --sample decodes together.")
+_SAMPLE_CACHE_LEN = flags.DEFINE_integer(
+    "sample_cache_len", None, "Slots of --sample's KV caches (default: just enough); a long "
+    "cache shows that decoding costs what the filled slots cost.")
 _STOP_AFTER_STEPS = flags.DEFINE_integer(
     "stop_after_steps", None, "Exit after this many steps of this run, as if preempted (after "
     "checkpointing); a later run with the same flags resumes from --checkpoint_dir.")
@@ -241,41 +247,6 @@ def train(state: TrainState, train_step, evaluate, batches, eval_batch, seq_len:
   return True
 
 
-# Sampling.
-
-
-def sample(task: recall.RecallTask, config: model_lib.ModelConfig, params, mesh) -> None:
-  """Prefills pairs + first query with a KV cache, then decodes each answer one token at a time."""
-  config = dataclasses.replace(config, attention="splash")  # decoding needs sh.MultiHeadAttention
-  step_fn = lambda tokens, positions, caches: model_lib.Transformer(config, mesh)(
-      tokens, positions, caches)
-  apply = jax.jit(hk.transform(step_fn).apply)
-  caches = hk.transform(lambda: model_lib.Transformer(config, mesh).init_caches(1)).apply({}, None)
-  example = task.batch(_SEED.value + 2, 0, 1)
-  tokens = example["inputs"][0]
-  prompt = task.prompt_len()
-  logits, caches = apply(params, None, tokens[None, :prompt], jnp.arange(prompt)[None], caches)
-  predicted, expected = [], []
-  position = prompt
-  for i in range(task.num_pairs):
-    answer = int(jnp.argmax(logits[0, -1]))
-    predicted.append(answer)
-    expected.append(int(example["targets"][0, prompt - 1 + 2 * i]))
-    if i + 1 == task.num_pairs:
-      break
-    for token in (answer, int(tokens[prompt + 2 * i + 1])):  # decode: one token per call, T == 1
-      logits, caches = apply(params, None, jnp.array([[token]]), jnp.array([[position]]), caches)
-      position += 1
-  name = lambda t: f"k{t}" if t < task.num_keys else f"v{t - task.num_keys}"
-  pairs = " ".join(name(int(t)) for t in tokens[:2 * task.num_pairs])
-  queries = " ".join(name(int(t)) for t in tokens[2 * task.num_pairs::2])
-  print(f"sample prompt: {pairs} | queries: {queries}")
-  print(f"sample answer: {' '.join(name(t) for t in predicted)}")
-  print(f"sample expected: {' '.join(name(t) for t in expected)} -> "
-        f"{'right' if predicted == expected else 'wrong'} "
-        f"({sum(p == e for p, e in zip(predicted, expected))}/{len(expected)})")
-
-
 # Main.
 
 
@@ -312,7 +283,8 @@ def run() -> None:
   if not train(state, train_step, evaluate, batches, eval_batch, task.seq_len, checkpoint):
     return
   if _SAMPLE.value:
-    sample(task, config, state.params, mesh)
+    sampling.sample(task, config, state.params, mesh, rows=_SAMPLE_ROWS.value,
+                    capacity=_SAMPLE_CACHE_LEN.value or task.seq_len + 1, seed=_SEED.value + 2)
   eval_loss, eval_accuracy = to_host(evaluate(state.params, eval_batch))
   if not jax.process_index():
     print(f"train step={state.step} loss={scalar(state.loss):.6f} "

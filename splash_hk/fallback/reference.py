@@ -19,18 +19,29 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def logits_and_mask(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array]:
-  """Scaled, soft-capped float32 logits [B, Hkv, G, T, S] and their mask [B, 1|Hkv, 1|G, T, S]."""
+  """Scaled, soft-capped float32 logits [B, Hkv, G, T, S] and their mask [B, 1|Hkv, 1|G, T, S].
+
+  Queries and keys enter the product with non-finite entries zeroed, so garbage
+  where the mask is False changes nothing, gradients included; a visible pair
+  whose query or key holds NaN/Inf gets a NaN logit instead, as the plain
+  product would give it.
+  """
   batch, query_len, num_heads, head_dim = x.query.shape
   num_kv_heads = x.key.shape[2]
   groups = num_heads // num_kv_heads
-  q = x.query.reshape(batch, query_len, num_kv_heads, groups, head_dim)  # [B, T, Hkv, G, D]
-  logits = jnp.einsum("btkgd,bskd->bkgts", q, x.key, precision=_HIGHEST,
+  finite = lambda a: jnp.where(jnp.isfinite(a), a, jnp.zeros((), a.dtype))
+  bad = lambda a: jnp.any(~jnp.isfinite(a), axis=-1)
+  q = finite(x.query).reshape(batch, query_len, num_kv_heads, groups, head_dim)  # [B, T, Hkv, G, D]
+  logits = jnp.einsum("btkgd,bskd->bkgts", q, finite(x.key), precision=_HIGHEST,
                       preferred_element_type=jnp.float32) * facts.scale  # [B, Hkv, G, T, S]
   cap = facts.config.logits_soft_cap
   if cap is not None:
     logits = cap * jnp.tanh(logits / cap)
   mask = masks.full_mask(x, **facts.rules)  # [B, 1|Hq, T, S]
   mask = mask.reshape(mask.shape[0], -1, groups if mask.shape[1] > 1 else 1, *mask.shape[2:])
+  bad_q = jnp.moveaxis(bad(x.query).reshape(batch, query_len, num_kv_heads, groups), 1, 3)
+  bad_k = jnp.swapaxes(bad(x.key), 1, 2)[:, :, None, None, :]  # [B, Hkv, 1, 1, S]
+  logits = jnp.where(mask & (bad_q[..., None] | bad_k), jnp.nan, logits)
   return logits, mask
 
 
@@ -62,8 +73,12 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   if x.sinks is not None:
     denominator = denominator + jnp.sum(jnp.exp(sinks - row_max), axis=-1, keepdims=True)
   weights = jnp.where(visible, unnormalized / jnp.where(visible, denominator, 1.0), 0.0)
-  out = jnp.einsum("bkgts,bskd->btkgd", weights, x.value.astype(jnp.float32),
-                   precision=_HIGHEST)  # [B, T, Hkv, G, Dv]
+  bad_v = ~jnp.isfinite(x.value)  # [B, S, Hkv, Dv]: zeroed, then NaN where a row sees one
+  value = jnp.where(bad_v, 0, x.value).astype(jnp.float32)
+  out = jnp.einsum("bkgts,bskd->btkgd", weights, value, precision=_HIGHEST)  # [B, T, Hkv, G, Dv]
+  seen = lambda: jnp.einsum("bkgts,bskd->btkgd", jnp.broadcast_to(mask, weights.shape).astype(
+      jnp.float32), bad_v.astype(jnp.float32))
+  out = jax.lax.cond(jnp.any(bad_v), lambda o: jnp.where(seen() > 0, jnp.nan, o), lambda o: o, out)
   out = out.reshape(batch, query_len, num_heads, -1).astype(x.query.dtype)  # [B, T, Hq, Dv]
   has_mass = denominator > 0
   lse = jnp.where(has_mass, row_max + jnp.log(jnp.where(has_mass, denominator, 1.0)), -jnp.inf)

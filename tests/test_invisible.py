@@ -1,0 +1,128 @@
+"""Invisible means absent, visible NaN shows: on every backend, under a mesh, through the KV cache.
+
+Garbage (NaN, Inf) where no query looks -- keys/values at padding, padded query
+rows, unused cache slots -- changes no output and no gradient: each equals the
+result with zeros there. A NaN that a row does see makes exactly that row NaN,
+as the float64 oracle computes it.
+"""
+
+import functools
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import splash_hk as sh
+from cases import Case
+
+SPLASH = dict(platform="splash", interpret=True, allow_fallback=False)
+BACKENDS = {
+    "xla": (dict(platform="xla", allow_fallback=False), 24),
+    "reference": (dict(platform="reference", allow_fallback=False), 24),
+    "splash": (SPLASH, 128),
+}
+
+
+def _padded_case(length: int, **kw) -> tuple[Case, tuple]:
+  case = Case("garbage", batch=2, query_len=length, kv_len=length, num_heads=4, num_kv_heads=2,
+              head_dim=32, window=(length // 2, 0), segments="packed", sinks="heads_n", **kw)
+  return case, case.arrays(seed=11)
+
+
+def _with_garbage(q, k, v, extras, fill):
+  """q rows and k/v entries at padding (negative segment ids) replaced by `fill`."""
+  pad = extras["q_segment_ids"] < 0  # [B, T] (T == S: kv ids default to q's)
+  put = lambda a: np.where(pad[:, :, None, None], np.asarray(fill, a.dtype), a)
+  return put(q), put(k), put(v)
+
+
+def _out_and_grads(config, q, k, v, extras, mesh=None):
+  sinks = extras["softmax_aux"]
+  rest = {n: a for n, a in extras.items() if n != "softmax_aux"}
+  cot = np.random.default_rng(1).normal(size=q.shape).astype(np.float32)
+
+  def loss(q, k, v, sinks):
+    out = sh.attention(q, k, v, config=config, softmax_aux=sinks, mesh=mesh, **rest)
+    return jnp.sum(out.attention_outputs * cot), out.attention_outputs
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+      q, k, v, sinks)
+  return [np.asarray(a) for a in (out, *grads)]
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("fill", [np.nan, np.inf], ids=["nan", "inf"])
+def test_garbage_at_padding_changes_no_output_and_no_gradient(backend, fill):
+  changes, length = BACKENDS[backend]
+  case, (q, k, v, extras) = _padded_case(length)
+  config = case.config.replace(**changes)
+  clean = _out_and_grads(config, *_with_garbage(q, k, v, extras, 0.0), extras)
+  dirty = _out_and_grads(config, *_with_garbage(q, k, v, extras, fill), extras)
+  pad = extras["q_segment_ids"] < 0
+  for name, c, d in zip(("out", "dq", "dk", "dv", "dsinks"), clean, dirty):
+    assert np.all(np.isfinite(d)), name
+    if name in ("out", "dq", "dk", "dv"):
+      assert np.all(d[pad] == 0), name  # padded rows output 0 and get no gradient
+    np.testing.assert_allclose(d, c, atol=1e-5, rtol=1e-5, err_msg=name)
+  expected, _ = case.oracle(*_with_garbage(q, k, v, extras, fill), extras)
+  np.testing.assert_allclose(dirty[0], expected, atol=3e-3 if backend == "splash" else 1e-5)
+
+
+def _nan_rows(case, q, k, v, extras, config):
+  out = jax.jit(functools.partial(sh.attention, config=config))(q, k, v, **extras)
+  out = np.asarray(out.attention_outputs)
+  expected, _ = case.oracle(q, k, v, extras)
+  np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+  finite = ~np.isnan(expected)
+  np.testing.assert_allclose(out[finite], expected[finite], atol=3e-3)
+  return np.isnan(out).any(axis=(2, 3))  # [B, T]: which rows are NaN
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_nan_reaches_exactly_the_rows_that_see_it(backend):
+  changes, length = BACKENDS[backend]
+  case = Case("nan", batch=1, query_len=length, kv_len=length, num_heads=2, num_kv_heads=1,
+              head_dim=32, window=(length // 4, 0))
+  q, k, v, extras = case.arrays(seed=12)
+  config = case.config.replace(**changes)
+  j = length // 2
+  v[0, j, 0, 3] = np.nan  # a visible value: rows j .. j + length/4 see it
+  rows = _nan_rows(case, q, k, v, extras, config)
+  assert rows[0].tolist() == [j <= i <= j + length // 4 for i in range(length)]
+  v[0, j, 0, 3] = 0.0
+  k[0, j, 0, 5] = np.nan  # a visible key
+  np.testing.assert_array_equal(_nan_rows(case, q, k, v, extras, config), rows)
+  k[0, j, 0, 5] = 0.0
+  q[0, 3, 1, 0] = np.nan  # a query: its own row only
+  assert _nan_rows(case, q, k, v, extras, config)[0].tolist() == [i == 3 for i in range(length)]
+
+
+def test_garbage_at_padding_under_a_mesh():
+  case = Case("mesh", batch=2, query_len=16, kv_len=16, num_heads=8, num_kv_heads=2, head_dim=16,
+              window=(8, 0), segments="packed", sinks="heads_n")
+  q, k, v, extras = case.arrays(seed=13)
+  mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+  clean = _out_and_grads(case.config, *_with_garbage(q, k, v, extras, 0.0), extras)
+  dirty = _out_and_grads(case.config, *_with_garbage(q, k, v, extras, np.nan), extras, mesh=mesh)
+  for c, d in zip(clean, dirty):
+    np.testing.assert_allclose(d, c, atol=1e-5, rtol=1e-5)
+
+
+def test_unused_cache_slots_holding_garbage_change_nothing():
+  mha = lambda: sh.MultiHeadAttention(4, 8, num_kv_heads=2, w_init=hk.initializers.VarianceScaling(1.0))
+  step = hk.without_apply_rng(hk.transform(lambda x, cache: mha()(x, kv_cache=cache)))
+  x = np.random.default_rng(14).normal(size=(2, 5, 16)).astype(np.float32)
+  params = step.init(jax.random.PRNGKey(0), x, sh.KVCache.zeros(2, 12, 2, 8))
+  step = jax.jit(step.apply)
+  results = []
+  for fill in (0.0, np.nan):
+    cache = sh.KVCache(jnp.full((2, 12, 2, 8), fill), jnp.full((2, 12, 2, 8), fill),
+                       jnp.zeros((2,), jnp.int32))
+    prefill, cache = step(params, x[:, :4], cache)  # prefill 4 tokens into 12 slots
+    decode, cache = step(params, x[:, 4:], cache)  # decode the 5th
+    results.append((np.asarray(prefill), np.asarray(decode)))
+  for clean, dirty in zip(*results):
+    assert np.all(np.isfinite(dirty))
+    np.testing.assert_allclose(dirty, clean, atol=1e-6)
