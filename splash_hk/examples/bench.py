@@ -62,8 +62,8 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None, "Virtual CPU devices (f
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per measurement (median).")
 _BACKWARD = flags.DEFINE_bool("backward", True, "Also time forward+backward.")
 _MAX_DENSE_LEN = flags.DEFINE_integer(
-    "max_dense_len", 8192, "Dense implementations above this length are compiled (for memory) "
-    "but not run.")
+    "max_dense_len", 8192, "Dense implementations over more than this length squared (query x "
+    "key) are compiled (for memory) but not run.")
 _MAX_INTERPRET_LEN = flags.DEFINE_integer("max_interpret_len", 2048,
                                           "Longest sequence for splash in interpret mode.")
 _OUT = flags.DEFINE_string("out", None, "Folder for bench.json and bench.png.")
@@ -168,8 +168,7 @@ def main(argv):
       for impl in _IMPLS.value:
         row = Row(impl, workload.name, num_kv_heads)
         rows.append(row)
-        runs.append((row, make_impl(impl, workload, _BATCH.value), (q, k, v), flops,
-                     max(workload.query_len, workload.kv_len)))
+        runs.append((row, make_impl(impl, workload, _BATCH.value), (q, k, v), flops, workload))
   _measure(runs)
   bench_report.report(rows, peaks)
   if _TRAIN_SEQ_LEN.value:
@@ -186,7 +185,7 @@ def main(argv):
     bench_report.plot(rows, os.path.join(out, "bench.png"))
 
 
-def _compile(row: Row, fn, args, length: int):
+def _compile(row: Row, fn, args, workload: bench_workloads.Workload):
   """(forward, forward+backward or None) executables, or None with row.note saying why."""
   forward = jax.jit(fn)
   backward = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)),
@@ -200,8 +199,9 @@ def _compile(row: Row, fn, args, length: int):
     row.note = f"cannot run: {type(e).__name__}: {str(e).splitlines()[0][:60]}"
     return None
   row.temp_mib = (backward_exe or forward_exe).memory_analysis().temp_size_in_bytes / 2**20
-  if ((row.impl in DENSE and length > _MAX_DENSE_LEN.value)
-      or (row.impl == "splash_interpret" and length > _MAX_INTERPRET_LEN.value)):
+  area = workload.query_len * workload.kv_len
+  if ((row.impl in DENSE and area > _MAX_DENSE_LEN.value**2)
+      or (row.impl == "splash_interpret" and area > _MAX_INTERPRET_LEN.value**2)):
     row.note = "compiled only (too long to run)"
     return None
   return forward_exe, backward_exe
@@ -210,9 +210,9 @@ def _compile(row: Row, fn, args, length: int):
 def _measure(runs) -> None:
   """Fills each row's times, GFLOP/s and error; all executables timed interleaved."""
   compiled = []
-  for row, fn, args, flops, length in tqdm.tqdm(runs, desc="compile",
-                                                 disable=not sys.stderr.isatty()):
-    exes = _compile(row, fn, args, length)
+  for row, fn, args, flops, workload in tqdm.tqdm(runs, desc="compile",
+                                                   disable=not sys.stderr.isatty()):
+    exes = _compile(row, fn, args, workload)
     if exes is not None:
       compiled.append((row, *exes, args, flops))
   times = {id(row): ([], []) for row, *_ in compiled}
