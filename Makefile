@@ -51,14 +51,13 @@ bench: $(STAMP)
 quickcheck: $(STAMP)
 	$(PY) -m splash_hk.examples.quickcheck
 
-# Wheels the lent GPU machine lacks (Python 3.12), carried there in .whl.
-GPU_WHEELS := ejkernel==0.0.80.3 dm-haiku==0.0.17 jmp==0.0.4 tabulate==0.10.0 jaxtyping==0.3.11 \
-	beartype==0.23.1 wadler-lindig==0.1.8 einops==0.8.2 tqdm==4.70.1 pydantic==2.14.4 \
-	pydantic-core==2.50.5 annotated-types==0.7.0 typing-inspection==0.4.5 hypothesis==6.170.17 \
-	sortedcontainers==2.4.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
+# Wheels the lent GPU machine lacks (Python 3.12), carried there in .whl, at the lock's versions.
+GPU_PACKAGES := ejkernel dm-haiku jmp tabulate jaxtyping beartype wadler_lindig einops tqdm pydantic \
+	pydantic_core annotated-types typing-inspection hypothesis sortedcontainers pytest pluggy iniconfig
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl $(GPU_WHEELS)
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl \
+	  $$(for p in $(GPU_PACKAGES); do grep -i "^$$p==" $(LOCK); done)
 
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -8,6 +8,7 @@ import jax
 
 from splash_hk import inputs
 from splash_hk import kernel
+from splash_hk import ring
 from splash_hk import sharding
 from splash_hk.config import AttentionConfig
 from splash_hk.fallback import selector
@@ -97,9 +98,12 @@ def attention(
                               axes=axes, return_weights=return_weights)
   decision = selector.select(facts)
   selector.log_fallback(decision)
-  body = functools.partial(kernel.run, decision.backend, facts=facts)
   if mesh is None:
-    result = body(x)
+    result = kernel.run(decision.backend, x, facts)
   else:
-    result = sharding.shard_kernel(body, x, mesh=mesh, axes=axes, facts=facts)
+    if decision.ring:
+      body = functools.partial(ring.attend, decision.backend, facts=facts)
+    else:
+      body = lambda y, _: kernel.run(decision.backend, y, facts)
+    result = sharding.shard_kernel(body, x, mesh=mesh, axes=axes, facts=facts, ring=decision.ring)
   return AttentionOutput(result.out, result.weights)  # [B, T, Hq, Dv], [B, Hq, T, S] or None

@@ -35,6 +35,7 @@ def facts_from_shapes(
     return_weights: bool = False,
     sequence_shards: int = 1,
     load_balanced: bool = False,
+    sequence_strategy: str = "all_gather",
 ) -> Facts:
   """Facts of a call from its (already validated) shapes."""
   return Facts(
@@ -43,7 +44,7 @@ def facts_from_shapes(
       mode=detect_mode(query_shape[1], key_shape[1]), default_positions=default_positions,
       mask_shape=None if mask_shape is None else tuple(mask_shape),
       return_weights=return_weights, sequence_shards=sequence_shards,
-      load_balanced=load_balanced)
+      load_balanced=load_balanced, sequence_strategy=sequence_strategy)
 
 
 def facts(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: Extras,
@@ -56,11 +57,14 @@ def facts(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: 
   if mesh is not None:
     validation.validate_mesh(mesh, axes)
     sequence_shards = specs.query_sequence_shards(query.shape, mesh, axes)
+  if axes.load_balanced:
+    specs.check_load_balanced(query.shape[1], key.shape[1], mesh, axes, sequence_shards)
   return facts_from_shapes(
       config, query.shape, key.shape, value.shape[-1],
       default_positions=extras.q_positions is None and extras.kv_positions is None,
       mask_shape=None if extras.mask is None else extras.mask.shape,
-      return_weights=return_weights, sequence_shards=sequence_shards)
+      return_weights=return_weights, sequence_shards=sequence_shards,
+      load_balanced=axes.load_balanced, sequence_strategy=axes.sequence_strategy)
 
 
 def normalise(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: Extras,
@@ -79,6 +83,9 @@ def normalise(query: Any, key: Any, value: Any, *, config: AttentionConfig, extr
     query, key, value = (a.astype(config.runtime_dtype) for a in (query, key, value))
   batch = call.query_shape[0]
   q_pos, kv_pos = masks.end_aligned_positions(batch, call.query_len, call.kv_len)
+  if call.load_balanced:  # default positions are the tokens' original ones
+    order = jnp.asarray(masks.load_balanced_order(call.query_len, call.sequence_shards), jnp.int32)
+    q_pos = kv_pos = jnp.broadcast_to(order, (batch, call.query_len))
   as_int = lambda a, default=None: default if a is None else jnp.asarray(a, jnp.int32)
   q_seg = as_int(extras.q_segment_ids, as_int(extras.kv_segment_ids))  # only when T == S
   kv_seg = as_int(extras.kv_segment_ids, q_seg)

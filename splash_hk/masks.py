@@ -77,6 +77,28 @@ def position_mask(
                         chunk_size=chunk_size)
 
 
+def load_balanced_order(length: int, shards: int) -> np.ndarray:
+  """The dual-chunk swap: entry p of the balanced sequence is entry order[p] of the original.
+
+  The sequence is cut into 2n chunks; shard i holds chunks i and 2n - 1 - i, in
+  that order, so every shard gets as much causal work as any other.
+  """
+  if shards < 1 or length % (2 * shards):
+    raise ValueError(f"a sequence of length {length} does not split into 2 * {shards} equal "
+                     f"chunks; pad it to a multiple of {2 * max(shards, 1)}.")
+  chunk = length // (2 * shards)
+  chunks = np.array([c for i in range(shards) for c in (i, 2 * shards - 1 - i)])
+  return (chunks[:, None] * chunk + np.arange(chunk)).reshape(-1)
+
+
+def load_balanced_position(index: ArrayLike, length: int, shards: int) -> ArrayLike:
+  """`load_balanced_order(length, shards)[index]`, in arithmetic (works on traced indices)."""
+  chunk = length // (2 * shards)
+  slot, within = index // chunk, index % chunk
+  shard, second = slot // 2, slot % 2
+  return (shard + second * (2 * shards - 1 - 2 * shard)) * chunk + within
+
+
 def visible_interval(q_pos: np.ndarray, kv_len: int, *, causal: bool,
                      window: tuple[int, int] | None, chunk_size: int | None
                      ) -> tuple[np.ndarray, np.ndarray]:

@@ -104,6 +104,7 @@ class Facts:
   return_weights: bool = False
   sequence_shards: int = 1  # the query sequence is split over this many devices
   load_balanced: bool = False  # the sequence is in dual-chunk (load-balanced) order
+  sequence_strategy: str = "all_gather"  # asked for: "all_gather" or "ring" (see Decision.ring)
 
   @property
   def query_len(self) -> int:

@@ -61,7 +61,7 @@ def test_cache_and_shard_workloads_print_their_ratios(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout
   assert "decode 40 tokens, cache of 256 vs 64 slots (splash_hk_xla, Hkv=1):" in out
-  assert "packed:2@128 Hkv=1 with the query sequence sharded vs unsharded: forward" in out
+  assert "packed:2@128 Hkv=1 with the query sequence sharded (all-gathered) vs unsharded" in out
   errors = [float(line.split()[-1]) for line in out.splitlines()
             if line.startswith("splash_hk_xla") and "nan" not in line.split()[-1]]
   assert errors and max(errors) < 1e-5, out

@@ -48,9 +48,11 @@ def _run(*args, timeout=110):
 
 
 def test_training_across_two_processes_matches_one_process():
-  flags = ["splash_hk.examples.train", "--steps=20", "--log_every=20", "--mesh=dp=2,tp=4"]
-  two = _run("splash_hk.examples.launch", "--timeout=100", "--", sys.executable, "-m", *flags)
-  one = _run(*flags, "--cpu_devices=8")
+  # The sequence as a load-balanced ring over sp = 4 devices spanning both processes.
+  flags = ["splash_hk.examples.train", "--steps=20", "--log_every=20", "--seq_len=32"]
+  two = _run("splash_hk.examples.launch", "--timeout=100", "--", sys.executable, "-m", *flags,
+             "--mesh=dp=2,sp=4", "--sequence_strategy=ring", "--load_balanced")
+  one = _run(*flags)
   assert len(FINAL.findall(two.stdout)) == 1  # only process 0 prints
   (two_final,), (one_final,) = FINAL.findall(two.stdout), FINAL.findall(one.stdout)
   assert abs(float(two_final[1]) - float(one_final[1])) < 1e-4

@@ -47,8 +47,11 @@ def test_splash_and_reference_attention_give_the_same_losses():
 
 
 def test_sharded_training_matches_single_device():
-  single = _losses(_train("--steps=20", "--log_every=20"))
-  sharded = _losses(_train("--steps=20", "--log_every=20", "--cpu_devices=8", "--mesh=dp=2,tp=4"))
+  # Batch over dp, heads over tp, and the sequence over sp as a load-balanced ring.
+  flags = ("--steps=20", "--log_every=20", "--seq_len=32")
+  single = _losses(_train(*flags))
+  sharded = _losses(_train(*flags, "--cpu_devices=8", "--mesh=dp=2,sp=2,tp=2",
+                           "--sequence_strategy=ring", "--load_balanced"))
   assert abs(single[20] - sharded[20]) < 1e-3, (single, sharded)
 
 
@@ -75,6 +78,8 @@ def test_bfloat16_compute_trains():
     (("--num_heads=4", "--num_kv_heads=3"), "multiple of --num_kv_heads"),
     (("--seq_len=1",), "--seq_len must be >= 3"),
     (("--attention=reference", "--num_kv_heads=2"), "no GQA"),
+    (("--cpu_devices=8", "--mesh=dp=8", "--load_balanced"), "needs an sp axis"),
+    (("--cpu_devices=8", "--mesh=sp=8", "--load_balanced", "--seq_len=40"), "2 * sp = 16"),
 ])
 def test_bad_flags_exit_with_one_line(flags, needle):
   proc = _train(*flags, check=False, timeout=120)

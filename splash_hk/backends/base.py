@@ -19,6 +19,8 @@ from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 WhyNot = Callable[[Facts, str], "str | None"]
 Attend = Callable[[KernelInputs, Facts], KernelOutput]
+Forward = Callable[[KernelInputs, Facts], "tuple[jax.Array, jax.Array]"]
+Backward = Callable[..., tuple]
 
 WEIGHTS_REFUSAL = "attention weights were requested and only the reference path materialises them"
 
@@ -32,11 +34,20 @@ class Backend:
     why_not: (facts, hardware) -> why this backend cannot serve the call, or None.
     attend: (KernelInputs of one shard, facts) -> KernelOutput; `out` always,
       `lse` where the backend computes it, `weights` when asked for and served.
+    forward, backward: the two halves of `attend`, for a caller that owns the
+      gradient and keeps memory tight (the context-parallel ring), or None.
+      `forward(x, facts)` -> (out [B, T, Hq, Dv] float32, lse [B, T, Hq]);
+      `backward(x, facts, lse, d_out, delta, into=None)` -> (dq, dk, dv,
+      d_sinks), probabilities taken from the given (possibly global) lse,
+      delta = sum(d_out * out, -1) - d_lse, and dq, dk, dv added to `into`
+      (float32 accumulators shaped like q, k, v) when given.
   """
 
   name: str
   why_not: WhyNot
   attend: Attend
+  forward: Forward | None = None
+  backward: Backward | None = None
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -54,6 +65,14 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
 def sink_logsumexp(sinks: jax.Array) -> jax.Array:
   """[Hq, n] -> [Hq]: n sinks of a head act exactly as one sink of their logsumexp."""
   return jax.nn.logsumexp(sinks, axis=-1)
+
+
+def sink_grads(sinks: jax.Array | None, lse: jax.Array, delta: jax.Array) -> jax.Array | None:
+  """d sinks [Hq, n] = -sum over rows of exp(sink - lse) * delta (lse [B, T, Hq], +inf for none)."""
+  if sinks is None:
+    return None
+  weight = jnp.exp(sinks[None, None] - lse[..., None])  # [B, T, Hq, n]
+  return -jnp.sum(weight * delta[..., None], axis=(0, 1))
 
 
 def to_bhtd(x: jax.Array) -> jax.Array:

@@ -58,14 +58,21 @@ def why_not(facts: Facts, hardware: str) -> str | None:
 
 
 class PositionMask(splash_mask._ComputableMask):  # pylint: disable=protected-access
-  """`masks.position_rules` on padded row/column indices, queries shifted by `offset`."""
+  """`masks.position_rules` on padded row/column indices, queries shifted by `offset`.
+
+  With `balanced=(length, shards)` indices are places in the load-balanced
+  order and map to the tokens' original positions (`masks.load_balanced_position`).
+  """
 
   def __init__(self, shape: tuple[int, int], offset: int, causal: bool,
-               window: tuple[int, int] | None, chunk_size: int | None):
-    self.params = (shape, offset, causal, window, chunk_size)
+               window: tuple[int, int] | None, chunk_size: int | None,
+               balanced: tuple[int, int] | None = None):
+    self.params = (shape, offset, causal, window, chunk_size, balanced)
     rules = functools.partial(masks.position_rules, causal=causal, window=window,
                               chunk_size=chunk_size)
-    super().__init__(shape, lambda q_ids, kv_ids: rules(q_ids + offset, kv_ids))
+    place = (lambda i: i) if balanced is None else (
+        lambda i: masks.load_balanced_position(i, *balanced))
+    super().__init__(shape, lambda q_ids, kv_ids: rules(place(q_ids + offset), place(kv_ids)))
 
   def __eq__(self, other):
     return isinstance(other, PositionMask) and self.params == other.params
@@ -91,11 +98,12 @@ def padded_layout(query_len: int, kv_len: int, block_sizes) -> tuple[tuple[int, 
 
 @functools.lru_cache(maxsize=64)
 def build_kernel(*, padded: tuple[int, int], offset: int, heads: int, is_mqa: bool,
-                 config: AttentionConfig, blocks: tuple[int, int, int, int]):
+                 config: AttentionConfig, blocks: tuple[int, int, int, int],
+                 balanced: tuple[int, int] | None = None):
   """The splash kernel for one static shape and config (cached: built once)."""
   rules = dict(causal=config.causal, window=config.window, chunk_size=config.chunk_size)
   if any(rules.values()):
-    head_mask = PositionMask(padded, offset, **rules)
+    head_mask = PositionMask(padded, offset, **rules, balanced=balanced)
   else:
     head_mask = splash_mask.FullMask(padded)
   bq, bkv, bq_bwd, bkv_bwd = blocks
@@ -114,27 +122,33 @@ def build_kernel(*, padded: tuple[int, int], offset: int, heads: int, is_mqa: bo
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   """Splash attention on one shard: KernelInputs (default positions) -> out [B, T, Hq, Dv].
 
-  With `facts.sequence_shards` n > 1, `x` holds one of n equal, consecutive
-  query slices (T = T_global / n) and its positions are the defaults over the
-  whole query. The mask of slice i is the static mask shifted by i * T, so one
-  kernel per slice is built (once per shape) and `lax.switch` runs the slice's
-  own, chosen by its first query position.
+  With `facts.sequence_shards` n > 1, `x` holds one of n equal query slices
+  (T = T_global / n) and its positions are the defaults over the whole query.
+  The mask of slice i is the static mask shifted by i * T (in load-balanced
+  order: of the places i * T onwards), so one kernel per slice is built (once
+  per shape) and `lax.switch` runs the slice's own, chosen by its first query
+  position.
   """
   x = x._replace(query=base.to_bhtd(x.query), key=base.to_bhtd(x.key),
                  value=base.to_bhtd(x.value))  # [B, H, T, D]
-  config, sequence_shards = facts.config, facts.sequence_shards
+  config, n = facts.config, facts.sequence_shards
   query_len, kv_len = x.query.shape[2], x.key.shape[2]
-  if sequence_shards == 1:
+  if n == 1:
     return KernelOutput(base.to_bhtd(_run_at_offset(x, config, kv_len - query_len)))
-  first = kv_len - sequence_shards * query_len  # position of the global query's row 0
-  index = jnp.clip((x.q_positions[0, 0] - first) // query_len, 0, sequence_shards - 1)
-  branches = [functools.partial(_run_at_offset, config=config, offset=first + i * query_len)
-              for i in range(sequence_shards)]
-  return KernelOutput(base.to_bhtd(jax.lax.switch(index, branches, x)))
+  balanced = (kv_len, n) if facts.load_balanced else None
+  if balanced:  # slice i starts with chunk i: its first original position is i * T_global / 2n
+    first, index = 0, x.q_positions[0, 0] // (kv_len // (2 * n))
+  else:
+    first = kv_len - n * query_len  # position of the global query's row 0
+    index = (x.q_positions[0, 0] - first) // query_len
+  branches = [functools.partial(_run_at_offset, config=config, offset=first + i * query_len,
+                                balanced=balanced) for i in range(n)]
+  return KernelOutput(base.to_bhtd(jax.lax.switch(jnp.clip(index, 0, n - 1), branches, x)))
 
 
-def _run_at_offset(x: KernelInputs, config: AttentionConfig, offset: int) -> jax.Array:
-  """Splash with the static mask of queries at positions offset + arange(T)."""
+def _run_at_offset(x: KernelInputs, config: AttentionConfig, offset: int,
+                   balanced: tuple[int, int] | None = None) -> jax.Array:
+  """Splash with the static mask of queries at places offset + arange(T) (see PositionMask)."""
   batch, num_heads, query_len, head_dim = x.query.shape
   num_kv_heads, kv_len = x.key.shape[1], x.key.shape[2]
   groups = num_heads // num_kv_heads
@@ -156,7 +170,7 @@ def _run_at_offset(x: KernelInputs, config: AttentionConfig, offset: int) -> jax
            else base.sink_logsumexp(x.sinks))  # [Hq]
   kernel = build_kernel(padded=(t_pad, s_pad), offset=offset,
                         heads=groups if groups > 1 else num_heads, is_mqa=groups > 1,
-                        config=config, blocks=blocks)
+                        config=config, blocks=blocks, balanced=balanced)
   seg_axes = None if segment_ids is None else splash.SegmentIds(0, 0)
   if groups == 1:
     per_example = lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg, sinks=sinks)

@@ -1,13 +1,16 @@
 """Block views of one call for the xla backend, and its schedule: which block pairs to compute.
 
-Queries (and everything with a query axis) are transposed to [B, Hkv, G, T, D]
-and padded to whole blocks once: O(T). Keys and values are never padded:
+Queries and everything else with a query axis stay in the caller's [B, T, H, ...]
+layout (padded to whole blocks only when T needs it); each query block is
+transposed to [r, Hkv, G, bq, ...] when its row of blocks starts, and outputs
+are written back block by block. Keys and values are never padded:
 blocks are dynamic slices, the last one clamped to end at S (its keys before
 the block's nominal start are masked as duplicates). With one query block (a
 decode step, a prefill chunk against a cache) they are sliced in place from
 the caller's [B, S, Hkv, D] arrays, so a call costs what its computed blocks
 cost, not the capacity of the cache; with several query blocks each key block
-is read several times, so K/V are transposed to [B, Hkv, S, D] once instead.
+is read several times, so K/V are transposed to [B, Hkv, S, D] once instead
+(unless the caller keeps memory tight: a ring step reads them in place).
 
 The schedule is decided at run time from per-block ranges of positions and
 segment ids (`splash_hk.masks.blocks_may_see`): for default positions that is
@@ -21,6 +24,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from splash_hk import masks
 from splash_hk.backends import base
@@ -50,7 +54,8 @@ class Pair(NamedTuple):
 class Views:
   """One call's arrays as the block loops read them (static tiles, traced arrays)."""
 
-  def __init__(self, x: KernelInputs, facts: Facts, block_q: int, block_kv: int):
+  def __init__(self, x: KernelInputs, facts: Facts, block_q: int, block_kv: int,
+               kv_in_place: bool = False):
     batch, query_len, num_heads, head_dim = x.query.shape
     self.kv_len, self.num_kv_heads = x.key.shape[1], x.key.shape[2]
     self.groups = num_heads // self.num_kv_heads
@@ -61,10 +66,8 @@ class Views:
     self.padded_q = self.num_q_blocks * self.block_q
     work = self.block_q * self.block_kv * num_heads * head_dim
     self.rows = 1 if work >= PER_ROW_WORK else batch  # batch rows per group
-    q = x.query.reshape(batch, query_len, self.num_kv_heads, self.groups, head_dim)
-    q = jnp.transpose(q, (0, 2, 3, 1, 4)) * jnp.asarray(facts.scale, x.query.dtype)
-    self.q = base.pad_axis(q, 3, self.padded_q)  # [B, Hkv, G, Tp, D]
-    self.heads_major = self.num_q_blocks > 1
+    self.q = self.pad_rows(x.query)  # [B, Tp, Hq, D]
+    self.heads_major = self.num_q_blocks > 1 and not kv_in_place
     to_heads = (lambda a: jnp.swapaxes(a, 1, 2)) if self.heads_major else (lambda a: a)
     self.k, self.v = to_heads(x.key), to_heads(x.value)  # [B, Hkv, S, D] or as given
     self.kv_axis = 2 if self.heads_major else 1
@@ -85,6 +88,24 @@ class Views:
 
   def q_block(self, a: jax.Array, g, i, axis: int = 3) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(self.rows_of(a, g), i * self.block_q, self.block_q, axis)
+
+  def pad_rows(self, a: jax.Array, fill=0) -> jax.Array:
+    """[B, T, ...] -> [B, Tp, ...] (no copy when T fills whole blocks)."""
+    return a if a.shape[1] == self.padded_q else base.pad_axis(a, 1, self.padded_q, fill)
+
+  def head_rows(self, a: jax.Array, g, i) -> jax.Array:
+    """Query block i of a [B, Tp, Hq, ...] array as [r, Hkv, G, bq, ...]."""
+    block = self.q_block(a, g, i, 1)
+    block = block.reshape(block.shape[0], self.block_q, self.num_kv_heads, self.groups,
+                          *block.shape[3:])
+    return jnp.moveaxis(block, 1, 3)
+
+  def write_rows(self, buf: jax.Array, block: jax.Array, g, i) -> jax.Array:
+    """`buf` [B, Tp, Hq, ...] with query block i of row group g set to `block` [r, Hkv, G, bq, ...]."""
+    block = jnp.moveaxis(block, 3, 1)
+    block = block.reshape(block.shape[0], self.block_q, -1, *block.shape[4:])
+    start = (g * self.rows if self.rows < buf.shape[0] else 0, i * self.block_q)
+    return jax.lax.dynamic_update_slice(buf, block.astype(buf.dtype), start + (0,) * (buf.ndim - 2))
 
   def kv_start(self, j):
     """Where kv block j's slice starts: its nominal start, clamped so the slice ends by S."""
@@ -145,7 +166,7 @@ class Views:
     q = masks.block_ranges(x.q_positions, x.q_segment_ids, self.block_q)
     kv = masks.block_ranges(x.kv_positions, x.kv_segment_ids, self.block_kv)
     rules = self.facts.rules
-    live = masks.blocks_may_see(q, kv, **rules)  # [B, nq, nk]
+    live = masks.blocks_may_see(q, kv, **rules)  # [B, nq, nk], as `count_pairs` counts them
     full = masks.blocks_fully_see(q, kv, self.block_q, self.block_kv, **rules)
     if self.mask is not None:
       live = live & self._mask_blocks()
@@ -161,3 +182,15 @@ class Views:
     m = base.pad_axis(m, 2, self.num_kv_blocks * self.block_kv, False)
     m = m.reshape(m.shape[0], self.num_q_blocks, self.block_q, self.num_kv_blocks, self.block_kv)
     return jnp.any(m, axis=(2, 4))
+
+
+def count_pairs(q_positions, kv_positions, facts: Facts, block_q: int, block_kv: int) -> int:
+  """How many block pairs `Views.schedule` computes for these positions (NumPy, per row and head).
+
+  The same tiles (clamped to the lengths) and the same rule as the kernel, so
+  this is what it computes, not an idealised count.
+  """
+  block_q, block_kv = min(block_q, q_positions.shape[-1]), min(block_kv, kv_positions.shape[-1])
+  q = masks.block_ranges(q_positions, None, block_q, np)
+  kv = masks.block_ranges(kv_positions, None, block_kv, np)
+  return int(masks.blocks_may_see(q, kv, **facts.rules).sum())

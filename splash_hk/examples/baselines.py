@@ -47,7 +47,8 @@ def ejkernel_xla(q: jax.Array, k: jax.Array, v: jax.Array, config: sh.AttentionC
   return base.to_bhtd(out).astype(q.dtype)
 
 
-def jax_nn(q: jax.Array, k: jax.Array, v: jax.Array, nn_kwargs: dict) -> jax.Array:
+def jax_nn(q: jax.Array, k: jax.Array, v: jax.Array, nn_kwargs: dict,
+           implementation: str | None = "xla") -> jax.Array:
   """jax.nn.dot_product_attention with `nn_kwargs`; "chunk" is passed as a dense mask."""
   kwargs = dict(nn_kwargs)
   chunk = kwargs.pop("chunk", None)
@@ -56,4 +57,4 @@ def jax_nn(q: jax.Array, k: jax.Array, v: jax.Array, nn_kwargs: dict) -> jax.Arr
     kwargs["mask"] = (t[:, None] >= t[None, :]) & (t[:, None] // chunk == t[None, :] // chunk)
   if k.shape[2] != q.shape[2]:  # jax.nn's GQA takes repeated kv heads
     k, v = (jnp.repeat(a, q.shape[2] // k.shape[2], axis=2) for a in (k, v))
-  return jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
+  return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **kwargs)

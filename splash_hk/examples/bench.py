@@ -39,10 +39,10 @@ from splash_hk.examples import bench_train_step
 from splash_hk.examples import bench_workloads
 from splash_hk.examples import paths
 
-IMPLS = ("splash_hk_xla", "splash_hk_xla_sp", "splash_interpret", "reference", "jax_nn",
-         "ejkernel_xla")
+IMPLS = ("splash_hk_xla", "splash_hk_xla_sp", "splash_hk_ring", "splash_hk_auto", "splash_interpret",
+         "reference", "jax_nn", "jax_nn_auto", "ejkernel_xla")
 DEFAULT_IMPLS = ("splash_hk_xla", "splash_interpret", "reference", "jax_nn", "ejkernel_xla")
-DENSE = ("reference", "jax_nn", "ejkernel_xla")
+DENSE = ("reference", "jax_nn", "jax_nn_auto", "ejkernel_xla")
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["1024", "4096"], "Sequence lengths of --masks.")
 _MASKS = flags.DEFINE_list("masks", ["causal", "window:512", "chunk:1024", "full"],
@@ -96,11 +96,10 @@ def make_impl(name: str, workload: bench_workloads.Workload, batch: int):
                                                        **kw).attention_outputs
   if name == "splash_hk_xla":
     return functools.partial(attend, config=config.replace(platform="xla"))
-  if name == "splash_hk_xla_sp":
-    mesh = jax.make_mesh((_SEQUENCE_SHARDS.value,), ("sp",), devices=jax.devices()[
-        :_SEQUENCE_SHARDS.value])
-    return functools.partial(attend, config=config.replace(platform="xla"), mesh=mesh,
-                             axes=sh.MeshAxes(batch=None, heads=None, sequence="sp"))
+  if name in ("splash_hk_xla_sp", "splash_hk_ring"):
+    return _sequence_sharded(config.replace(platform="xla"), extras, ring=name == "splash_hk_ring")
+  if name == "splash_hk_auto":  # the hardware's kernel (Triton on a GPU), with its fallbacks
+    return functools.partial(attend, config=config)
   if name == "splash_interpret":
     return functools.partial(attend, config=config.replace(platform="splash", interpret=True,
                                                            allow_fallback=False))
@@ -108,10 +107,25 @@ def make_impl(name: str, workload: bench_workloads.Workload, batch: int):
     return lambda q, k, v: sh.fallback.reference_attention(q, k, v, config, **extras).attention_outputs
   if name == "ejkernel_xla":
     return functools.partial(baselines.ejkernel_xla, config=config, **extras)
-  if name == "jax_nn":
-    return functools.partial(baselines.jax_nn,
+  if name in ("jax_nn", "jax_nn_auto"):  # auto: XLA's choice (cuDNN on a GPU where it serves)
+    return functools.partial(baselines.jax_nn, implementation="xla" if name == "jax_nn" else None,
                              nn_kwargs=bench_workloads.jax_nn_kwargs(workload, batch))
   raise ValueError(f"--impls: unknown implementation {name!r}; choose from {IMPLS}.")
+
+
+def _sequence_sharded(config: sh.AttentionConfig, extras: dict, ring: bool):
+  """The query sequence over --sequence_shards devices: contiguous with all_gather, or a
+  load-balanced ring (inputs put in load-balanced order and the output restored, included
+  in its time: a model pays that once per batch, not per layer)."""
+  n = _SEQUENCE_SHARDS.value
+  mesh = jax.make_mesh((n,), ("sp",), devices=jax.devices()[:n])
+  axes = sh.MeshAxes(batch=None, heads=None, sequence="sp",
+                     sequence_strategy="ring" if ring else "all_gather", load_balanced=ring)
+  order = (lambda a: sh.sharding.load_balance(a, n)) if ring else (lambda a: a)
+  extras = {k: order(v) for k, v in extras.items()}
+  attend = lambda q, k, v: sh.attention(order(q), order(k), order(v), config=config, mesh=mesh,
+                                        axes=axes, **extras).attention_outputs
+  return (lambda q, k, v: sh.sharding.restore_order(attend(q, k, v), n)) if ring else attend
 
 
 def matmul_peaks(dtype) -> dict[str, float]:

@@ -46,9 +46,10 @@ def ratios(rows: Sequence[Any]) -> list[str]:
       lines.append(f"speedup of splash_hk_xla over jax_nn: {r.workload} Hkv={r.num_kv_heads}: "
                    f"{speedup}")
     one = by_key.get(("splash_hk_xla", r.workload, r.num_kv_heads))
-    if r.impl == "splash_hk_xla_sp" and ran(one) and ran(r):
-      lines.append(f"{r.workload} Hkv={r.num_kv_heads} with the query sequence sharded vs "
-                   f"unsharded: {_times((r, one))} the time")
+    if r.impl in ("splash_hk_xla_sp", "splash_hk_ring") and ran(one) and ran(r):
+      how = "as a load-balanced ring" if r.impl == "splash_hk_ring" else "all-gathered"
+      lines.append(f"{r.workload} Hkv={r.num_kv_heads} with the query sequence sharded ({how}) "
+                   f"vs unsharded: {_times((r, one))} the time")
   caches = collections.defaultdict(list)  # (impl, kind:first, Hkv) -> [(capacity, row)]
   for r in rows:
     kind, _, sizes = r.workload.partition(":")
@@ -65,7 +66,11 @@ def ratios(rows: Sequence[Any]) -> list[str]:
 
 def plot(rows: Sequence[Any], path: str) -> None:
   """Bars of forward (and forward+backward) seconds per workload and implementation."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+  except ImportError:  # e.g. a machine with only the library's requirements: the table suffices
+    print(f"no plot: matplotlib is not installed (pip install 'splash_hk[examples]'); not {path}")
+    return
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   fields = [f for f in ("forward_s", "forward_backward_s")

@@ -23,6 +23,7 @@ class ModelConfig:
   num_sinks: int = 0
   attention: str = "splash"  # "splash" (sh.MultiHeadAttention) or "reference" (hk.MultiHeadAttention)
   attention_config: sh.AttentionConfig = sh.AttentionConfig()
+  axes: sh.MeshAxes = sh.MeshAxes()  # with a mesh: batch, heads and sequence axes
 
   def __post_init__(self):
     if self.model_size % self.num_heads:
@@ -52,7 +53,7 @@ class Transformer(hk.Module):
                                    name=f"attention_{i}")
     return sh.MultiHeadAttention(c.num_heads, c.model_size // c.num_heads,
                                  num_kv_heads=c.num_kv_heads, w_init=w_init,
-                                 config=c.attention_config, mesh=self.mesh,
+                                 config=c.attention_config, mesh=self.mesh, axes=c.axes,
                                  num_sinks=c.num_sinks, name=f"attention_{i}")
 
   def init_caches(self, batch: int, capacity: int | None = None) -> list[sh.KVCache]:

@@ -44,9 +44,12 @@ def main(argv):
     err = float(np.max(np.abs(np.asarray(out) - np.asarray(ref))))
     worst = max(worst, err)
     print(f"{name:22s} backend={decision.backend:9s} max|err|={err:.2e}  ({decision.reason})")
-  print(f"worst max|err| vs reference = {worst:.2e} ({'OK' if worst < 1e-5 else 'TOO LARGE'})")
-  if worst >= 1e-5:
-    logging.error("error above 1e-5")
+  # f32 on a CPU matches to rounding; GPU kernels may use TF32 for f32 matmuls.
+  tolerance = 1e-5 if jax.default_backend() == "cpu" else 5e-3
+  print(f"worst max|err| vs reference = {worst:.2e} ({'OK' if worst < tolerance else 'TOO LARGE'}, "
+        f"tolerance {tolerance:.0e} on {jax.default_backend()})")
+  if worst >= tolerance:
+    logging.error("error above %.0e", tolerance)
     raise SystemExit(1)
 
 

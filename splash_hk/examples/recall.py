@@ -23,13 +23,14 @@ class RecallTask:
   num_pairs: int
   num_keys: int = 32
   num_values: int = 32
+  length: int | None = None  # model input length; past 4 * num_pairs - 1 tokens: padding
 
   @classmethod
   def for_seq_len(cls, seq_len: int) -> "RecallTask":
-    """The task whose model input (tokens[:-1]) is at most `seq_len` long."""
+    """The task whose model input is `seq_len` tokens (the last ones padding if needed)."""
     if seq_len < 3:
       raise ValueError(f"--seq_len must be >= 3 (one pair and its query), got {seq_len}.")
-    return cls(num_pairs=(seq_len + 1) // 4)
+    return cls(num_pairs=(seq_len + 1) // 4, length=seq_len)
 
   @property
   def vocab_size(self) -> int:
@@ -37,8 +38,8 @@ class RecallTask:
 
   @property
   def seq_len(self) -> int:
-    """Length of the model input: 4 * num_pairs tokens, less the last."""
-    return 4 * self.num_pairs - 1
+    """Length of the model input: 4 * num_pairs tokens less the last, or `length`."""
+    return self.length or 4 * self.num_pairs - 1
 
   def prompt_len(self) -> int:
     """Tokens before the first answer (pairs and the first query)."""
@@ -64,4 +65,6 @@ class RecallTask:
       tokens[out, 2 * n::2], tokens[out, 2 * n + 1::2] = keys[order], values[order]
     weights = np.zeros((len(indices), 4 * n - 1), np.float32)
     weights[:, 2 * n::2] = 1.0  # input is a query, target its answer
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
+    pad = [(0, 0), (0, self.seq_len - (4 * n - 1))]  # trailing padding: token 0, weight 0
+    return {"inputs": np.pad(tokens[:, :-1], pad), "targets": np.pad(tokens[:, 1:], pad),
+            "weights": np.pad(weights, pad)}

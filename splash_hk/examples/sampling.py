@@ -23,7 +23,9 @@ def sample(task: recall.RecallTask, config: model_lib.ModelConfig, params, mesh,
   then decode in lockstep, one token per step, each row feeding its predicted
   answer and its next query; a finished row appends nothing (`lengths=0`).
   """
-  config = dataclasses.replace(config, attention="splash")  # decoding needs sh.MultiHeadAttention
+  # Decoding needs sh.MultiHeadAttention; it runs on the same mesh, never load-balanced (T != S).
+  config = dataclasses.replace(config, attention="splash",
+                               axes=dataclasses.replace(config.axes, load_balanced=False))
   model = hk.without_apply_rng(hk.transform(
       lambda tokens, positions, caches, lengths: model_lib.Transformer(config, mesh)(
           tokens, positions, caches, lengths=lengths)))

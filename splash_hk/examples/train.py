@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 from absl import app
 from absl import flags
@@ -33,6 +33,7 @@ import optax
 import tqdm
 
 import splash_hk as sh
+from splash_hk.examples import batches as batches_lib
 from splash_hk.examples import checkpoint as checkpoint_lib
 from splash_hk.examples import model as model_lib
 from splash_hk.examples import recall
@@ -51,7 +52,13 @@ _ATTENTION = flags.DEFINE_enum("attention", "splash", ["splash", "reference"],
                                "splash: sh.MultiHeadAttention; reference: Haiku's hk.MultiHeadAttention.")
 _PLATFORM = flags.DEFINE_enum("platform", "auto", ["auto", "splash", "triton", "xla", "reference"],
                               "splash_hk platform.")
-_MESH = flags.DEFINE_string("mesh", None, 'Device mesh, e.g. "dp=2,tp=4" (axes dp, fsdp, tp).')
+_MESH = flags.DEFINE_string("mesh", None, 'Device mesh, e.g. "dp=2,tp=4" or "dp=2,sp=4" (axes dp, '
+                            "fsdp, tp, and sp: the sequence).")
+_SEQUENCE_STRATEGY = flags.DEFINE_enum("sequence_strategy", "all_gather", ["all_gather", "ring"],
+                                       "How a sequence sharded over sp is attended.")
+_LOAD_BALANCED = flags.DEFINE_bool(
+    "load_balanced", False, "Put each batch in load-balanced (dual-chunk) order over sp, so causal "
+    "work is even; needs sp in --mesh and a --seq_len that 2 * sp divides.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None, "Virtual CPU devices (set before JAX starts).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype (params f32).")
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", 1e-3, "Peak AdamW learning rate.")
@@ -76,7 +83,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "This process's index in a m
 _HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 20,
                                   "Seconds without a peer's heartbeat before a multi-process run fails.")
 _EVAL_BATCH = 256
-_MESH_AXES = ("dp", "fsdp", "tp")
+_MESH_AXES = ("dp", "fsdp", "tp", "sp")
 
 
 def _fail(message: str):
@@ -111,7 +118,20 @@ def make_mesh() -> jax.sharding.Mesh | None:
   return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
 
 
-def make_task_and_model() -> tuple[recall.RecallTask, model_lib.ModelConfig]:
+def make_axes(mesh) -> sh.MeshAxes:
+  """Mesh axes for attention: batch over dp/fsdp, heads over tp, the sequence over sp."""
+  sequence = "sp" if mesh is not None and "sp" in mesh.shape else None
+  if _LOAD_BALANCED.value and sequence is None:
+    _fail("--load_balanced needs an sp axis in --mesh, e.g. --mesh=dp=2,sp=4.")
+  if _LOAD_BALANCED.value and _SEQ_LEN.value % (2 * mesh.shape["sp"]):
+    _fail(f"--load_balanced needs a --seq_len that 2 * sp = {2 * mesh.shape['sp']} divides, got "
+          f"{_SEQ_LEN.value}.")
+  return sh.MeshAxes(batch=("dp", "fsdp"), heads="tp", sequence=sequence,
+                     sequence_strategy=_SEQUENCE_STRATEGY.value,
+                     load_balanced=_LOAD_BALANCED.value)
+
+
+def make_task_and_model(axes: sh.MeshAxes) -> tuple[recall.RecallTask, model_lib.ModelConfig]:
   """The recall task and the model config, from the flags (one error line if they clash)."""
   for name, value in (("steps", _STEPS.value), ("batch_size", _BATCH_SIZE.value),
                       ("log_every", _LOG_EVERY.value), ("eval_every", _EVAL_EVERY.value),
@@ -126,7 +146,8 @@ def make_task_and_model() -> tuple[recall.RecallTask, model_lib.ModelConfig]:
     config = model_lib.ModelConfig(
         vocab_size=task.vocab_size, max_len=task.seq_len, num_layers=_NUM_LAYERS.value,
         model_size=_MODEL_SIZE.value, num_heads=_NUM_HEADS.value, num_kv_heads=_NUM_KV_HEADS.value,
-        num_sinks=_NUM_SINKS.value, attention=_ATTENTION.value, attention_config=attention_config)
+        num_sinks=_NUM_SINKS.value, attention=_ATTENTION.value, attention_config=attention_config,
+        axes=axes)
   except ValueError as e:
     _fail(str(e))
   return task, config
@@ -141,23 +162,6 @@ def make_optimizer() -> optax.GradientTransformation:
 
 
 # Data.
-
-
-def make_batches(task: recall.RecallTask, mesh) -> Callable[[int, int, int], dict[str, Any]]:
-  """(seed, step, batch_size) -> this process's rows of the global batch, sharded over batch."""
-  if mesh is None:
-    return task.batch
-
-  def batch(seed: int, step: int, batch_size: int) -> dict[str, jax.Array]:
-    spec = sh.sharding.stable_spec(PartitionSpec(("dp", "fsdp")), (batch_size, 1), mesh, keep=(0,))
-    sharding = NamedSharding(mesh, spec)
-    rows = sorted({idx[0].indices(batch_size) for idx in
-                   sharding.addressable_devices_indices_map((batch_size, 1)).values()})
-    local = task.batch(seed, step, batch_size, slice(rows[0][0], rows[-1][1]))
-    return {k: jax.make_array_from_process_local_data(sharding, v, (batch_size, *v.shape[1:]))
-            for k, v in local.items()}
-
-  return batch
 
 
 def replicate(tree, mesh):
@@ -180,7 +184,8 @@ def make_steps(forward: hk.Transformed, optimizer: optax.GradientTransformation)
   """(train_step, evaluate): jitted; both return the answer-token loss and accuracy."""
 
   def loss_and_accuracy(params, batch):
-    logits = forward.apply(params, None, batch["inputs"]).astype(jnp.float32)  # [B, T, V]
+    logits = forward.apply(params, None, batch["inputs"], batch.get("positions"))  # [B, T, V]
+    logits = logits.astype(jnp.float32)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # [B, T]
     weights = batch["weights"]
     correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
@@ -252,16 +257,18 @@ def train(state: TrainState, train_step, evaluate, batches, eval_batch, seq_len:
 
 def run() -> None:
   """Builds the run from the flags, trains, then (optionally) samples and evaluates."""
-  task, config = make_task_and_model()
+  mesh = make_mesh()
+  axes = make_axes(mesh)
+  task, config = make_task_and_model(axes)
   if jax.process_count() > 1 and _SAMPLE.value:
     _fail("--sample decodes in one process; run it without --num_processes.")
   if _BATCH_SIZE.value % jax.process_count():
     _fail(f"--batch_size ({_BATCH_SIZE.value}) must divide over {jax.process_count()} processes.")
-  mesh = make_mesh()
   if _DTYPE.value == "bfloat16":
     hk.mixed_precision.set_policy(model_lib.Transformer, jmp.get_policy(
         "params=float32,compute=bfloat16,output=float32"))
-  forward = hk.transform(lambda tokens: model_lib.Transformer(config, mesh)(tokens))
+  forward = hk.transform(lambda tokens, positions=None: model_lib.Transformer(config, mesh)(
+      tokens, positions))
   optimizer = make_optimizer()
   train_step, evaluate = make_steps(forward, optimizer)
   params = forward.init(jax.random.PRNGKey(_SEED.value), task.batch(_SEED.value, 0, 2)["inputs"])
@@ -271,12 +278,13 @@ def run() -> None:
   except checkpoint_lib.CheckpointError as e:
     _fail(str(e))
   state = TrainState(replicate(params, mesh), replicate(opt_state, mesh), step)
-  batches = make_batches(task, mesh)
+  batches = batches_lib.make_batches(task, mesh, axes)
   eval_batch = batches(_SEED.value + 1, 0, _EVAL_BATCH)
   head_size = config.model_size // config.num_heads
   heads = lambda n: jax.ShapeDtypeStruct((_BATCH_SIZE.value, task.seq_len, n, head_size), jnp.float32)
   kv_heads = heads(config.num_kv_heads or config.num_heads)
-  decision = sh.explain(heads(config.num_heads), kv_heads, kv_heads, config=config.attention_config)
+  decision = sh.explain(heads(config.num_heads), kv_heads, kv_heads, config=config.attention_config,
+                        mesh=mesh, axes=axes)
   logging.info("recall task: %d pairs, seq_len %d, vocab %d; attention=%s mesh=%s; backend: %s",
                task.num_pairs, task.seq_len, task.vocab_size, _ATTENTION.value, _MESH.value,
                decision.reason)

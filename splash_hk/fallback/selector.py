@@ -7,6 +7,7 @@ can, does. Adding a backend is its file and one line in `BACKENDS`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from absl import logging
@@ -37,7 +38,7 @@ def candidates(platform: str, hardware: str) -> tuple[str, ...]:
 
 
 def select(facts: Facts, hardware: str | None = None) -> Decision:
-  """Picks the backend for a call from its facts (see `select_backend`)."""
+  """Picks the backend (and, for a sharded sequence, the ring or not) from a call's facts."""
   hardware = hardware or jax.default_backend()
   config, mode = facts.config, facts.mode.value
   refusals = []
@@ -48,12 +49,40 @@ def select(facts: Facts, hardware: str | None = None) -> Decision:
     refusals.append(f"{backend}: {why_not}")
   if not refusals:
     asked = "requested" if config.platform == backend else f"first choice on {hardware}"
-    return Decision(backend, f"{backend} is the {asked} ({mode} mode)")
-  reason = f"falling back to {backend} ({mode} mode) because " + "; ".join(refusals)
+    decision = Decision(backend, f"{backend} is the {asked} ({mode} mode)")
+  else:
+    decision = _fallback(config, Decision(
+        backend, f"falling back to {backend} ({mode} mode) because " + "; ".join(refusals),
+        fallback=True))
+  if facts.sequence_strategy != "ring" or facts.sequence_shards == 1:
+    return decision
+  why_not = ring_refusal(facts, BACKENDS[backend])
+  if why_not is None:
+    return dataclasses.replace(decision, ring=True, reason=(
+        f"{decision.reason}, as a ring over {facts.sequence_shards} sequence shards"))
+  return _fallback(config, dataclasses.replace(decision, fallback=True, reason=(
+      f"{decision.reason}; sequence_strategy='ring' falls back to all_gather because {why_not}")))
+
+
+def _fallback(config: AttentionConfig, decision: Decision) -> Decision:
   if not config.allow_fallback:
-    raise ValueError(f"{reason}. AttentionConfig(allow_fallback=False) forbids fallbacks: "
-                     "change the inputs or the platform, or allow the fallback.")
-  return Decision(backend, reason, fallback=True)
+    raise ValueError(f"{decision.reason}. AttentionConfig(allow_fallback=False) forbids fallbacks: "
+                     "change the inputs, the platform or the mesh axes, or allow the fallback.")
+  return decision
+
+
+def ring_refusal(facts: Facts, backend: base.Backend) -> str | None:
+  """Why a sharded sequence cannot run as a ring with `backend`, or None."""
+  if facts.query_len != facts.kv_len:
+    return (f"the ring needs self-attention (query_len == kv_len), got query_len "
+            f"{facts.query_len}, kv_len {facts.kv_len}")
+  if facts.mask_shape is not None:
+    return "a dense mask was given (the ring passes keys, not mask columns, around)"
+  if facts.return_weights:
+    return "attention weights were requested"
+  if backend.forward is None or backend.backward is None:
+    return f"the {backend.name} backend has no forward/backward halves for ring steps"
+  return None
 
 
 def select_backend(

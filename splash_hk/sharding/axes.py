@@ -1,10 +1,11 @@
-"""Which mesh axes carry which attention dimension."""
+"""Which mesh axes carry which attention dimension, and how a sharded sequence is attended."""
 
 from __future__ import annotations
 
 import dataclasses
 
 AxisEntry = str | tuple[str, ...] | None
+SEQUENCE_STRATEGIES = ("all_gather", "ring")
 
 
 def _as_tuple(entry: AxisEntry) -> tuple[str, ...]:
@@ -15,28 +16,47 @@ def _as_tuple(entry: AxisEntry) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class MeshAxes:
-  """Mesh axis names for the batch, head and (optional) query-sequence dimensions.
+  """Mesh axis names for the batch, head and (optional) sequence dimensions.
 
-  Each field is an axis name, a tuple of names (sharded over their product), or
-  None. Axes missing from a mesh, or not dividing a dimension, are dropped per
-  call (see `stable_spec`), so one MeshAxes serves every mesh shape.
+  Each axis field is an axis name, a tuple of names (sharded over their
+  product), or None. Axes missing from a mesh, or not dividing a dimension, are
+  dropped per call (see `stable_spec`), so one MeshAxes serves every mesh shape.
+
+  Attributes:
+    batch: axes of the batch dimension.
+    heads: axes of the head dimension.
+    sequence: axes of the query sequence (context parallelism), or None.
+    sequence_strategy: "all_gather" (every shard sees all keys/values) or
+      "ring" (keys/values stay sharded too and travel around the ring).
+    load_balanced: the sequence is in dual-chunk order (`load_balance`), so
+      causal work is even across shards; needs `sequence`.
   """
 
   batch: AxisEntry = ("dp", "fsdp")
   heads: AxisEntry = "tp"
   sequence: AxisEntry = None
+  sequence_strategy: str = "all_gather"
+  load_balanced: bool = False
 
   def __post_init__(self):
     seen = []
-    for field in dataclasses.fields(self):
-      entry = getattr(self, field.name)
+    for name in ("batch", "heads", "sequence"):
+      entry = getattr(self, name)
       names = _as_tuple(entry)
       if not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"MeshAxes.{field.name} must be an axis name, a tuple of names or None, "
+        raise ValueError(f"MeshAxes.{name} must be an axis name, a tuple of names or None, "
                          f"got {entry!r}.")
       if isinstance(entry, list):
-        object.__setattr__(self, field.name, tuple(entry))
+        object.__setattr__(self, name, tuple(entry))
       seen.extend(names)
     repeated = sorted({n for n in seen if seen.count(n) > 1})
     if repeated:
       raise ValueError(f"MeshAxes names each mesh axis at most once; {repeated} repeat in {self}.")
+    if self.sequence_strategy not in SEQUENCE_STRATEGIES:
+      raise ValueError(f"MeshAxes.sequence_strategy must be one of {SEQUENCE_STRATEGIES}, got "
+                       f"{self.sequence_strategy!r}.")
+    if not isinstance(self.load_balanced, bool):
+      raise ValueError(f"MeshAxes.load_balanced must be a bool, got {self.load_balanced!r}.")
+    if self.load_balanced and self.sequence is None:
+      raise ValueError("MeshAxes(load_balanced=True) needs `sequence` (the axis the balanced "
+                       "sequence is sharded over), e.g. MeshAxes(sequence='sp', load_balanced=True).")

@@ -73,6 +73,25 @@ def query_sequence_shards(query_shape: Sequence[int], mesh: Mesh, axes: MeshAxes
   return entry_size(spec[1], mesh)
 
 
+def check_load_balanced(query_len: int, kv_len: int, mesh: Mesh | None, axes: MeshAxes,
+                        shards: int) -> None:
+  """load_balanced=True needs self-attention over a sequence that the mesh really splits."""
+  fix = "pass inputs in contiguous order with MeshAxes(load_balanced=False)"
+  if query_len != kv_len:
+    raise ValueError(f"MeshAxes(load_balanced=True) needs self-attention (query_len == kv_len), "
+                     f"got query_len {query_len}, kv_len {kv_len}; {fix} (decode and prefill "
+                     "against a cache are never load-balanced).")
+  if mesh is None or shards == 1:
+    where = "mesh=None" if mesh is None else (
+        f"sequence axis {axes.sequence!r} does not split query_len {query_len} on the mesh "
+        f"{dict(mesh.shape)} (missing, not dividing it, or taken by batch/heads)")
+    raise ValueError(f"MeshAxes(load_balanced=True) needs a mesh whose sequence axis splits the "
+                     f"sequence into shards, but {where}; {fix}.")
+  if query_len % (2 * shards):
+    raise ValueError(f"MeshAxes(load_balanced=True): query_len {query_len} must be a multiple of "
+                     f"2 * {shards} sequence shards (two chunks per shard); pad the sequence.")
+
+
 def kv_head_repeats(num_heads: int, num_kv_heads: int, head_shards: int) -> int:
   """How often to repeat each kv head so the kv heads split evenly with their query heads.
 
@@ -89,6 +108,7 @@ def attention_specs(
     mesh: Mesh,
     axes: MeshAxes,
     mode: Mode,
+    ring: bool = False,
 ) -> tuple[KernelInputs, KernelOutput, int]:
   """Specs for every kernel input and output, and the kv-head repeat factor.
 
@@ -97,6 +117,8 @@ def attention_specs(
     mesh: the device mesh.
     axes: which mesh axes carry batch, heads and query sequence.
     mode: DECODE never shards the query axis.
+    ring: keys/values (and their positions and segment ids) are sharded over the
+      sequence axes too (context-parallel ring); otherwise every shard gets them whole.
 
   Returns:
     (in_specs, out_specs, kv_repeats): a KernelInputs of PartitionSpecs (None
@@ -109,9 +131,10 @@ def attention_specs(
   q_spec = stable_spec((axes.batch, sequence, axes.heads), x.query.shape, mesh, keep=BTHD_KEEP)
   batch_entry, seq_entry, head_entry = q_spec[0], q_spec[1], q_spec[2]
   repeats = kv_head_repeats(num_heads, x.key.shape[2], entry_size(head_entry, mesh))
-  kv_spec = PartitionSpec(batch_entry, None, head_entry, None)
+  kv_seq = seq_entry if ring else None
+  kv_spec = PartitionSpec(batch_entry, kv_seq, head_entry, None)
   q_rows = PartitionSpec(batch_entry, seq_entry)
-  kv_rows = PartitionSpec(batch_entry, None)
+  kv_rows = PartitionSpec(batch_entry, kv_seq)
   mask_spec = None
   if x.mask is not None:
     mask_spec = PartitionSpec(batch_entry if x.mask.shape[0] == batch else None,

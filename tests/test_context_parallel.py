@@ -1,0 +1,153 @@
+"""Context parallelism: load-balanced sequence shards and ring attention, against the oracle."""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+import pytest
+
+import splash_hk as sh
+from cases import Case
+
+MESHES = {"sp2": ((2,), ("sp",)), "sp4": ((4,), ("sp",)), "sp8": ((8,), ("sp",)),
+          "dp2_sp2_tp2": ((2, 2, 2), ("dp", "sp", "tp"))}
+CASE = Case("cp", batch=2, query_len=32, kv_len=32, num_heads=4, num_kv_heads=2, head_dim=8,
+            window=(9, 0), segments="packed", sinks="heads_n")
+
+
+def _axes(strategy: str, balanced: bool) -> sh.MeshAxes:
+  return sh.MeshAxes(batch="dp", heads="tp", sequence="sp", sequence_strategy=strategy,
+                     load_balanced=balanced)
+
+
+@pytest.mark.parametrize("balanced", [False, True], ids=["contiguous", "balanced"])
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_sharded_sequence_matches_oracle_forward_and_gradients(mesh_name, strategy, balanced):
+  mesh = jax.make_mesh(*MESHES[mesh_name])
+  n = dict(zip(MESHES[mesh_name][1], MESHES[mesh_name][0]))["sp"]
+  axes = _axes(strategy, balanced)
+  q, k, v, extras = CASE.arrays(seed=3)
+  sinks = extras.pop("softmax_aux")
+  cot = np.random.default_rng(4).normal(size=q.shape).astype(np.float32)
+  order = (lambda a: sh.sharding.load_balance(a, n)) if balanced else (lambda a: a)
+  seg = order(extras["q_segment_ids"])
+  decision = sh.explain(order(q), order(k), order(v), config=CASE.config, mesh=mesh, axes=axes,
+                        q_segment_ids=seg, softmax_aux=sinks)
+  assert decision.ring == (strategy == "ring") and not decision.fallback, decision
+
+  def loss(q, k, v, sinks):
+    out = sh.attention(q, k, v, config=CASE.config, mesh=mesh, axes=axes, q_segment_ids=seg,
+                       softmax_aux=sinks).attention_outputs
+    return jnp.sum(out * order(cot)), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+      order(q), order(k), order(v), sinks)
+  back = (lambda a: sh.sharding.restore_order(np.asarray(a), n)) if balanced else np.asarray
+  with jax.enable_x64(True):
+    f64 = lambda a: jnp.asarray(a, jnp.float64)
+    want_out, _ = CASE.oracle(q, k, v, dict(extras, softmax_aux=sinks))
+    want = jax.grad(lambda q, k, v, s: jnp.sum(CASE.oracle(
+        q, k, v, dict(extras, softmax_aux=s), xp=jnp)[0] * cot), argnums=(0, 1, 2, 3))(
+            f64(q), f64(k), f64(v), f64(sinks))
+  np.testing.assert_allclose(back(out), want_out, atol=1e-5)
+  for name, g, w in zip("qkv", grads[:3], want[:3]):
+    np.testing.assert_allclose(back(g), np.asarray(w), atol=1e-4, rtol=1e-4, err_msg=name)
+  np.testing.assert_allclose(np.asarray(grads[3]), np.asarray(want[3]), atol=1e-4, rtol=1e-4)
+
+
+def test_ring_keeps_keys_sharded_and_falls_back_with_reasons():
+  mesh = jax.make_mesh((4,), ("sp",))
+  axes = sh.MeshAxes(batch=None, heads=None, sequence="sp", sequence_strategy="ring")
+  spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  q = spec(1, 64, 2, 8)
+  assert sh.explain(q, q, q, mesh=mesh, axes=axes).ring
+  prefill = sh.explain(spec(1, 32, 2, 8), q, q, mesh=mesh, axes=axes)
+  assert not prefill.ring and prefill.fallback and "self-attention" in prefill.reason
+  mask = jax.ShapeDtypeStruct((1, 1, 64, 64), jnp.bool_)
+  assert "dense mask" in sh.explain(q, q, q, mesh=mesh, axes=axes, mask=mask).reason
+  with pytest.raises(ValueError, match="falls back to all_gather.*allow_fallback=False"):
+    sh.explain(spec(1, 32, 2, 8), q, q, mesh=mesh, axes=axes,
+               config=sh.AttentionConfig(allow_fallback=False))
+  x = jnp.ones((1, 64, 2, 8))
+  out = jax.jit(lambda x: sh.attention(x, x, x, mesh=mesh, axes=axes).attention_outputs)(x)
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "sp", None, None)), 4)
+
+
+def test_ring_memory_per_device_falls_with_the_ring():
+  # argument + temp bytes of the compiled forward+backward are per device (an SPMD program).
+  # The README's measurement (T=32768, Hq=Hkv=8, D=64, f32, causal), compiled only; the
+  # inputs arrive sharded over sp, as a model's activations do.
+  sizes = {}
+  for n in (1, 8):
+    mesh = jax.make_mesh((n,), ("sp",), devices=jax.devices()[:n])
+    x = jax.ShapeDtypeStruct((1, 32768, 8, 64), jnp.float32,
+                             sharding=NamedSharding(mesh, P(None, "sp", None, None)))
+    axes = sh.MeshAxes(batch=None, heads=None, sequence="sp", sequence_strategy="ring")
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(sh.attention(
+        q, k, v, mesh=mesh, axes=axes).attention_outputs), argnums=(0, 1, 2)))
+    memory = grad.lower(x, x, x).compile().memory_analysis()
+    sizes[n] = memory.argument_size_in_bytes + memory.temp_size_in_bytes
+  assert sizes[8] <= sizes[1] / 4, sizes
+
+
+def test_load_balance_is_the_dual_chunk_swap_and_restore_order_undoes_it():
+  x = np.arange(16)[None]
+  balanced = sh.sharding.load_balance(x, 2)
+  np.testing.assert_array_equal(balanced[0], [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
+  np.testing.assert_array_equal(sh.sharding.restore_order(balanced, 2), x)
+  y = jnp.arange(2 * 24 * 3).reshape(2, 24, 3)
+  np.testing.assert_array_equal(sh.sharding.restore_order(sh.sharding.load_balance(y, 3), 3), y)
+  with pytest.raises(ValueError, match="restore_order.*2 \\* 4"):
+    sh.sharding.restore_order(np.zeros((1, 12)), 4)
+  with pytest.raises(ValueError, match="load_balance"):
+    sh.sharding.load_balance(np.zeros((1, 10)), 2)
+
+
+def test_load_balanced_needs_self_attention_and_a_splitting_mesh():
+  mesh = jax.make_mesh((4,), ("sp",))
+  axes = sh.MeshAxes(batch=None, heads=None, sequence="sp", load_balanced=True)
+  x = jnp.ones((1, 64, 2, 8))
+  for kwargs, needle in [(dict(query=x[:, :32]), "self-attention"),
+                         (dict(mesh=None), "mesh=None"),
+                         (dict(mesh=jax.make_mesh((4,), ("dp",))), "does not split"),
+                         (dict(query=jnp.ones((1, 36, 2, 8)), key=jnp.ones((1, 36, 2, 8))),
+                          "multiple of 2 \\* 4")]:
+    call = dict(query=x, key=x, mesh=mesh) | kwargs
+    with pytest.raises(ValueError, match=f"load_balanced.*{needle}|{needle}.*load_balanced"):
+      sh.attention(call["query"], call["key"], call["key"], mesh=call["mesh"], axes=axes)
+  with pytest.raises(ValueError, match="sequence_strategy"):
+    sh.MeshAxes(sequence="sp", sequence_strategy="ulysses")
+  with pytest.raises(ValueError, match="needs `sequence`"):
+    sh.MeshAxes(load_balanced=True)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_shard_work_balances_causal_work(strategy):
+  mesh = jax.make_mesh((8,), ("sp",))
+  counts = {}
+  for balanced in (False, True):
+    axes = sh.MeshAxes(batch=None, heads=None, sequence="sp", sequence_strategy=strategy,
+                       load_balanced=balanced)
+    counts[balanced] = sh.sharding.shard_work(8192, 8192, sh.AttentionConfig(), mesh, axes)
+  unsharded = sh.sharding.shard_work(8192, 8192, sh.AttentionConfig(), None, sh.MeshAxes())
+  assert 1.7 < max(counts[False]) / np.mean(counts[False]) < 2.0
+  assert max(counts[True]) / np.mean(counts[True]) <= 1.05 and len(counts[True]) == 8
+  # Shards use 256-row query tiles, the whole call 512: compare work, pairs x tile area.
+  assert sum(counts[True]) * 256 * 256 <= sum(unsharded) * 512 * 256
+
+
+def test_splash_serves_load_balanced_shards():
+  case = Case("splash_lb", batch=2, query_len=512, kv_len=512, num_heads=4, num_kv_heads=2,
+              head_dim=32, window=(100, 0), segments="packed")
+  q, k, v, extras = case.arrays(seed=5)
+  mesh = jax.make_mesh((2, 2, 2), ("dp", "sp", "tp"))
+  axes = _axes("all_gather", True)
+  order = lambda a: sh.sharding.load_balance(a, 2)
+  seg = order(extras["q_segment_ids"])
+  config = case.config.replace(platform="splash", interpret=True, allow_fallback=False)
+  out = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config, mesh=mesh, axes=axes,
+                                             q_segment_ids=seg).attention_outputs)(
+      order(q), order(k), order(v))
+  np.testing.assert_allclose(sh.sharding.restore_order(np.asarray(out), 2),
+                             case.oracle(q, k, v, extras)[0], atol=3e-3)
