@@ -12,7 +12,7 @@ from cases import Case
 MESHES = {"sp2": ((2,), ("sp",)), "sp4": ((4,), ("sp",)), "sp8": ((8,), ("sp",)),
           "dp2_sp2_tp2": ((2, 2, 2), ("dp", "sp", "tp"))}
 CASE = Case("cp", batch=2, query_len=32, kv_len=32, num_heads=4, num_kv_heads=2, head_dim=8,
-            window=(9, 0), segments="packed", sinks="heads_n")
+            window=(9, 0), chunk=12, soft_cap=5.0, segments="packed", sinks="heads_n")
 
 
 def _axes(strategy: str, balanced: bool) -> sh.MeshAxes:
