@@ -16,8 +16,10 @@ $(STAMP): setup.py $(LOCK)
 
 setup: $(STAMP)
 
+# Two pytest workers: most of the suite is XLA compilation, which runs on one core.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 # The built wheel (not an editable install) in a fresh venv, against the lock:
 # it installs, ships py.typed, and runs an attention call from outside the checkout.

@@ -25,7 +25,7 @@ setuptools.setup(
     ],
     extras_require={
         "gpu": ["ejkernel>=0.0.80.3"],
-        "test": ["pytest>=9.2.0", "hypothesis>=6.170.17"],
+        "test": ["pytest>=9.2.0", "pytest-xdist>=3.8.0", "hypothesis>=6.170.17"],
         "examples": ["optax>=0.2.8", "tqdm>=4.70.1", "matplotlib>=3.11.2"],
     },
 )
