@@ -169,6 +169,16 @@ def block_ranges(positions: ArrayLike, segment_ids: ArrayLike | None, block: int
   return BlockRanges(xp.sum(valid, axis=-1), lo(pos), hi(pos), lo(seg), hi(seg))
 
 
+def _query_side(a: ArrayLike) -> ArrayLike:
+  """Per-query-block [B, nq] -> [B, nq, 1], to meet key blocks."""
+  return a[:, :, None]
+
+
+def _key_side(a: ArrayLike) -> ArrayLike:
+  """Per-key-block [B, nk] -> [B, 1, nk], to meet query blocks."""
+  return a[:, None, :]
+
+
 def blocks_may_see(q: BlockRanges, kv: BlockRanges, *, causal: bool,
                    window: tuple[int, int] | None, chunk_size: int | None) -> ArrayLike:
   """Whether some query of block i may see some key of block j: [B, nq, nk] bool.
@@ -177,8 +187,7 @@ def blocks_may_see(q: BlockRanges, kv: BlockRanges, *, causal: bool,
   conjunction): a pair it rules out has no visible (query, key) pair, whatever
   the order of the positions and segment ids inside the blocks.
   """
-  qa = lambda a: a[:, :, None]  # [B, nq, 1]
-  ka = lambda a: a[:, None, :]  # [B, 1, nk]
+  qa, ka = _query_side, _key_side
   see = (qa(q.count) > 0) & (ka(kv.count) > 0)
   see = see & (ka(kv.seg_min) <= qa(q.seg_max)) & (qa(q.seg_min) <= ka(kv.seg_max))
   if causal:
@@ -200,8 +209,7 @@ def blocks_fully_see(q: BlockRanges, kv: BlockRanges, q_block: int, kv_block: in
   Sufficient from the ranges: full blocks with one shared segment whose every
   position pair passes the rules. Such blocks need no element mask.
   """
-  qa = lambda a: a[:, :, None]
-  ka = lambda a: a[:, None, :]
+  qa, ka = _query_side, _key_side
   full = (qa(q.count) == q_block) & (ka(kv.count) == kv_block)
   full = full & (qa(q.seg_min) == qa(q.seg_max)) & (ka(kv.seg_min) == ka(kv.seg_max))
   full = full & (qa(q.seg_min) == ka(kv.seg_min))
