@@ -62,6 +62,10 @@ def _schedule(t, s, block, config=sh.AttentionConfig(), batch=1, **extras):
   sched = views.schedule()
   pairs = [[[int(sched.order[g, i, n]) for n in range(int(sched.count[g, i]))]
             for i in range(views.num_q_blocks)] for g in range(sched.count.shape[0])]
+  full_counts = np.asarray(sched.full_count)
+  assert all(np.asarray(sched.full)[g, i, p[:full_counts[g, i]]].all() and
+             not np.asarray(sched.full)[g, i, p[full_counts[g, i]:]].any()
+             for g, rows in enumerate(pairs) for i, p in enumerate(rows))
   return pairs, np.asarray(sched.full)
 
 
@@ -72,6 +76,8 @@ def test_schedule_of_default_positions_is_the_static_plan():
       [j < i for j in range(i + 1)] for i in range(4)]  # only the diagonal needs a mask
   pairs, full = _schedule(1024, 1024, 128, sh.AttentionConfig(sliding_window=(128, 0)))
   assert pairs == [[[max(0, i - 1), i][(i == 0):] for i in range(8)]] and not full.any()
+  pairs, full = _schedule(1024, 1024, 128, sh.AttentionConfig(sliding_window=(256, 0)))
+  assert pairs == [[[0], [0, 1], *([i - 1, i - 2, i] for i in range(2, 8))]]  # full block first
   pairs, full = _schedule(1024, 1024, 256, sh.AttentionConfig(causal=False, chunk_size=256))
   assert pairs == [[[i] for i in range(4)]] and all(full[0, i, i] for i in range(4))
   pairs, _ = _schedule(256, 1024, 256)  # end-aligned: the queries are the last 256 positions

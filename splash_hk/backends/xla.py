@@ -18,8 +18,6 @@ kv head; keys and values are never repeated.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -178,11 +176,10 @@ def forward(x: KernelInputs, facts: Facts, tiles: Tiles, out_dtype=None,
     out, lse = carry
     g, i = step // nq, step % nq
     q = views.head_rows(views.q, g, i) * scale  # [r, Hkv, G, bq, D]
-    update = lambda masked, pair, state: _update(views, q, pair, masked, state)
-    kv_step = lambda t, state: _branch(views, sched, g, i, t, update, state)[1]
+    update = lambda masked, j, pair, state: _update(views, q, pair, masked, state)
     init = (jnp.full(row_shape, -jnp.inf), jnp.zeros(row_shape),
             jnp.zeros((*row_shape, x.value.shape[-1])))
-    o, lse_i = _finalize(*jax.lax.fori_loop(0, sched.count[g, i], kv_step, init), sinks)
+    o, lse_i = _finalize(*_over_live_blocks(views, sched, g, i, update, init), sinks)
     return views.write_rows(out, o, g, i), views.write_rows(lse, lse_i, g, i)
 
   init = (jnp.zeros((batch, padded_q, num_heads, x.value.shape[-1]), out_dtype or x.query.dtype),
@@ -192,12 +189,20 @@ def forward(x: KernelInputs, facts: Facts, tiles: Tiles, out_dtype=None,
   return out[:, :views.query_len], jnp.where(lse == jnp.inf, -jnp.inf, lse)
 
 
-def _branch(views: Views, sched: Schedule, g, i, t, step_fn, state):
-  """(j, step_fn(masked, pair, state)) for the t-th live key block j, unmasked when it is full."""
-  j = sched.order[g, i, t]
-  pair = views.pair(g, i, j)
-  return j, jax.lax.cond(sched.full[g, i, j], functools.partial(step_fn, False),
-                         functools.partial(step_fn, True), pair, state)
+def _over_live_blocks(views: Views, sched: Schedule, g, i, step_fn, state):
+  """`state = step_fn(masked, j, pair, state)` over the live key blocks j of query block i.
+
+  The full blocks (listed first) run unmasked in one loop, the rest masked in a
+  second: no per-block branch (a `lax.cond` per pair cost XLA:CPU as much as its mask).
+  """
+  def body(masked: bool):
+    def step(t, state):
+      j = sched.order[g, i, t]
+      return step_fn(masked, j, views.pair(g, i, j), state)
+    return step
+
+  state = jax.lax.fori_loop(0, sched.full_count[g, i], body(False), state)
+  return jax.lax.fori_loop(sched.full_count[g, i], sched.count[g, i], body(True), state)
 
 
 def _grads(views: Views, q, do, lse, delta, pair: Pair, masked: bool):
@@ -243,14 +248,13 @@ def backward(x: KernelInputs, facts: Facts, tiles: Tiles, lse, d_out, delta, int
     g, i = step // nq, step % nq
     q = views.head_rows(views.q, g, i) * scale  # [r, Hkv, G, bq, D]
     do, delta_i, lse_i = (views.head_rows(a, g, i).astype(jnp.float32) for a in rows)
-    grads = lambda masked, pair, _: _grads(views, q, do, lse_i, delta_i, pair, masked)
 
-    def kv_step(t, acc):
+    def kv_step(masked, j, pair, acc):
       dq_i, dk, dv = acc
-      j, (dq_ij, dk_j, dv_j) = _branch(views, sched, g, i, t, grads, None)
+      dq_ij, dk_j, dv_j = _grads(views, q, do, lse_i, delta_i, pair, masked)
       return dq_i + dq_ij, views.add_kv(dk, dk_j, g, j), views.add_kv(dv, dv_j, g, j)
 
-    dq_i, dk, dv = jax.lax.fori_loop(0, sched.count[g, i], kv_step,
+    dq_i, dk, dv = _over_live_blocks(views, sched, g, i, kv_step,
                                      (jnp.zeros(q.shape, jnp.float32), dk, dv))
     dq_i = views.head_rows(dq, g, i) + dq_i * facts.scale  # `into` may hold earlier gradients
     return views.write_rows(dq, dq_i, g, i), dk, dv
