@@ -131,8 +131,8 @@ def test_skipping_is_exact_on_adversarial_layouts(name):
 
 
 def test_default_tiles_follow_the_mask():
-  assert xla.default_tiles(sh.AttentionConfig()) == (512, 256, 512, 128)
-  assert xla.default_tiles(sh.AttentionConfig(sliding_window=(512, 0))) == (512, 256, 512, 128)
+  assert xla.default_tiles(sh.AttentionConfig()) == (512, 256, 512, 256)
+  assert xla.default_tiles(sh.AttentionConfig(sliding_window=(512, 0))) == (512, 256, 512, 256)
   assert xla.default_tiles(sh.AttentionConfig(sliding_window=(100, 100)))[:3] == (128, 256, 128)
   assert xla.default_tiles(sh.AttentionConfig(sliding_window=(20, 0)))[0] == 128
 
