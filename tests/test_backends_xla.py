@@ -1,5 +1,6 @@
 """The xla backend (splash_hk/backends/xla.py): many tiles per call, the static plan, memory."""
 
+import dataclasses
 import functools
 
 import jax
@@ -51,6 +52,25 @@ def test_many_tiles_gradients_match_oracle(name):
         *a[:3], dict(extras, softmax_aux=a[3]) if sinks is not None else extras, xp=jnp)[0] * cot),
         argnums=argnums)(f64(q), f64(k), f64(v), f64(sinks))
   for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
+
+
+def test_narrow_window_reads_kv_in_place_and_matches_oracle():
+  case = Case("narrow_window", query_len=150, kv_len=150, num_kv_heads=2, window=(6, 0),
+              soft_cap=5.0, segments="packed")
+  q, k, v, extras = case.arrays(seed=14)
+  config = case.config.replace(platform="xla", block_sizes=sh.BlockSizes(8, 4, 8, 4))
+  x, facts = inputs.normalise(q, k, v, config=config, extras=Extras(**extras))
+  assert not xla_blocks.Views(x, facts, 8, 4).heads_major  # each key block read ~1.4 times
+  causal = dataclasses.replace(facts, config=config.replace(sliding_window=None))
+  assert xla_blocks.Views(x, causal, 8, 4).heads_major  # up to every query block
+  cot = np.random.default_rng(15).normal(size=q.shape)
+  got = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(sh.attention(
+      q, k, v, config=config, **extras).attention_outputs * cot), argnums=(0, 1, 2)))(q, k, v)
+  with jax.enable_x64(True):
+    want = jax.value_and_grad(lambda q, k, v: jnp.sum(case.oracle(q, k, v, extras, xp=jnp)[0] * cot),
+                              argnums=(0, 1, 2))(*(jnp.asarray(a, jnp.float64) for a in (q, k, v)))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
 
 
