@@ -37,7 +37,7 @@ PER_ROW_WORK = 1 << 22
 
 
 class Schedule(NamedTuple):
-  """Which kv blocks each (row group, query block) computes: full ones, then partly visible. A pytree."""
+  """The kv blocks each (row group, query block) computes, full ones first. A pytree."""
 
   order: jax.Array  # [G, nq, nk] int32: kv block indices: full, then partly visible, then dead
   count: jax.Array  # [G, nq] int32: how many of `order` are live
