@@ -55,6 +55,17 @@ def test_many_tiles_gradients_match_oracle(name):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
 
 
+def _assert_value_and_grads_match(case, config, q, k, v, extras, cot):
+  """sum(attention * cot) and its q/k/v gradients on the xla path vs the float64 oracle."""
+  got = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(sh.attention(
+      q, k, v, config=config, **extras).attention_outputs * cot), argnums=(0, 1, 2)))(q, k, v)
+  with jax.enable_x64(True):
+    want = jax.value_and_grad(lambda q, k, v: jnp.sum(case.oracle(q, k, v, extras, xp=jnp)[0] * cot),
+                              argnums=(0, 1, 2))(*(jnp.asarray(a, jnp.float64) for a in (q, k, v)))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
+
+
 def test_narrow_window_reads_kv_in_place_and_matches_oracle():
   case = Case("narrow_window", query_len=150, kv_len=150, num_kv_heads=2, window=(6, 0),
               soft_cap=5.0, segments="packed")
@@ -65,13 +76,7 @@ def test_narrow_window_reads_kv_in_place_and_matches_oracle():
   causal = dataclasses.replace(facts, config=config.replace(sliding_window=None))
   assert xla_blocks.Views(x, causal, 8, 4).heads_major  # up to every query block
   cot = np.random.default_rng(15).normal(size=q.shape)
-  got = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(sh.attention(
-      q, k, v, config=config, **extras).attention_outputs * cot), argnums=(0, 1, 2)))(q, k, v)
-  with jax.enable_x64(True):
-    want = jax.value_and_grad(lambda q, k, v: jnp.sum(case.oracle(q, k, v, extras, xp=jnp)[0] * cot),
-                              argnums=(0, 1, 2))(*(jnp.asarray(a, jnp.float64) for a in (q, k, v)))
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
+  _assert_value_and_grads_match(case, config, q, k, v, extras, cot)
 
 
 def _schedule(t, s, block, config=sh.AttentionConfig(), batch=1, **extras):
@@ -141,13 +146,7 @@ def test_skipping_is_exact_on_adversarial_layouts(name):
   case = Case(name, causal=config.causal, window=config.window, chunk=config.chunk_size)
   config = config.replace(platform="xla", block_sizes=sh.BlockSizes(8, 8, 8, 8))
   cot = rng.normal(size=q.shape)
-  got = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(sh.attention(
-      q, k, v, config=config, **extras).attention_outputs * cot), argnums=(0, 1, 2)))(q, k, v)
-  with jax.enable_x64(True):
-    want = jax.value_and_grad(lambda q, k, v: jnp.sum(case.oracle(q, k, v, extras, xp=jnp)[0] * cot),
-                              argnums=(0, 1, 2))(*(jnp.asarray(a, jnp.float64) for a in (q, k, v)))
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
+  _assert_value_and_grads_match(case, config, q, k, v, extras, cot)
 
 
 def test_default_tiles_follow_the_mask():
