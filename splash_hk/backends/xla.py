@@ -213,20 +213,23 @@ def _t(a: jax.Array) -> jax.Array:
   return jnp.swapaxes(a, -1, -2)
 
 
-def _grads(views: Views, q, do, lse, delta, pair: Pair, masked: bool):
-  """(dq_i, dk_j, dv_j) of a block pair, probabilities recomputed from the saved lse."""
+def _grads(views: Views, q, q_t, do, do_t, lse, delta, pair: Pair, masked: bool):
+  """(dq_i, dk_j, dv_j) of a block pair, probabilities recomputed from the saved lse.
+
+  q_t and do_t are the query block's q and dO with the last two axes swapped (see `_t`).
+  """
   s, t, v, _ = _block_scores(views, q, pair, masked)
   k = pair.k
   if masked:  # ds is 0 where the mask is False: garbage in q or k must not meet it (0 * NaN)
-    q, k = _finite(q), _finite(k)
+    q_t, k = _finite(q_t), _finite(k)
   probs = jnp.exp(s - lse[..., None])  # [r, Hkv, G, bq, bk]
-  dv = _t(jnp.einsum("bkgdq,bkgqs->bkds", _t(do), probs))  # as do^T p: see `_t`
+  dv = _t(jnp.einsum("bkgdq,bkgqs->bkds", do_t, probs))  # as do^T p: see `_t`
   dp = jnp.einsum("bkgqd,bksd->bkgqs", do, v, preferred_element_type=jnp.float32)
   ds = probs * (dp - delta[..., None])
   if t is not None:
     ds = ds * (1.0 - t * t)
   dq = jnp.einsum("bkgqs,bksd->bkgqd", ds, k, preferred_element_type=jnp.float32)
-  dk = _t(jnp.einsum("bkgdq,bkgqs->bkds", _t(q), ds, preferred_element_type=jnp.float32))
+  dk = _t(jnp.einsum("bkgdq,bkgqs->bkds", q_t, ds, preferred_element_type=jnp.float32))
   return dq, dk, dv
 
 
@@ -256,10 +259,11 @@ def backward(x: KernelInputs, facts: Facts, tiles: Tiles, lse, d_out, delta, int
     g, i = step // nq, step % nq
     q = views.head_rows(views.q, g, i) * scale  # [r, Hkv, G, bq, D]
     do, delta_i, lse_i = (views.head_rows(a, g, i).astype(jnp.float32) for a in rows)
+    q_t, do_t = _t(q), _t(do)  # [r, Hkv, G, D, bq]: once per query block
 
     def kv_step(masked, j, pair, acc):
       dq_i, dk, dv = acc
-      dq_ij, dk_j, dv_j = _grads(views, q, do, lse_i, delta_i, pair, masked)
+      dq_ij, dk_j, dv_j = _grads(views, q, q_t, do, do_t, lse_i, delta_i, pair, masked)
       return dq_i + dq_ij, views.add_kv(dk, dk_j, g, j), views.add_kv(dv, dv_j, g, j)
 
     dq_i, dk, dv = _over_live_blocks(views, sched, g, i, kv_step,
