@@ -93,9 +93,24 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   return KernelOutput(*run(x))
 
 
+def _rows(a: jax.Array) -> jax.Array:
+  """[r, Hkv, G, bq, X] -> [r, Hkv, G * bq, X]: the query rows of a kv head as one axis.
+
+  Dots over rows: with G as an axis of its own XLA:CPU copied the other operand
+  transposed per block pair (measured: window 512 at 8192, forward 130 -> 122 ms).
+  """
+  return a.reshape(*a.shape[:2], -1, a.shape[-1])
+
+
+def _dot_rows(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a [r, Hkv, G, bq, X] . b [r, Hkv, Y, X] over X: f32 [r, Hkv, G, bq, Y]."""
+  out = jnp.einsum("bkqx,bkyx->bkqy", _rows(a), b, preferred_element_type=jnp.float32)
+  return out.reshape(*a.shape[:-1], b.shape[-2])
+
+
 def _logits(q: jax.Array, k: jax.Array, cap: float | None) -> tuple[jax.Array, jax.Array | None]:
   """f32 logits [r, Hkv, G, bq, bk] from pre-scaled q, and tanh(s / cap) (None without cap)."""
-  s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=jnp.float32)
+  s = _dot_rows(q, k)
   if cap is None:
     return s, None
   t = jnp.tanh(s / cap)
@@ -216,20 +231,19 @@ def _t(a: jax.Array) -> jax.Array:
 def _grads(views: Views, q, q_t, do, do_t, lse, delta, pair: Pair, masked: bool):
   """(dq_i, dk_j, dv_j) of a block pair, probabilities recomputed from the saved lse.
 
-  q_t and do_t are the query block's q and dO with the last two axes swapped (see `_t`).
+  q_t and do_t are the query block's q and dO as [r, Hkv, D, G * bq] (`_rows`, then `_t`).
   """
   s, t, v, _ = _block_scores(views, q, pair, masked)
   k = pair.k
   if masked:  # ds is 0 where the mask is False: garbage in q or k must not meet it (0 * NaN)
     q_t, k = _finite(q_t), _finite(k)
   probs = jnp.exp(s - lse[..., None])  # [r, Hkv, G, bq, bk]
-  dv = _t(jnp.einsum("bkgdq,bkgqs->bkds", do_t, probs))  # as do^T p: see `_t`
-  dp = jnp.einsum("bkgqd,bksd->bkgqs", do, v, preferred_element_type=jnp.float32)
-  ds = probs * (dp - delta[..., None])
+  dv = _t(jnp.einsum("bkdq,bkqs->bkds", do_t, _rows(probs)))  # as do^T p: see `_t`
+  ds = probs * (_dot_rows(do, v) - delta[..., None])
   if t is not None:
     ds = ds * (1.0 - t * t)
   dq = jnp.einsum("bkgqs,bksd->bkgqd", ds, k, preferred_element_type=jnp.float32)
-  dk = _t(jnp.einsum("bkgdq,bkgqs->bkds", q_t, ds, preferred_element_type=jnp.float32))
+  dk = _t(jnp.einsum("bkdq,bkqs->bkds", q_t, _rows(ds), preferred_element_type=jnp.float32))
   return dq, dk, dv
 
 
@@ -259,7 +273,7 @@ def backward(x: KernelInputs, facts: Facts, tiles: Tiles, lse, d_out, delta, int
     g, i = step // nq, step % nq
     q = views.head_rows(views.q, g, i) * scale  # [r, Hkv, G, bq, D]
     do, delta_i, lse_i = (views.head_rows(a, g, i).astype(jnp.float32) for a in rows)
-    q_t, do_t = _t(q), _t(do)  # [r, Hkv, G, D, bq]: once per query block
+    q_t, do_t = _t(_rows(q)), _t(_rows(do))  # [r, Hkv, D, G * bq]: once per query block
 
     def kv_step(masked, j, pair, acc):
       dq_i, dk, dv = acc
