@@ -92,7 +92,7 @@ class Views:
       return float(self.num_q_blocks)
     q_pos = np.arange(self.query_len)[None] + (self.kv_len - self.query_len)  # end-aligned
     kv_pos = np.arange(self.kv_len)[None]
-    pairs = count_pairs(q_pos, kv_pos, self.facts, self.block_q, self.block_kv)
+    pairs = count_pairs(q_pos, kv_pos, self.facts.rules, self.block_q, self.block_kv)
     return pairs / self.num_kv_blocks
 
   def rows_of(self, a: jax.Array, g) -> jax.Array:
@@ -201,13 +201,15 @@ class Views:
     return jnp.any(m, axis=(2, 4))
 
 
-def count_pairs(q_positions, kv_positions, facts: Facts, block_q: int, block_kv: int) -> int:
-  """How many block pairs `Views.schedule` computes for these positions (NumPy, per row and head).
+def count_pairs(q_positions, kv_positions, rules: dict, block_q: int, block_kv: int,
+                q_segment_ids=None, kv_segment_ids=None) -> int:
+  """How many block pairs `Views.schedule` computes for these inputs (NumPy, per head).
 
-  The same tiles (clamped to the lengths) and the same rule as the kernel, so
-  this is what it computes, not an idealised count.
+  `rules` as `Facts.rules`; positions and segment ids [B, T] / [B, S] (segments
+  None: one document). The same tiles (clamped to the lengths) and the same
+  rule as the kernel, so this is what it computes, not an idealised count.
   """
   block_q, block_kv = min(block_q, q_positions.shape[-1]), min(block_kv, kv_positions.shape[-1])
-  q = masks.block_ranges(q_positions, None, block_q, np)
-  kv = masks.block_ranges(kv_positions, None, block_kv, np)
-  return int(masks.blocks_may_see(q, kv, **facts.rules).sum())
+  q = masks.block_ranges(q_positions, q_segment_ids, block_q, np)
+  kv = masks.block_ranges(kv_positions, kv_segment_ids, block_kv, np)
+  return int(masks.blocks_may_see(q, kv, **rules).sum())

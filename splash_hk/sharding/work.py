@@ -49,5 +49,6 @@ def shard_work(query_len: int, kv_len: int, config: AttentionConfig, mesh,
     q = q_pos[None, i * rows:(i + 1) * rows]
     blocks = ([kv_pos[None, j * cols:(j + 1) * cols] for j in range(shards)] if ring
               else [kv_pos[None]])
-    counts.append(sum(xla_blocks.count_pairs(q, kv, facts, block_q, block_kv) for kv in blocks))
+    counts.append(sum(xla_blocks.count_pairs(q, kv, facts.rules, block_q, block_kv)
+                      for kv in blocks))
   return tuple(counts)
