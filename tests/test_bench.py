@@ -1,6 +1,7 @@
 """The benchmark binary runs, measures every column, and writes its JSON and plot."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -57,14 +58,29 @@ def test_cache_and_shard_workloads_print_their_ratios(tmp_path):
       [sys.executable, "-m", "splash_hk.examples.bench", "--cpu_devices=2", "--sequence_shards=2",
        "--impls=splash_hk_xla,splash_hk_xla_sp,reference", "--num_heads=2", "--num_kv_heads=1",
        "--workloads=packed:2@128,decode:40/256,decode:40/64,prefill:16/64", "--repeats=1",
-       "--nobackward"], capture_output=True, text=True, env=env, timeout=300)
+       "--nobackward", "--tiles=32x16"], capture_output=True, text=True, env=env, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout
   assert "decode 40 tokens, cache of 256 vs 64 slots (splash_hk_xla, Hkv=1):" in out
   assert "packed:2@128 Hkv=1 with the query sequence sharded (all-gathered) vs unsharded" in out
-  errors = [float(line.split()[-1]) for line in out.splitlines()
-            if line.startswith("splash_hk_xla") and "nan" not in line.split()[-1]]
+  rows = [line.split() for line in out.splitlines() if line.startswith("splash_hk_xla")]
+  errors = [float(r[-2]) for r in rows if r[-2] != "nan"]  # max err, then work
   assert errors and max(errors) < 1e-5, out
+  swept = [r for r in rows if r[0] == "splash_hk_xla@32x16"]
+  assert len(swept) == 4 and all(float(r[-2]) < 1e-5 for r in swept), out
+
+
+def test_tile_rows_count_the_pairs_their_blocks_compute():
+  work = lambda impl, spec: bench.work_ratio(impl, bench_workloads.parse(spec))
+  # 8 documents of 512: each 512-row block meets 2 key blocks of 256; 128-tiles: 1+2+3+4 blocks.
+  assert work("splash_hk_xla@512x256", "packed:8@4096") == pytest.approx(2 * 512 * 256 / 131328)
+  assert work("splash_hk_xla@128x128", "packed:8@4096") == pytest.approx(10 * 128**2 / 131328)
+  assert work("splash_hk_xla@32x16", "causal@64") == pytest.approx(6 * 32 * 16 / 2080)
+  assert work("splash_hk_xla@32x16", "full@64") == 1.0
+  assert work("splash_hk_xla", "decode:40/256") == pytest.approx(256 / 41)  # one key block
+  assert math.isnan(work("jax_nn", "causal@64"))
+  with pytest.raises(ValueError, match="BQxBK"):
+    bench.parse_tile("512by256")
 
 
 def test_workloads_count_their_visible_pairs():

@@ -33,6 +33,8 @@ import numpy as np
 import tqdm
 
 import splash_hk as sh
+from splash_hk.backends import xla
+from splash_hk.backends import xla_blocks
 from splash_hk.examples import baselines
 from splash_hk.examples import bench_report
 from splash_hk.examples import bench_train_step
@@ -66,6 +68,9 @@ _MAX_DENSE_LEN = flags.DEFINE_integer(
     "key) are compiled (for memory) but not run.")
 _MAX_INTERPRET_LEN = flags.DEFINE_integer("max_interpret_len", 2048,
                                           "Longest sequence for splash in interpret mode.")
+_TILES = flags.DEFINE_list(
+    "tiles", [], "Also run splash_hk_xla with each of these tiles, BQxBK (query x key rows, "
+    "forward and backward), e.g. 512x256,256x256: a tile sweep on this machine.")
 _OUT = flags.DEFINE_string("out", None, "Folder for bench.json and bench.png.")
 _TRAIN_SEQ_LEN = flags.DEFINE_integer(
     "train_seq_len", 0, "If > 0, also time a training step of the example Transformer on packed "
@@ -86,6 +91,7 @@ class Row:
   gflops_forward: float = float("nan")
   gflops_forward_backward: float = float("nan")
   max_error: float = float("nan")
+  work: float = float("nan")  # (query, key) pairs the blocks compute / useful pairs (xla rows)
   note: str = ""
 
 
@@ -96,6 +102,10 @@ def make_impl(name: str, workload: bench_workloads.Workload, batch: int):
                                                        **kw).attention_outputs
   if name == "splash_hk_xla":
     return functools.partial(attend, config=config.replace(platform="xla"))
+  if name.startswith("splash_hk_xla@"):
+    block_q, block_kv = parse_tile(name.partition("@")[2])
+    return functools.partial(attend, config=config.replace(
+        platform="xla", block_sizes=sh.BlockSizes(block_q, block_kv)))
   if name in ("splash_hk_xla_sp", "splash_hk_ring"):
     return _sequence_sharded(config.replace(platform="xla"), extras, ring=name == "splash_hk_ring")
   if name == "splash_hk_auto":  # the hardware's kernel (Triton on a GPU), with its fallbacks
@@ -111,6 +121,34 @@ def make_impl(name: str, workload: bench_workloads.Workload, batch: int):
     return functools.partial(baselines.jax_nn, implementation="xla" if name == "jax_nn" else None,
                              nn_kwargs=bench_workloads.jax_nn_kwargs(workload, batch))
   raise ValueError(f"--impls: unknown implementation {name!r}; choose from {IMPLS}.")
+
+
+def parse_tile(spec: str) -> tuple[int, int]:
+  """(block_q, block_kv) from "BQxBK"; ValueError naming the spec."""
+  try:
+    block_q, block_kv = map(int, spec.split("x"))
+    if block_q > 0 and block_kv > 0:
+      return block_q, block_kv
+  except ValueError:
+    pass
+  raise ValueError(f"--tiles: {spec!r} is not BQxBK with positive sizes, e.g. 512x256.")
+
+
+def work_ratio(impl: str, workload: bench_workloads.Workload) -> float:
+  """(query, key) pairs the xla blocks compute over the useful pairs (NaN for other impls)."""
+  if impl != "splash_hk_xla" and not impl.startswith("splash_hk_xla@"):
+    return float("nan")
+  tile = impl.partition("@")[2]
+  block_q, block_kv = parse_tile(tile) if tile else xla.default_tiles(workload.config)[:2]
+  block_q, block_kv = min(block_q, workload.query_len), min(block_kv, workload.kv_len)
+  e = workload.extras(1)
+  q_pos = e.get("q_positions", np.arange(workload.query_len)[None] + workload.kv_len
+                - workload.query_len)
+  kv_pos = e.get("kv_positions", np.arange(workload.kv_len)[None])
+  q_seg = e.get("q_segment_ids")
+  pairs = xla_blocks.count_pairs(q_pos, kv_pos, workload.rules, block_q, block_kv, q_seg,
+                                 e.get("kv_segment_ids", q_seg))
+  return pairs * block_q * block_kv / workload.useful_pairs
 
 
 def _sequence_sharded(config: sh.AttentionConfig, extras: dict, ring: bool):
@@ -166,6 +204,11 @@ def main(argv):
     workloads = _workloads()
   except ValueError as e:
     sys.exit(f"error: --workloads/--masks: {e}")
+  try:
+    impls = list(_IMPLS.value) + [f"splash_hk_xla@{'x'.join(map(str, parse_tile(t)))}"
+                                  for t in _TILES.value]
+  except ValueError as e:
+    sys.exit(f"error: {e}")
   if "splash_hk_xla_sp" in _IMPLS.value and jax.device_count() < _SEQUENCE_SHARDS.value:
     sys.exit(f"error: splash_hk_xla_sp needs --sequence_shards={_SEQUENCE_SHARDS.value} devices; "
              f"there are {jax.device_count()} (set --cpu_devices).")
@@ -179,8 +222,8 @@ def main(argv):
       k, v = (jnp.asarray(rng.normal(size=shape(workload.kv_len, num_kv_heads)), dtype)
               for _ in range(2))
       flops = 4 * _BATCH.value * _NUM_HEADS.value * _HEAD_DIM.value * workload.useful_pairs
-      for impl in _IMPLS.value:
-        row = Row(impl, workload.name, num_kv_heads)
+      for impl in impls:
+        row = Row(impl, workload.name, num_kv_heads, work=work_ratio(impl, workload))
         rows.append(row)
         runs.append((row, make_impl(impl, workload, _BATCH.value), (q, k, v), flops, workload))
   _measure(runs)

@@ -12,16 +12,16 @@ def report(rows: Sequence[Any], peaks: dict[str, float]) -> None:
   """Prints the table (fractions of the square matmul peak) and the ratio lines."""
   square = peaks["square"]
   print(f"matmul peaks: square {square:.1f} GFLOP/s, QK^T-shaped {peaks['qk_shaped']:.1f} "
-        "GFLOP/s; frac = useful GFLOP/s / square peak")
-  print(f"{'impl':17s} {'workload':20s} {'Hkv':>3s} {'compile':>7s} {'fwd s':>8s} {'f+b s':>8s} "
+        "GFLOP/s; frac = useful GFLOP/s / square peak; work = pairs computed / useful pairs")
+  print(f"{'impl':21s} {'workload':20s} {'Hkv':>3s} {'compile':>7s} {'fwd s':>8s} {'f+b s':>8s} "
         f"{'temp MiB':>9s} {'GF/s fwd':>8s} {'frac':>5s} {'GF/s f+b':>8s} {'frac':>5s} "
-        f"{'max err':>8s}  note")
+        f"{'max err':>8s} {'work':>5s}  note")
   for r in rows:
-    print(f"{r.impl:17s} {r.workload:20s} {r.num_kv_heads:3d} {r.compile_s:7.2f} "
+    print(f"{r.impl:21s} {r.workload:20s} {r.num_kv_heads:3d} {r.compile_s:7.2f} "
           f"{r.forward_s:8.4f} {r.forward_backward_s:8.4f} {r.temp_mib:9.1f} "
           f"{r.gflops_forward:8.1f} {r.gflops_forward / square:5.2f} "
           f"{r.gflops_forward_backward:8.1f} {r.gflops_forward_backward / square:5.2f} "
-          f"{r.max_error:8.1e}  {r.note}")
+          f"{r.max_error:8.1e} {r.work:5.2f}  {r.note}")
   for line in ratios(rows):
     print(line)
 

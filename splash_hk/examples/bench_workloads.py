@@ -33,6 +33,12 @@ class Workload:
   documents: int = 1
   filled: int = 0  # cache slots holding tokens before the call
 
+  @property
+  def rules(self) -> dict:
+    """The config's positional mask rules, as keywords of `splash_hk.masks.position_rules`."""
+    c = self.config
+    return dict(causal=c.causal, window=c.window, chunk_size=c.chunk_size)
+
   def extras(self, batch: int) -> dict[str, np.ndarray]:
     """The keyword arrays of `sh.attention` for this workload."""
     if self.kind == "packed":
@@ -54,9 +60,7 @@ class Workload:
     q_pos = e.get("q_positions", np.tile(np.arange(self.query_len) + self.kv_len - self.query_len,
                                          (batch, 1)))
     kv_pos = e.get("kv_positions", np.tile(np.arange(self.kv_len), (batch, 1)))
-    c = self.config
-    mask = masks.position_mask(q_pos, kv_pos, causal=c.causal, window=c.window,
-                               chunk_size=c.chunk_size)
+    mask = masks.position_mask(q_pos, kv_pos, **self.rules)
     mask = np.ones((batch, self.query_len, self.kv_len), bool) if mask is None else mask
     if "q_segment_ids" in e:
       mask = mask & masks.segment_mask(e["q_segment_ids"], e.get("kv_segment_ids",
