@@ -1,9 +1,9 @@
 """Invisible means absent, visible NaN shows: on every backend, under a mesh, through the KV cache.
 
-Garbage (NaN, Inf) where no query looks -- keys/values at padding, padded query
-rows, unused cache slots -- changes no output and no gradient: each equals the
-result with zeros there. A NaN that a row does see makes exactly that row NaN,
-as the float64 oracle computes it.
+Garbage (NaN, Inf, finite values near the float limit) where no query looks --
+keys/values at padding, padded query rows, unused cache slots -- changes no
+output and no gradient: each equals the result with zeros there. A NaN that a
+row does see makes exactly that row NaN, as the float64 oracle computes it.
 """
 
 import functools
@@ -53,7 +53,7 @@ def _out_and_grads(config, q, k, v, extras, mesh=None):
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
-@pytest.mark.parametrize("fill", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("fill", [np.nan, np.inf, 3e38], ids=["nan", "inf", "near_float_max"])
 def test_garbage_at_padding_changes_no_output_and_no_gradient(backend, fill):
   changes, length = BACKENDS[backend]
   case, (q, k, v, extras) = _padded_case(length)

@@ -234,7 +234,7 @@ def _grads(views: Views, q, q_t, do, do_t, lse, delta, pair: Pair, masked: bool)
 
   q_t and do_t are the query block's q and dO as [r, Hkv, D, G * bq] (`_rows`, then `_t`).
   """
-  s, t, v, _ = _block_scores(views, q, pair, masked)
+  s, t, v, mask = _block_scores(views, q, pair, masked)
   k = pair.k
   if masked:  # ds is 0 where the mask is False: garbage in q or k must not meet it (0 * NaN)
     q_t, k = _finite(q_t), _finite(k)
@@ -243,6 +243,8 @@ def _grads(views: Views, q, q_t, do, do_t, lse, delta, pair: Pair, masked: bool)
   ds = probs * (_dot_rows(do, v) - delta[..., None])
   if t is not None:
     ds = ds * (1.0 - t * t)
+  if masked:  # where p = 0, dP may be inf (finite garbage values near the float limit)
+    ds = jnp.where(mask, ds, 0.0)
   dq = jnp.einsum("bkgqs,bksd->bkgqd", ds, k, preferred_element_type=jnp.float32)
   dk = _t(jnp.einsum("bkdq,bkqs->bkds", q_t, _rows(ds), preferred_element_type=jnp.float32))
   return dq, dk, dv

@@ -73,6 +73,9 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   if x.sinks is not None:
     denominator = denominator + jnp.sum(jnp.exp(sinks - row_max), axis=-1, keepdims=True)
   weights = jnp.where(visible, unnormalized / jnp.where(visible, denominator, 1.0), 0.0)
+  # Zero already; the select keeps a masked pair's cotangent (dP may be inf where the
+  # value is garbage near the float limit) out of the row's softmax gradient.
+  weights = jnp.where(mask, weights, 0.0)
   bad_v = ~jnp.isfinite(x.value)  # [B, S, Hkv, Dv]: zeroed, then NaN where a row sees one
   value = jnp.where(bad_v, 0, x.value).astype(jnp.float32)
   out = jnp.einsum("bkgts,bskd->btkgd", weights, value, precision=_HIGHEST)  # [B, T, Hkv, G, Dv]
