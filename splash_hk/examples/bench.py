@@ -4,6 +4,8 @@ r"""Benchmarks attention implementations on this machine: time, memory, fraction
       --impls=splash_hk_xla,jax_nn --out=/tmp/bench
   python -m splash_hk.examples.bench --cpu_devices=4 --impls=splash_hk_xla,splash_hk_xla_sp \
       --workloads=causal@4096,packed:8@4096,decode:1000/16384,decode:1000/1024
+  python -m splash_hk.examples.bench --impls=splash_hk_xla --tiles=256x256,128x128 \
+      --workloads=full@4096,packed:8@4096 --nobackward
 
 For each (workload, kv heads, implementation): compile time, forward and
 forward+backward time (median of --repeats, every timed call preceded by an
@@ -12,8 +14,11 @@ process), peak temporary memory of the compiled program (XLA's memory
 analysis), achieved GFLOP/s on useful FLOPs (visible query-key pairs only;
 forward+backward as 3.5x forward) and its fraction of a 2048x2048 f32 matmul
 measured in the same run, and the max error of the forward output against the
-reference. Workloads: `bench_workloads.py`. Prints a table and the ratios the
-README quotes; writes bench.json and bench.png under --out.
+reference; for splash_hk_xla rows (one per --tiles tile too) the pairs its
+blocks compute per useful pair ("work": a tile's fraction is at most its
+full-attention fraction / work). Workloads: `bench_workloads.py`. Prints a
+table and the ratios the README quotes; writes bench.json and bench.png under
+--out.
 """
 
 from __future__ import annotations
