@@ -8,7 +8,7 @@ from splash_hk.attention import explain
 from splash_hk.config import AttentionConfig
 from splash_hk.config import BlockSizes
 from splash_hk.mode import detect_mode
-from splash_hk.module import KVCache
+from splash_hk.kv_cache import KVCache
 from splash_hk.module import MultiHeadAttention
 from splash_hk.module import SplashAttention
 from splash_hk.sharding import MeshAxes

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import haiku as hk
 import jax
@@ -11,32 +10,8 @@ import jax.numpy as jnp
 
 from splash_hk.attention import attention
 from splash_hk.config import AttentionConfig, require_int
+from splash_hk.kv_cache import KVCache, append, row_lengths
 from splash_hk.sharding.axes import MeshAxes
-
-
-class KVCache(NamedTuple):
-  """A fixed-capacity key/value cache for one attention layer (a pytree).
-
-  Attributes:
-    key: [B, S_max, Hkv, D] projected keys; row b's slots >= `length[b]` are
-      unused and may hold anything (they are invisible).
-    value: [B, S_max, Hkv, Dv] projected values.
-    length: [B] int32, how many slots of each row hold tokens (a scalar, as in
-      a cache built by hand, means the same length for every row).
-  """
-
-  key: jax.Array
-  value: jax.Array
-  length: jax.Array
-
-  @classmethod
-  def zeros(cls, batch: int, max_len: int, num_kv_heads: int, key_size: int,
-            value_size: int | None = None, dtype=jnp.float32) -> "KVCache":
-    return cls(
-        key=jnp.zeros((batch, max_len, num_kv_heads, key_size), dtype),
-        value=jnp.zeros((batch, max_len, num_kv_heads, value_size or key_size), dtype),
-        length=jnp.zeros((batch,), jnp.int32),
-    )
 
 
 class SplashAttention(hk.Module):
@@ -202,10 +177,14 @@ class MultiHeadAttention(hk.Module):
       kv_cache: if given, row b's new keys/values are written at
         `kv_cache.length[b]` and its queries attend to the row's filled slots
         (positions and padding derived from the cache); returns
-        `(output, new_cache)`. T == 1 is decoding.
-      lengths: with `kv_cache`, [...] ints: row b appends only its first
-        `lengths[b]` tokens (its other query rows are padding and output 0);
-        default T for every row. `lengths=0` leaves a finished row unchanged.
+        `(output, new_cache)`. T == 1 is decoding. A cache of another batch
+        or layer, or a row that would write past `max_len`, is a ValueError
+        naming `kv_cache`; under `jit`, where lengths are not known until run
+        time, such a row writes nothing, keeps its length and outputs NaN.
+      lengths: with `kv_cache`, [...] ints in [0, T]: row b appends only its
+        first `lengths[b]` tokens (its other query rows are padding and output
+        0); default T for every row. `lengths=0` leaves a finished row
+        unchanged. Outside [0, T]: a ValueError, or under `jit` a NaN row.
 
     Returns:
       [..., T, D'], or ([..., T, D'], KVCache) with `kv_cache`.
@@ -221,24 +200,25 @@ class MultiHeadAttention(hk.Module):
     rows = lambda x: None if x is None else flat(jnp.broadcast_to(x, (*lead, x.shape[-1])))
     extras = dict(q_segment_ids=rows(q_segment_ids), kv_segment_ids=rows(kv_segment_ids),
                   q_positions=rows(q_positions), kv_positions=rows(kv_positions))
-    new_cache = None
+    step = None
     if kv_cache is not None:
       if any(x is not None for x in extras.values()):
         raise ValueError("`kv_cache` derives positions and padding itself: do not pass "
                          "q_segment_ids, kv_segment_ids, q_positions or kv_positions with it.")
-      k, v, extras, new_cache = _append_to_cache(kv_cache, k, v, _row_lengths(lengths, lead,
-                                                                               query_len))
-      kv_len = k.shape[1]
+      step = append(kv_cache, k, v, row_lengths(lengths, tuple(lead), query_len))
+      k, v, extras, kv_len = step.key, step.value, step.extras, step.key.shape[1]
     elif lengths is not None:
       raise ValueError("`lengths` says how many tokens each row appends to `kv_cache`; pass "
                        "it with a kv_cache (or use q_segment_ids to mark padding).")
     if mask is not None:
       mask = _haiku_mask(mask, lead, self.num_heads, query_len, kv_len)  # [B, 1|H, T, S]
     out = self.attend(q, k, v, mask=mask, **extras)  # [B, T, H, V]
+    if step is not None:  # a row that could not append says so: NaN, never a finite wrong answer
+      out = jnp.where(step.failed[:, None, None, None], jnp.nan, out)  # [B, T, H, V]
     out = out.reshape(*lead, query_len, self.num_heads * self.value_size)  # [..., T, H*V]
     out = hk.Linear(self.model_size, w_init=self.w_init, with_bias=self.with_bias,
                     b_init=self.b_init, name="linear")(out)  # [..., T, D']
-    return out if new_cache is None else (out, new_cache)
+    return out if step is None else (out, step.cache)
 
   @hk.transparent
   def _projection(self, x: jax.Array, heads: int, head_size: int, name: str) -> jax.Array:
@@ -247,55 +227,20 @@ class MultiHeadAttention(hk.Module):
     return y.reshape(*x.shape[:-1], heads, head_size)  # [B, T, heads, head_size]
 
 
-def _row_lengths(lengths: jax.Array | None, lead: list[int], query_len: int) -> jax.Array:
-  """`lengths` (None, a scalar or [...] ints) as [B] int32 over the flattened leading dims."""
-  batch = math.prod(lead)
-  if lengths is None:
-    return jnp.full((batch,), query_len, jnp.int32)
-  lengths = jnp.asarray(lengths)
-  if not jnp.issubdtype(lengths.dtype, jnp.integer) or lengths.shape not in ((), tuple(lead)):
-    raise ValueError(f"`lengths` must be ints of shape [] or {tuple(lead)} (one per row), got "
-                     f"{lengths.dtype}{list(lengths.shape)}.")
-  return jnp.broadcast_to(lengths.astype(jnp.int32), tuple(lead)).reshape(batch)
-
-
-def _append_to_cache(cache: KVCache, k: jax.Array, v: jax.Array, lengths: jax.Array):
-  """Writes row b's k/v [T, Hkv, *] at cache.length[b]; returns the buffers, extras, new cache.
-
-  Slots past the capacity are dropped (never wrapped); the rows past `lengths[b]`
-  are written too but lie past the new length, so no query sees them.
-  """
-  batch, query_len = k.shape[:2]
-  max_len = cache.key.shape[1]
-  start = jnp.broadcast_to(jnp.asarray(cache.length, jnp.int32), (batch,))  # [B]
-  new = start[:, None] + jnp.arange(query_len, dtype=jnp.int32)  # [B, T] slots and positions
-  rows = jnp.arange(batch)[:, None]
-  keys = cache.key.at[rows, new].set(k.astype(cache.key.dtype), mode="drop")
-  values = cache.value.at[rows, new].set(v.astype(cache.value.dtype), mode="drop")
-  end = start + lengths  # [B]
-  slots = jnp.arange(max_len, dtype=jnp.int32)  # [S_max]
-  extras = dict(
-      q_positions=new,
-      kv_positions=jnp.broadcast_to(slots, (batch, max_len)),
-      q_segment_ids=jnp.where(jnp.arange(query_len) < lengths[:, None], 0, -1),  # [B, T]
-      kv_segment_ids=jnp.where(slots < end[:, None], 0, -1),  # [B, S_max]
-  )
-  return keys, values, extras, KVCache(keys, values, end)
-
-
 def _haiku_mask(mask: jax.Array, lead: list[int], num_heads: int, query_len: int,
                 kv_len: int) -> jax.Array:
   """A Haiku-style mask (any dtype, nonzero = attend, broadcastable to [..., H, T, S])
   -> bool [B, 1 or H, T, S] with the leading dims flattened into B."""
   mask = jnp.asarray(mask)
+  given = tuple(mask.shape)  # errors report what the caller passed
   full = (*lead, num_heads, query_len, kv_len)
   if mask.ndim > len(full):
-    raise ValueError(f"`mask` of shape {mask.shape} has more dims than [..., H, T, S] = {full}.")
+    raise ValueError(f"`mask` of shape {given} has more dims than [..., H, T, S] = {full}.")
   mask = mask.reshape((1,) * (len(full) - mask.ndim) + mask.shape)
   heads = 1 if mask.shape[-3] == 1 else num_heads
   try:
     mask = jnp.broadcast_to(mask != 0, (*lead, heads, query_len, kv_len))
   except ValueError as e:
-    raise ValueError(f"`mask` of shape {mask.shape} does not broadcast to [..., H, T, S] = "
+    raise ValueError(f"`mask` of shape {given} does not broadcast to [..., H, T, S] = "
                      f"{full}.") from e
   return mask.reshape(math.prod(lead), heads, query_len, kv_len)

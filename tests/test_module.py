@@ -281,3 +281,5 @@ def test_bad_cache_and_mask_arguments():
         jax.random.PRNGKey(0))
   with pytest.raises(ValueError, match="mask"):
     hk.transform(lambda: call(mask=jnp.ones((2, 5, 3, 3)))).init(jax.random.PRNGKey(0))
+  with pytest.raises(ValueError, match=r"`mask` of shape \(2, 3, 2\) does not broadcast"):
+    hk.transform(lambda: call(mask=jnp.ones((2, 3, 2)))).init(jax.random.PRNGKey(0))

@@ -1,0 +1,143 @@
+"""The KV cache: a fixed-capacity pytree, and the one step that appends to it.
+
+A cache never gives a finite wrong answer. Shapes that cannot match the call
+are a ValueError naming `kv_cache`. Values that would write past the capacity,
+or `lengths` outside [0, T], are a ValueError naming `kv_cache` / `lengths`
+when they are concrete (eager Haiku); under `jit` they are only known at run
+time, so such a row writes nothing, keeps its length and outputs NaN (see
+`Append.failed`), while the other rows proceed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class KVCache(NamedTuple):
+  """A fixed-capacity key/value cache for one attention layer (a pytree).
+
+  Attributes:
+    key: [B, S_max, Hkv, D] projected keys; row b's slots >= `length[b]` are
+      unused and may hold anything (they are invisible).
+    value: [B, S_max, Hkv, Dv] projected values.
+    length: [B] int32, how many slots of each row hold tokens (a scalar, as in
+      a cache built by hand, means the same length for every row).
+  """
+
+  key: jax.Array
+  value: jax.Array
+  length: jax.Array
+
+  @classmethod
+  def zeros(cls, batch: int, max_len: int, num_kv_heads: int, key_size: int,
+            value_size: int | None = None, dtype=jnp.float32) -> "KVCache":
+    """An empty cache (length 0 in every row), built outside any transform."""
+    return cls(
+        key=jnp.zeros((batch, max_len, num_kv_heads, key_size), dtype),
+        value=jnp.zeros((batch, max_len, num_kv_heads, value_size or key_size), dtype),
+        length=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+class Append(NamedTuple):
+  """What one call appends: the buffers to attend to, their masks, the new cache."""
+
+  key: jax.Array  # [B, S_max, Hkv, D] with the new keys written
+  value: jax.Array  # [B, S_max, Hkv, Dv]
+  extras: dict[str, jax.Array]  # positions and segment ids of queries and slots
+  cache: KVCache  # the cache after this call
+  failed: jax.Array  # [B] bool: rows that wrote nothing; their outputs must be NaN
+
+
+def row_lengths(lengths: Any, lead: tuple[int, ...], query_len: int) -> jax.Array:
+  """`lengths` (None, a scalar or [...] ints) as [B] int32 over the flattened leading dims."""
+  batch = math.prod(lead)
+  if lengths is None:
+    return jnp.full((batch,), query_len, jnp.int32)
+  lengths = jnp.asarray(lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer) or lengths.shape not in ((), tuple(lead)):
+    raise ValueError(f"`lengths` must be ints of shape [] or {tuple(lead)} (one per row), got "
+                     f"{lengths.dtype}{list(lengths.shape)}.")
+  known = _concrete(lengths)
+  if known is not None and (known.min() < 0 or known.max() > query_len):
+    raise ValueError(f"`lengths` must lie in [0, T] = [0, {query_len}] (tokens each row appends "
+                     f"out of the T it is given), got {known.tolist()}.")
+  return jnp.broadcast_to(lengths.astype(jnp.int32), tuple(lead)).reshape(batch)
+
+
+def append(cache: Any, k: jax.Array, v: jax.Array, lengths: jax.Array) -> Append:
+  """Writes row b's first `lengths[b]` keys/values [T, Hkv, *] at `cache.length[b]`.
+
+  Row b's queries get positions `length[b] + arange(T)`; its query rows past
+  `lengths[b]` are padding, and so are its slots past the new length. Slots
+  past the capacity are never written (never wrapped).
+  """
+  start = _check_cache(cache, k, v)  # [B]
+  batch, query_len = k.shape[:2]
+  max_len = cache.key.shape[1]
+  _check_room(start, lengths, max_len)
+  failed = (lengths < 0) | (lengths > query_len) | (start < 0) | (start + lengths > max_len)
+  new = start[:, None] + jnp.arange(query_len, dtype=jnp.int32)  # [B, T] slots and positions
+  target = jnp.where(failed[:, None], max_len, new)  # a failed row writes nothing (dropped)
+  rows = jnp.arange(batch)[:, None]
+  keys = cache.key.at[rows, target].set(k.astype(cache.key.dtype), mode="drop")
+  values = cache.value.at[rows, target].set(v.astype(cache.value.dtype), mode="drop")
+  end = jnp.where(failed, start, start + lengths)  # [B]
+  slots = jnp.arange(max_len, dtype=jnp.int32)  # [S_max]
+  live = (jnp.arange(query_len) < lengths[:, None]) & ~failed[:, None]  # [B, T]
+  extras = dict(
+      q_positions=new,
+      kv_positions=jnp.broadcast_to(slots, (batch, max_len)),
+      q_segment_ids=jnp.where(live, 0, -1),  # [B, T]
+      kv_segment_ids=jnp.where(slots < end[:, None], 0, -1),  # [B, S_max]
+  )
+  return Append(keys, values, extras, KVCache(keys, values, end), failed)
+
+
+def _check_cache(cache: Any, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Static checks of `kv_cache` against this call's keys/values; returns lengths as [B]."""
+  if not isinstance(cache, KVCache):
+    raise ValueError(f"`kv_cache` must be a splash_hk.KVCache, got {type(cache).__name__}; build "
+                     "one with KVCache.zeros(batch, max_len, num_kv_heads, key_size, value_size).")
+  batch, _, heads, key_size = k.shape
+  want = dict(key=(batch, None, heads, key_size), value=(batch, None, heads, v.shape[-1]))
+  for name, shape in want.items():
+    got = tuple(getattr(cache, name).shape)
+    if len(got) != 4 or got[0] != shape[0] or got[2:] != shape[2:] or got[1] != cache.key.shape[1]:
+      raise ValueError(
+          f"`kv_cache.{name}` must be [batch, max_len, num_kv_heads, size] = [{shape[0]}, max_len, "
+          f"{shape[2]}, {shape[3]}] for this call, got {got}; build the cache for this batch and "
+          f"layer: KVCache.zeros({batch}, max_len, {heads}, {key_size}, {v.shape[-1]}).")
+  length = jnp.asarray(cache.length)
+  if not jnp.issubdtype(length.dtype, jnp.integer) or length.shape not in ((), (batch,)):
+    raise ValueError(f"`kv_cache.length` must be ints of shape [] or [{batch}], got "
+                     f"{length.dtype}{list(length.shape)}.")
+  return jnp.broadcast_to(length.astype(jnp.int32), (batch,))
+
+
+def _check_room(start: jax.Array, lengths: jax.Array, max_len: int) -> None:
+  """Where the lengths are concrete: a row that would write past the capacity is a ValueError."""
+  known_start = _concrete(start)
+  if known_start is None:
+    return
+  if known_start.min() < 0 or known_start.max() > max_len:
+    raise ValueError(f"`kv_cache.length` must lie in [0, max_len] = [0, {max_len}], got "
+                     f"{known_start.tolist()}.")
+  known = _concrete(lengths)
+  if known is not None and (known_start + known).max() > max_len:
+    rows = np.flatnonzero(known_start + known > max_len).tolist()
+    raise ValueError(
+        f"`kv_cache` is full: rows {rows} would hold {(known_start + known)[rows].tolist()} tokens "
+        f"in a cache of max_len {max_len} (length {known_start.tolist()} + lengths "
+        f"{known.tolist()}); build a larger cache (KVCache.zeros(..., max_len=...)) or append "
+        "fewer tokens (lengths=0 leaves a finished row unchanged).")
+
+
+def _concrete(x: jax.Array) -> np.ndarray | None:
+  """x's values if they are known now (eager), else None (traced under jit/vmap/scan)."""
+  return None if isinstance(x, jax.core.Tracer) else np.asarray(x)

@@ -1,0 +1,125 @@
+"""The KV cache never gives a finite wrong answer: errors when values are known, NaN rows under jit."""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import splash_hk as sh
+import oracle
+
+W_INIT = hk.initializers.VarianceScaling(1.0)
+HEADS, KV_HEADS, KEY_SIZE, MODEL = 2, 1, 4, 8
+MHA = hk.without_apply_rng(hk.transform(
+    lambda x, cache, lengths=None: sh.MultiHeadAttention(
+        HEADS, KEY_SIZE, num_kv_heads=KV_HEADS, w_init=W_INIT)(x, kv_cache=cache, lengths=lengths)))
+CALLS = {"eager": MHA.apply, "jit": jax.jit(MHA.apply)}
+
+
+def _setup(batch=2, max_len=8, seed=0):
+  x = np.random.default_rng(seed).normal(size=(batch, 12, MODEL)).astype(np.float32)
+  params = MHA.init(jax.random.PRNGKey(seed), x[:, :1], _empty(batch, max_len))
+  return params, x
+
+
+def _empty(batch, max_len):
+  return sh.KVCache.zeros(batch, max_len, KV_HEADS, KEY_SIZE)
+
+
+def _oracle_row(params, tokens, new):
+  """float64 outputs of the last `new` of `tokens` [n, D] attending causally to all of them."""
+  p = {m: {n: np.asarray(a, np.float64) for n, a in v.items()} for m, v in params.items()}
+  lin = lambda x, m: x @ p[f"multi_head_attention/{m}"]["w"] + p[f"multi_head_attention/{m}"]["b"]
+  n = len(tokens)
+  q = lin(tokens[None], "query").reshape(1, n, HEADS, KEY_SIZE)
+  k = lin(tokens[None], "key").reshape(1, n, KV_HEADS, KEY_SIZE)
+  v = lin(tokens[None], "value").reshape(1, n, KV_HEADS, KEY_SIZE)
+  out, _ = oracle.attention(q, k, v, causal=True)
+  return lin(out.reshape(1, n, -1), "linear")[0, n - new:]
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+def test_cache_filled_to_capacity_then_one_more_fails(how):
+  params, x = _setup()
+  call = CALLS[how]
+  out, cache = call(params, x[:, :6], _empty(2, 8))
+  for i in (6, 7):  # fills the 8 slots exactly
+    out, cache = call(params, x[:, i:i + 1], cache)
+  np.testing.assert_allclose(out[0], _oracle_row(params, x[0, :8], 1), atol=1e-5)
+  np.testing.assert_array_equal(cache.length, [8, 8])
+  if how == "eager":
+    with pytest.raises(ValueError, match=r"`kv_cache` is full: rows \[0, 1\]"):
+      call(params, x[:, 8:9], cache)
+    return
+  out, after = call(params, x[:, 8:9], cache)
+  assert np.isnan(out).all()  # a visible failure, never a finite wrong answer
+  np.testing.assert_array_equal(after.length, [8, 8])
+  np.testing.assert_array_equal(after.key, cache.key)  # nothing written
+  np.testing.assert_array_equal(after.value, cache.value)
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+def test_prefill_longer_than_capacity(how):
+  params, x = _setup()
+  if how == "eager":
+    with pytest.raises(ValueError, match="kv_cache"):
+      CALLS[how](params, x[:, :10], _empty(2, 8))
+    return
+  out, cache = CALLS[how](params, x[:, :10], _empty(2, 8))
+  assert np.isnan(out).all()
+  np.testing.assert_array_equal(cache.length, [0, 0])
+  assert not np.any(cache.key) and not np.any(cache.value)
+
+
+def test_under_jit_only_the_overflowing_row_fails():
+  # Row 0 holds 6 of 8 slots and appends 3 (overflow); row 1 holds 2 and appends 3.
+  params, x = _setup()
+  call = CALLS["jit"]
+  _, cache = call(params, x[:, :6], _empty(2, 8), jnp.asarray([6, 2]))
+  new = np.stack([x[0, 6:9], x[1, 2:5]])
+  out, after = call(params, new, cache)
+  assert np.isnan(out[0]).all()
+  np.testing.assert_array_equal(after.length, [6, 5])
+  np.testing.assert_array_equal(after.key[0], cache.key[0])
+  np.testing.assert_allclose(out[1], _oracle_row(params, x[1, :5], 3), atol=1e-5)
+  # The failed row is still usable with a step that fits: it kept its 6 tokens.
+  out, _ = call(params, x[:, 6:8], after, jnp.asarray([2, 0]))
+  np.testing.assert_allclose(out[0], _oracle_row(params, x[0, :8], 2), atol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", [[9, 3], [-1, 3]])
+def test_lengths_outside_zero_to_t(lengths):
+  params, x = _setup()
+  with pytest.raises(ValueError, match=r"`lengths` must lie in \[0, T\] = \[0, 6\]"):
+    CALLS["eager"](params, x[:, :6], _empty(2, 8), jnp.asarray(lengths))
+  out, cache = CALLS["jit"](params, x[:, :6], _empty(2, 8), jnp.asarray(lengths))
+  assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+  np.testing.assert_array_equal(cache.length, [0, 3])
+  np.testing.assert_allclose(out[1, :3], _oracle_row(params, x[1, :3], 3), atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+@pytest.mark.parametrize("cache,needle", [
+    (sh.KVCache.zeros(3, 8, KV_HEADS, KEY_SIZE), r"`kv_cache.key` must be .* = \[2, max_len"),
+    (sh.KVCache.zeros(2, 8, 2, KEY_SIZE), r"`kv_cache.key` must be"),
+    (sh.KVCache.zeros(2, 8, KV_HEADS, KEY_SIZE, 3), r"`kv_cache.value` must be"),
+    (sh.KVCache(jnp.zeros((2, 8, 1, 4)), jnp.zeros((2, 8, 1, 4)), jnp.zeros(3, jnp.int32)),
+     r"`kv_cache.length` must be ints of shape \[\] or \[2\]"),
+], ids=["batch", "heads", "value_size", "length_shape"])
+def test_a_cache_of_another_batch_or_layer_is_named(how, cache, needle):
+  params, x = _setup()
+  with pytest.raises(ValueError, match=needle):
+    CALLS[how](params, x[:, :3], cache)
+
+
+def test_hand_built_cache_with_scalar_length():
+  params, x = _setup()
+  _, full = CALLS["eager"](params, x[:, :5], _empty(2, 8))
+  by_hand = sh.KVCache(full.key, full.value, jnp.asarray(5, jnp.int32))
+  out, cache = CALLS["eager"](params, x[:, 5:8], by_hand)
+  np.testing.assert_array_equal(cache.length, [8, 8])
+  for row in range(2):
+    np.testing.assert_allclose(out[row], _oracle_row(params, x[row, :8], 3), atol=1e-5)
+  with pytest.raises(ValueError, match=r"`kv_cache.length` must lie in \[0, max_len\]"):
+    CALLS["eager"](params, x[:, :1], sh.KVCache(full.key, full.value, jnp.asarray(9)))
