@@ -78,8 +78,10 @@ def attention(
     config: an AttentionConfig (static: mask rules, scale, soft cap, platform).
     q_segment_ids: [B, T] int; equal ids attend, negative ids are padding.
     kv_segment_ids: [B, S] int; defaults to `q_segment_ids` when S == T.
-    q_positions: [B, T] int positions of the queries.
-    kv_positions: [B, S] int positions of the keys.
+    q_positions: [B, T] int positions of the queries; when S == T and only
+      `kv_positions` is given, they default to it (as segment ids do).
+    kv_positions: [B, S] int positions of the keys; when S == T, defaults to
+      `q_positions` (packed documents with restarting positions need only one).
     mask: [B, 1 or Hq, T, S] bool, True = may attend.
     softmax_aux: attention sinks, [Hq], [Hq, n] or [Hkv, n]: logits that join
       the softmax denominator and add nothing to the output.

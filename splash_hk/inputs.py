@@ -2,7 +2,8 @@
 
 `attention`, `explain` and `reference_attention` all enter here. `facts`
 reads only shapes and dtypes (so `explain` works on ShapeDtypeStructs);
-`normalise` also builds the arrays: explicit positions (end-aligned defaults),
+`normalise` also builds the arrays: explicit positions (end-aligned defaults;
+with T == S one side given serves both, as segment ids do),
 segment ids for both sides or neither, sinks as [Hq, n] float32.
 """
 
@@ -89,6 +90,8 @@ def normalise(query: Any, key: Any, value: Any, *, config: AttentionConfig, extr
   as_int = lambda a, default=None: default if a is None else jnp.asarray(a, jnp.int32)
   q_seg = as_int(extras.q_segment_ids, as_int(extras.kv_segment_ids))  # only when T == S
   kv_seg = as_int(extras.kv_segment_ids, q_seg)
+  if call.query_len == call.kv_len:  # positions mirror segment ids: one given serves both sides
+    q_pos = kv_pos = as_int(extras.q_positions, as_int(extras.kv_positions, q_pos))
   x = KernelInputs(
       query=query,  # [B, T, Hq, D]
       key=key,  # [B, S, Hkv, D]

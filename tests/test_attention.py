@@ -159,3 +159,32 @@ def test_runtime_dtype_casts_inputs_and_output():
   assert out.dtype == jnp.bfloat16
   expected, _ = case.oracle(q, k, v, extras)
   np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=5e-2)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("given", ["q_positions", "kv_positions"])
+def test_positions_given_alone_serve_both_sides(platform, given):
+  # Packed documents of 40, 24 and 32 tokens, positions restarting per document; tiles of 16
+  # so documents straddle blocks. With S == T one positions argument serves both sides.
+  b, t, hq, hkv, d = 2, 96, 4, 2, 8
+  rng = np.random.default_rng(7)
+  q, k, v = (rng.normal(size=(b, t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
+  lengths = [[40, 24, 32], [8, 56, 32]]
+  seg = np.stack([np.repeat(np.arange(3), n) for n in lengths]).astype(np.int32)
+  pos = np.stack([np.concatenate([np.arange(m) for m in n]) for n in lengths]).astype(np.int32)
+  config = sh.AttentionConfig(platform=platform, block_sizes=sh.BlockSizes(16, 16, 16, 16))
+  out = jax.jit(lambda q, k, v, p: sh.attention(q, k, v, config=config, q_segment_ids=seg,
+                                                **{given: p}).attention_outputs)(q, k, v, pos)
+  expected, _ = oracle.attention(q, k, v, q_seg=seg, q_pos=pos, kv_pos=pos)
+  np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=0)
+
+
+def test_positions_of_one_side_keep_the_other_default_when_lengths_differ():
+  # T = 4 queries at explicit positions against S = 12 keys at the default arange(12).
+  rng = np.random.default_rng(8)
+  q = rng.normal(size=(2, 4, 2, 8)).astype(np.float32)
+  k, v = (rng.normal(size=(2, 12, 2, 8)).astype(np.float32) for _ in range(2))
+  q_pos = np.array([[2, 5, 6, 7], [8, 9, 10, 11]], np.int32)
+  out = sh.attention(q, k, v, q_positions=q_pos).attention_outputs
+  expected, _ = oracle.attention(q, k, v, q_pos=q_pos, kv_pos=np.arange(12)[None])
+  np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=0)
