@@ -1,15 +1,41 @@
-"""Test setup: 8 virtual CPU devices (before jax is imported) and a private HOME."""
+"""Test setup: 8 virtual CPU devices (before jax is imported) and a private HOME.
+
+`pytest -m gpu` (what `make gpu-check` runs on a GPU machine) leaves JAX_PLATFORMS
+and the device count as the machine has them, so the GPU tests see the GPU.
+"""
 
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# ejkernel creates cache folders under $HOME at import: keep them out of the user's.
-os.environ["HOME"] = tempfile.mkdtemp(prefix="splash_hk-test-home-")
-os.environ.setdefault("EJKERNEL_PERSISTENT_CACHE_DIR", os.path.join(os.environ["HOME"], "ejkernel"))
+import pytest
 
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-assert jax.device_count() == 8, "tests/conftest.py must run before anything imports jax"
+def _gpu_run(config: pytest.Config) -> bool:
+  return "gpu" in (config.getoption("markexpr", "") or "").split()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+  config.addinivalue_line("markers", "gpu: needs a GPU (run with -m gpu by make gpu-check)")
+  gpu = _gpu_run(config)
+  if not gpu:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  # ejkernel creates cache folders under $HOME at import: keep them out of the user's.
+  os.environ["HOME"] = tempfile.mkdtemp(prefix="splash_hk-test-home-")
+  os.environ.setdefault("EJKERNEL_PERSISTENT_CACHE_DIR",
+                        os.path.join(os.environ["HOME"], "ejkernel"))
+  import jax  # pylint: disable=g-import-not-at-top
+
+  if not gpu:
+    assert jax.device_count() == 8, "tests/conftest.py must run before anything imports jax"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+  """Under -m gpu a skipped test fails: the GPU check must not pass by skipping."""
+  outcome = yield
+  report = outcome.get_result()
+  if report.skipped and _gpu_run(item.config):
+    report.outcome = "failed"
+    report.longrepr = f"skipped under -m gpu (is there a GPU?): {report.longrepr}"

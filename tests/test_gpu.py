@@ -14,7 +14,8 @@ import pytest
 import splash_hk as sh
 from cases import Case
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 
 GPU_CASES = [
     Case("causal", batch=2, query_len=256, kv_len=256, num_heads=4, num_kv_heads=4, head_dim=64),
