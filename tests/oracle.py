@@ -83,3 +83,16 @@ def visible(b, t, s, hq, *, causal=True, window=None, chunk=None, q_seg=None, kv
   if mask is not None:
     allowed = allowed & np.asarray(mask, bool)
   return np.broadcast_to(allowed, (b, hq, t, s))
+
+
+def out_and_vjp(q, k, v, cot, *, sinks=None, **rules):
+  """float64 output and the gradients of sum(out * cot) for q, k, v (and sinks, when given)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  with jax.enable_x64(True):
+    f64 = lambda a: None if a is None else jnp.asarray(a, jnp.float64)
+    out, vjp = jax.vjp(lambda q, k, v, s: attention(q, k, v, sinks=s, xp=jnp, **rules)[0],
+                       f64(q), f64(k), f64(v), f64(sinks))
+    grads = vjp(f64(cot))
+  return np.asarray(out), tuple(np.asarray(g) for g in grads if g is not None)
