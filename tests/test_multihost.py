@@ -7,7 +7,6 @@ import subprocess
 import sys
 import threading
 
-import jax
 import numpy as np
 from splash_hk.examples import launch
 import multihost_worker
