@@ -16,6 +16,7 @@ import pytest
 
 import splash_hk as sh
 from cases import Case
+import oracle
 
 SPLASH = dict(platform="splash", interpret=True, allow_fallback=False)
 BACKENDS = {
@@ -52,22 +53,31 @@ def _out_and_grads(config, q, k, v, extras, mesh=None):
   return [np.asarray(a) for a in (out, *grads)]
 
 
+def _oracle_out_and_grads(case, q, k, v, extras):
+  """What `_out_and_grads` must give, from the float64 oracle (same cotangent)."""
+  cot = np.random.default_rng(1).normal(size=q.shape).astype(np.float32)
+  out, grads = oracle.out_and_vjp(
+      q, k, v, cot, sinks=extras["softmax_aux"], causal=case.causal, window=case.window,
+      chunk=case.chunk, soft_cap=case.soft_cap, scale=case.scale,
+      q_seg=extras.get("q_segment_ids"), kv_seg=extras.get("kv_segment_ids"))
+  return [out, *grads]
+
+
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("fill", [np.nan, np.inf, 3e38], ids=["nan", "inf", "near_float_max"])
 def test_garbage_at_padding_changes_no_output_and_no_gradient(backend, fill):
   changes, length = BACKENDS[backend]
   case, (q, k, v, extras) = _padded_case(length)
   config = case.config.replace(**changes)
-  clean = _out_and_grads(config, *_with_garbage(q, k, v, extras, 0.0), extras)
+  want = _oracle_out_and_grads(case, *_with_garbage(q, k, v, extras, 0.0), extras)
   dirty = _out_and_grads(config, *_with_garbage(q, k, v, extras, fill), extras)
   pad = extras["q_segment_ids"] < 0
-  for name, c, d in zip(("out", "dq", "dk", "dv", "dsinks"), clean, dirty):
+  for name, w, d in zip(("out", "dq", "dk", "dv", "dsinks"), want, dirty):
     assert np.all(np.isfinite(d)), name
     if name in ("out", "dq", "dk", "dv"):
       assert np.all(d[pad] == 0), name  # padded rows output 0 and get no gradient
-    np.testing.assert_allclose(d, c, atol=1e-5, rtol=1e-5, err_msg=name)
-  expected, _ = case.oracle(*_with_garbage(q, k, v, extras, fill), extras)
-  np.testing.assert_allclose(dirty[0], expected, atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if name == "out" else 5e-5
+    np.testing.assert_allclose(d, w, atol=tol, rtol=tol, err_msg=name)
 
 
 def _nan_rows(case, q, k, v, extras, config):
@@ -104,10 +114,10 @@ def test_garbage_at_padding_under_a_mesh():
               window=(8, 0), segments="packed", sinks="heads_n")
   q, k, v, extras = case.arrays(seed=13)
   mesh = jax.make_mesh((2, 4), ("dp", "tp"))
-  clean = _out_and_grads(case.config, *_with_garbage(q, k, v, extras, 0.0), extras)
+  want = _oracle_out_and_grads(case, *_with_garbage(q, k, v, extras, 0.0), extras)
   dirty = _out_and_grads(case.config, *_with_garbage(q, k, v, extras, np.nan), extras, mesh=mesh)
-  for c, d in zip(clean, dirty):
-    np.testing.assert_allclose(d, c, atol=1e-5, rtol=1e-5)
+  for name, w, d in zip(("out", "dq", "dk", "dv", "dsinks"), want, dirty):
+    np.testing.assert_allclose(d, w, atol=5e-5, rtol=5e-5, err_msg=name)
 
 
 def test_unused_cache_slots_holding_garbage_change_nothing():
