@@ -127,3 +127,20 @@ def test_cache_of_2048_slots_with_rows_at_0_1_and_capacity_minus_1(query_len, le
   for b, want in enumerate(_cache_oracle(params, cache, x, lengths, causal)):
     np.testing.assert_allclose(np.asarray(out[b, :lengths[b]]), want, **F32, err_msg=f"row {b}")
   assert np.all(np.isfinite(np.asarray(out)))
+
+
+def test_splash_interpret_packed_rows_with_padding_at_t1536():
+  # Splash serves segment ids at default positions; its own tiles (128), padding masked.
+  q, k, v, cot = _arrays(2, 1536, 4, 2, 32, seed=7)
+  seg, pos = _packed_rows(2, 1536, seed=8, restart=False)
+  config = sh.AttentionConfig(platform="splash", interpret=True, allow_fallback=False)
+  assert sh.explain(q, k, v, config=config, q_segment_ids=seg).backend == "splash"
+  _check_against_oracle(config, q, k, v, cot, dict(q_seg=seg), q_segment_ids=seg)
+
+
+def test_splash_interpret_window_256_at_t2048_gqa():
+  q, k, v, cot = _arrays(2, 2048, 4, 2, 32, seed=9)
+  config = sh.AttentionConfig(platform="splash", interpret=True, allow_fallback=False,
+                              sliding_window=(256, 0), logits_soft_cap=20.0)
+  assert sh.explain(q, k, v, config=config).backend == "splash"
+  _check_against_oracle(config, q, k, v, cot, dict(window=(256, 0), soft_cap=20.0))
