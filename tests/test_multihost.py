@@ -56,18 +56,27 @@ def test_training_across_two_processes_matches_one_process():
 def _stderr_lines(proc: subprocess.Popen) -> queue.Queue:
   """proc's stderr lines fed into a queue by a thread, so that waiting for one can time out."""
   lines = queue.Queue()
-  threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+
+  def feed():
+    for line in proc.stderr:
+      lines.put(line)
+    lines.put(None)  # the stream ended
+
+  threading.Thread(target=feed, daemon=True).start()
   return lines
 
 
 def _read_until(lines: queue.Queue, needle: str, seconds: float) -> str:
-  """Lines until one holds `needle` or none came for `seconds` (a hung process)."""
+  """Lines until one holds `needle`, the stream ends, or none came for `seconds` (a hang)."""
   seen = ""
   while needle not in seen:
     try:
-      seen += lines.get(timeout=seconds)
+      line = lines.get(timeout=seconds)
     except queue.Empty:
       break
+    if line is None:
+      break
+    seen += line
   return seen
 
 
@@ -104,7 +113,7 @@ def test_a_killed_process_makes_the_other_exit_not_hang():
     procs[1].kill()
     procs[0].wait(timeout=120)  # a hang fails here; JAX's heartbeat takes --heartbeat_timeout
     assert procs[0].returncode != 0
-    stderr = seen + _read_until(lines, "\0", seconds=10)
+    stderr = seen + _read_until(lines, "\0", seconds=30)  # to the end of the stream
     assert "another task died" in stderr or "error:" in stderr, stderr[-2000:]
   finally:
     _stop(procs)
