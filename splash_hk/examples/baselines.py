@@ -1,6 +1,8 @@
 """The implementations the bench compares splash_hk against (not part of the library).
 
 - `jax_nn`: `jax.nn.dot_product_attention(implementation="xla")`, dense.
+- `float64_rows`: NumPy float64 attention of a few query rows, the bench's
+  measure of every implementation's error.
 - `ejkernel_xla`: ejkernel's XLA block-sparse attention, adapted to our
   semantics. Its dense core aligns causal masks top-left whatever the
   positions and ignores `chunk_size`, so it gets the whole mask, built by
@@ -58,3 +60,23 @@ def jax_nn(q: jax.Array, k: jax.Array, v: jax.Array, nn_kwargs: dict,
   if k.shape[2] != q.shape[2]:  # jax.nn's GQA takes repeated kv heads
     k, v = (jnp.repeat(a, q.shape[2] // k.shape[2], axis=2) for a in (k, v))
   return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **kwargs)
+
+
+def float64_rows(q, k, v, mask: np.ndarray, *, scale: float, soft_cap: float | None) -> np.ndarray:
+  """Plain float64 NumPy attention of the given query rows (no sinks).
+
+  q [B, R, Hq, D] (the chosen rows), k [B, S, Hkv, D], v [B, S, Hkv, Dv], mask [B, 1, R, S]
+  -> [B, R, Hq, Dv]; a row that sees no key is 0.
+  """
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  groups = q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+  logits = np.einsum("brhd,bshd->bhrs", q, k) * scale  # [B, Hq, R, S]
+  if soft_cap is not None:
+    logits = soft_cap * np.tanh(logits / soft_cap)
+  logits = np.where(mask, logits, -np.inf)
+  top = np.max(logits, axis=-1, keepdims=True)
+  weights = np.where(mask, np.exp(logits - np.where(np.isfinite(top), top, 0)), 0.0)
+  total = weights.sum(-1, keepdims=True)
+  weights = weights / np.where(total > 0, total, 1.0)
+  return np.einsum("bhrs,bshd->brhd", weights, v)

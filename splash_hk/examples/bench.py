@@ -13,8 +13,9 @@ untimed call of the same executable, all implementations interleaved in one
 process), peak temporary memory of the compiled program (XLA's memory
 analysis), achieved GFLOP/s on useful FLOPs (visible query-key pairs only;
 forward+backward as 3.5x forward) and its fraction of a 2048x2048 f32 matmul
-measured in the same run, and the max error of the forward output against the
-reference; for splash_hk_xla rows (one per --tiles tile too) the pairs its
+measured in the same run, and the max error of the forward output on up to
+ERROR_ROWS query rows against float64 NumPy attention (`baselines.float64_rows`,
+not another implementation of ours); for splash_hk_xla rows (one per --tiles tile too) the pairs its
 blocks compute per useful pair ("work": a tile's fraction is at most its
 full-attention fraction / work). Workloads: `bench_workloads.py`. Prints a
 table and the ratios the README quotes; writes bench.json and bench.png under
@@ -50,6 +51,7 @@ IMPLS = ("splash_hk_xla", "splash_hk_xla_sp", "splash_hk_ring", "splash_hk_auto"
          "reference", "jax_nn", "jax_nn_auto", "ejkernel_xla")
 DEFAULT_IMPLS = ("splash_hk_xla", "splash_interpret", "reference", "jax_nn", "ejkernel_xla")
 DENSE = ("reference", "jax_nn", "jax_nn_auto", "ejkernel_xla")
+ERROR_ROWS = 64  # query rows (evenly spaced) each output is checked on
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["1024", "4096"], "Sequence lengths of --masks.")
 _MASKS = flags.DEFINE_list("masks", ["causal", "window:512", "chunk:1024", "full"],
@@ -276,11 +278,11 @@ def _measure(runs) -> None:
                                                    disable=not sys.stderr.isatty()):
     exes = _compile(row, fn, args, workload)
     if exes is not None:
-      compiled.append((row, *exes, args, flops))
+      compiled.append((row, *exes, args, flops, workload))
   times = {id(row): ([], []) for row, *_ in compiled}
-  outputs, reference = {}, {}
+  outputs = {}
   for repeat in tqdm.trange(_REPEATS.value + 1, desc="time", disable=not sys.stderr.isatty()):
-    for row, forward_exe, backward_exe, args, _ in compiled:  # interleaved
+    for row, forward_exe, backward_exe, args, *_ in compiled:  # interleaved
       for exe, bucket in ((forward_exe, times[id(row)][0]), (backward_exe, times[id(row)][1])):
         if exe is None:
           continue
@@ -293,18 +295,28 @@ def _measure(runs) -> None:
           bucket.append(time.perf_counter() - start)
         elif exe is forward_exe:
           outputs[id(row)] = np.asarray(result, np.float32)
-          if row.impl == "reference":
-            reference[(row.workload, row.num_kv_heads)] = outputs[id(row)]
-  for row, _, _, _, flops in compiled:
+  for row, _, _, _, flops, _ in compiled:
     forward_times, backward_times = times[id(row)]
     row.forward_s = float(np.median(forward_times))
     row.gflops_forward = flops / row.forward_s / 1e9
     if backward_times:
       row.forward_backward_s = float(np.median(backward_times))
       row.gflops_forward_backward = 3.5 * flops / row.forward_backward_s / 1e9
-    want = reference.get((row.workload, row.num_kv_heads))
-    if want is not None:
-      row.max_error = float(np.max(np.abs(outputs[id(row)] - want)))
+  _max_errors(compiled, outputs)
+
+
+def _max_errors(compiled, outputs) -> None:
+  """Each row's max error on up to ERROR_ROWS query rows against float64 NumPy attention."""
+  expected = {}
+  for row, _, _, (q, k, v), _, workload in compiled:
+    rows = np.unique(np.linspace(0, workload.query_len - 1, ERROR_ROWS).astype(int))
+    key = (row.workload, row.num_kv_heads)
+    if key not in expected:
+      config = workload.config
+      expected[key] = baselines.float64_rows(
+          np.asarray(q)[:, rows], k, v, workload.mask_rows(q.shape[0], rows),
+          scale=config.softmax_scale or q.shape[-1] ** -0.5, soft_cap=config.logits_soft_cap)
+    row.max_error = float(np.max(np.abs(outputs[id(row)][:, rows] - expected[key])))
 
 
 if __name__ == "__main__":

@@ -56,17 +56,20 @@ class Workload:
 
   def dense_mask(self, batch: int) -> np.ndarray:
     """The same visibility as a dense [B, 1, T, S] mask (for implementations without segments)."""
+    return self.mask_rows(batch, np.arange(self.query_len))
+
+  def mask_rows(self, batch: int, rows: np.ndarray) -> np.ndarray:
+    """The visibility of query rows `rows` only: [B, 1, len(rows), S] bool."""
     e = self.extras(batch)
     q_pos = e.get("q_positions", np.tile(np.arange(self.query_len) + self.kv_len - self.query_len,
-                                         (batch, 1)))
+                                         (batch, 1)))[:, rows]
     kv_pos = e.get("kv_positions", np.tile(np.arange(self.kv_len), (batch, 1)))
     mask = masks.position_mask(q_pos, kv_pos, **self.rules)
-    mask = np.ones((batch, self.query_len, self.kv_len), bool) if mask is None else mask
+    mask = np.ones((batch, len(rows), self.kv_len), bool) if mask is None else mask
     if "q_segment_ids" in e:
-      mask = mask & masks.segment_mask(e["q_segment_ids"], e.get("kv_segment_ids",
-                                                                 e["q_segment_ids"]))
+      mask = mask & masks.segment_mask(e["q_segment_ids"][:, rows],
+                                       e.get("kv_segment_ids", e["q_segment_ids"]))
     return mask[:, None]
-
 
 def parse(spec: str) -> Workload:
   """A workload from its spec (see the module docstring); ValueError naming the spec."""
