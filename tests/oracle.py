@@ -96,3 +96,16 @@ def out_and_vjp(q, k, v, cot, *, sinks=None, **rules):
                        f64(q), f64(k), f64(v), f64(sinks))
     grads = vjp(f64(cot))
   return np.asarray(out), tuple(np.asarray(g) for g in grads if g is not None)
+
+
+def mha(params, x, *, num_heads, num_kv_heads, key_size, value_size, causal=True,
+        mask=None, window=None, sinks=None, name="multi_head_attention"):
+  """float64 NumPy MHA from a parameter dict: projections + oracle attention + output."""
+  p = {k: {n: np.asarray(a, np.float64) for n, a in v.items()} for k, v in params.items()}
+  lin = lambda x, m: x @ p[f"{name}/{m}"]["w"] + p[f"{name}/{m}"]["b"]
+  b, t, _ = x.shape
+  q = lin(x, "query").reshape(b, t, num_heads, key_size)
+  k = lin(x, "key").reshape(b, t, num_kv_heads, key_size)
+  v = lin(x, "value").reshape(b, t, num_kv_heads, value_size)
+  out, _ = attention(q, k, v, causal=causal, mask=mask, window=window, sinks=sinks)
+  return lin(out.reshape(b, t, -1), "linear")

@@ -17,19 +17,6 @@ from cases import CASES_BY_NAME
 W_INIT = hk.initializers.VarianceScaling(1.0)
 
 
-def _mha_oracle(params, x, *, num_heads, num_kv_heads, key_size, value_size, causal=True,
-                mask=None, window=None, sinks=None, name="multi_head_attention"):
-  """float64 NumPy MHA from a parameter dict: projections + oracle attention + output."""
-  p = {k: {n: np.asarray(a, np.float64) for n, a in v.items()} for k, v in params.items()}
-  lin = lambda x, m: x @ p[f"{name}/{m}"]["w"] + p[f"{name}/{m}"]["b"]
-  b, t, _ = x.shape
-  q = lin(x, "query").reshape(b, t, num_heads, key_size)
-  k = lin(x, "key").reshape(b, t, num_kv_heads, key_size)
-  v = lin(x, "value").reshape(b, t, num_kv_heads, value_size)
-  out, _ = oracle.attention(q, k, v, causal=causal, mask=mask, window=window, sinks=sinks)
-  return lin(out.reshape(b, t, -1), "linear")
-
-
 class AttentionVariantsTest(chex.TestCase, parameterized.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True, with_pmap=True)
@@ -75,7 +62,7 @@ class AttentionVariantsTest(chex.TestCase, parameterized.TestCase):
       params[sink_name]["sinks"] = jnp.linspace(-1, 1, num_heads * num_sinks).reshape(num_heads, -1)
     out = self.variant(lambda p, x: f.apply(p, None, x))(params, x)
     sinks = params[sink_name]["sinks"] if num_sinks else None
-    want = _mha_oracle(params, x, num_heads=num_heads, num_kv_heads=num_kv_heads,
+    want = oracle.mha(params, x, num_heads=num_heads, num_kv_heads=num_kv_heads,
                        key_size=key_size, value_size=value_size, window=(5, 0), sinks=sinks)
     np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
     grads = self.variant(jax.grad(lambda p, x: jnp.sum(f.apply(p, None, x) ** 2)))(params, x)
@@ -150,7 +137,7 @@ def _toy_oracle(params, tokens, num_layers, num_heads, num_kv_heads, key_size, w
   gelu = lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
   h = w("embed", "embeddings")[np.asarray(tokens)]  # [B, T, D]
   for i in range(num_layers):
-    h = h + _mha_oracle(params, h, num_heads=num_heads, num_kv_heads=num_kv_heads,
+    h = h + oracle.mha(params, h, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         key_size=key_size, value_size=key_size, window=window, name=f"attn_{i}")
     h = h + lin(np.maximum(lin(gelu(h), f"mlp_{i}/~/linear_0"), 0), f"mlp_{i}/~/linear_1")
   return lin(h, "unembed")  # [B, T, vocab]
