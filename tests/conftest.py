@@ -11,7 +11,8 @@ import pytest
 
 
 def _gpu_run(config: pytest.Config) -> bool:
-  return "gpu" in (config.getoption("markexpr", "") or "").split()
+  """Whether this run selects the GPU tests (`-m gpu`; `-m "not gpu"` is a CPU run)."""
+  return (config.getoption("markexpr", "") or "").strip() == "gpu"
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -29,14 +29,8 @@ def _empty(batch, max_len):
 
 def _oracle_row(params, tokens, new):
   """float64 outputs of the last `new` of `tokens` [n, D] attending causally to all of them."""
-  p = {m: {n: np.asarray(a, np.float64) for n, a in v.items()} for m, v in params.items()}
-  lin = lambda x, m: x @ p[f"multi_head_attention/{m}"]["w"] + p[f"multi_head_attention/{m}"]["b"]
-  n = len(tokens)
-  q = lin(tokens[None], "query").reshape(1, n, HEADS, KEY_SIZE)
-  k = lin(tokens[None], "key").reshape(1, n, KV_HEADS, KEY_SIZE)
-  v = lin(tokens[None], "value").reshape(1, n, KV_HEADS, KEY_SIZE)
-  out, _ = oracle.attention(q, k, v, causal=True)
-  return lin(out.reshape(1, n, -1), "linear")[0, n - new:]
+  return oracle.mha(params, tokens[None], num_heads=HEADS, num_kv_heads=KV_HEADS,
+                    key_size=KEY_SIZE, value_size=KEY_SIZE)[0, len(tokens) - new:]
 
 
 @pytest.mark.parametrize("how", ["eager", "jit"])

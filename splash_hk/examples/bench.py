@@ -15,8 +15,8 @@ analysis), achieved GFLOP/s on useful FLOPs (visible query-key pairs only;
 forward+backward as 3.5x forward) and its fraction of a 2048x2048 f32 matmul
 measured in the same run, and the max error of the forward output on up to
 ERROR_ROWS query rows against float64 NumPy attention (`baselines.float64_rows`,
-not another implementation of ours); for splash_hk_xla rows (one per --tiles tile too) the pairs its
-blocks compute per useful pair ("work": a tile's fraction is at most its
+not another implementation of ours); for splash_hk_xla rows (one per --tiles
+tile too) the pairs its blocks compute per useful pair ("work": a tile's fraction is at most its
 full-attention fraction / work). Workloads: `bench_workloads.py`. Prints a
 table and the ratios the README quotes; writes bench.json and bench.png under
 --out.

@@ -71,6 +71,7 @@ class Workload:
                                        e.get("kv_segment_ids", e["q_segment_ids"]))
     return mask[:, None]
 
+
 def parse(spec: str) -> Workload:
   """A workload from its spec (see the module docstring); ValueError naming the spec."""
   try:
