@@ -22,13 +22,14 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 # The built wheel (not an editable install) in a fresh venv, against the lock:
-# it installs, ships py.typed, and runs an attention call from outside the checkout.
+# it installs, ships py.typed and the library alone (no example or bench module),
+# and runs an attention call from outside the checkout.
 WHEEL_DIR := build/wheel-check
 wheel-check: $(STAMP)
 	rm -rf $(WHEEL_DIR) && $(PYTHON) -m venv $(WHEEL_DIR)/venv
 	$(PY) -m pip wheel -q --no-deps -w $(WHEEL_DIR)/dist .
 	$(WHEEL_DIR)/venv/bin/pip install -q -c $(LOCK) $(WHEEL_DIR)/dist/splash_hk-*.whl
-	cd $(WHEEL_DIR) && venv/bin/python $(CURDIR)/scripts/wheel_check.py
+	cd $(WHEEL_DIR) && venv/bin/python $(CURDIR)/scripts/wheel_check.py dist/splash_hk-*.whl
 
 # Debian's bazel-bootstrap (4.2.3) runs offline: WORKSPACE points it at local
 # stand-ins and at .venv's interpreter. Installing it is the one step that needs apt.
@@ -47,20 +48,20 @@ BAZEL_SMOKE := //:test_build //:test_masks //:test_inputs //:test_package //:tes
 bazel-smoke: $(STAMP) bazel-install
 	bazel build //...
 	bazel test $(BAZEL_SMOKE)
-	bazel run //:train -- --steps=20 --log_every=20
+	bazel run //examples/train:train -- --steps=20 --log_every=20
 
 demo: $(STAMP)
-	$(PY) -m splash_hk.examples.train --sample
+	$(PY) -m examples.train --sample
 
 multihost-demo: $(STAMP)
-	$(PY) -m splash_hk.examples.launch --num_processes=2 --devices_per_process=4 -- \
-	  $(PY) -m splash_hk.examples.train
+	$(PY) -m examples.train.launch --num_processes=2 --devices_per_process=4 -- \
+	  $(PY) -m examples.train
 
 bench: $(STAMP)
-	$(PY) -m splash_hk.examples.bench --out=bench_out
+	$(PY) -m benchmarks.bench --out=bench_out
 
 quickcheck: $(STAMP)
-	$(PY) -m splash_hk.examples.quickcheck
+	$(PY) -m splash_hk.quickcheck
 
 # Wheels the lent GPU machine lacks (Python 3.12), carried there in .whl, at the lock's versions.
 GPU_PACKAGES := ejkernel dm-haiku jmp tabulate jaxtyping beartype wadler_lindig einops tqdm pydantic \

@@ -45,8 +45,8 @@ print(sh.explain(q, q, q))"
 # -m gpu: conftest leaves the GPU visible, and a skipped GPU test fails (no pass by skipping).
 step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/test_gpu.py
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED) " "$OUT/gpu_tests.log" | sed 's/^/  /' >> "$OUT/summary.txt"
-step quickcheck 60 python3 -m splash_hk.examples.quickcheck
-step bench 180 python3 -m splash_hk.examples.bench --dtype=bfloat16 --num_heads=16 \
+step quickcheck 60 python3 -m splash_hk.quickcheck
+step bench 180 python3 -m benchmarks.bench --dtype=bfloat16 --num_heads=16 \
   --num_kv_heads=16 --head_dim=128 --repeats=5 --out="$OUT" \
   --impls=splash_hk_auto,jax_nn_auto,splash_hk_xla,reference \
   --workloads=causal@8192,window:512@8192,packed:16@8192,decode:8000/32768

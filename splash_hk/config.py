@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from typing import Any, Literal
 
 import jax.numpy as jnp
 
 Platform = Literal["auto", "splash", "triton", "xla", "reference"]
-PLATFORMS: tuple[str, ...] = ("auto", "splash", "triton", "xla", "reference")
+PLATFORMS: tuple[str, ...] = typing.get_args(Platform)
 
 
 def _is_int(x) -> bool:
@@ -122,6 +123,11 @@ class AttentionConfig:
   def scale(self, head_dim: int) -> float:
     """The logit scale: `softmax_scale`, or `head_dim ** -0.5` when unset."""
     return self.softmax_scale or head_dim**-0.5
+
+  @property
+  def rules(self) -> dict[str, Any]:
+    """The positional mask rules, as keywords of `splash_hk.masks.position_rules`."""
+    return dict(causal=self.causal, window=self.window, chunk_size=self.chunk_size)
 
   def replace(self, **changes) -> "AttentionConfig":
     return dataclasses.replace(self, **changes)

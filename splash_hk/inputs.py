@@ -9,7 +9,7 @@ segment ids for both sides or neither, sinks as [Hq, n] float32.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,35 +17,11 @@ import jax.numpy as jnp
 from splash_hk import masks
 from splash_hk import validation
 from splash_hk.config import AttentionConfig
-from splash_hk.mode import detect_mode
 from splash_hk.sharding import specs
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Extras, Facts, KernelInputs
 
-__all__ = ("Extras", "facts", "facts_from_shapes", "normalise")
-
-
-def facts_from_shapes(
-    config: AttentionConfig,
-    query_shape: Sequence[int],
-    key_shape: Sequence[int],
-    value_dim: int | None = None,
-    *,
-    default_positions: bool = True,
-    mask_shape: Sequence[int] | None = None,
-    return_weights: bool = False,
-    sequence_shards: int = 1,
-    load_balanced: bool = False,
-    sequence_strategy: str = "all_gather",
-) -> Facts:
-  """Facts of a call from its (already validated) shapes."""
-  return Facts(
-      config=config, query_shape=tuple(query_shape), key_shape=tuple(key_shape),
-      value_dim=query_shape[-1] if value_dim is None else value_dim,
-      mode=detect_mode(query_shape[1], key_shape[1]), default_positions=default_positions,
-      mask_shape=None if mask_shape is None else tuple(mask_shape),
-      return_weights=return_weights, sequence_shards=sequence_shards,
-      load_balanced=load_balanced, sequence_strategy=sequence_strategy)
+__all__ = ("Extras", "facts", "normalise")
 
 
 def facts(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: Extras,
@@ -60,7 +36,7 @@ def facts(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: 
     sequence_shards = specs.query_sequence_shards(query.shape, mesh, axes)
   if axes.load_balanced:
     specs.check_load_balanced(query.shape[1], key.shape[1], mesh, axes, sequence_shards)
-  return facts_from_shapes(
+  return Facts.from_shapes(
       config, query.shape, key.shape, value.shape[-1],
       default_positions=extras.q_positions is None and extras.kv_positions is None,
       mask_shape=None if extras.mask is None else extras.mask.shape,

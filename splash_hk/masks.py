@@ -25,16 +25,17 @@ from splash_hk.types import KernelInputs
 ArrayLike = Any  # np.ndarray or jax.Array
 
 
-def end_aligned_positions(batch: int, query_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
-  """End-aligned default positions (FlashAttention-2 convention).
+def end_aligned_positions(batch: int, query_len: int, kv_len: int,
+                          xp: Any = jnp) -> tuple[ArrayLike, ArrayLike]:
+  """End-aligned default positions (FlashAttention-2 convention), in `xp` (jnp or NumPy).
 
   Returns:
-    q_positions [B, T] = arange(T) + (S - T), kv_positions [B, S] = arange(S).
+    q_positions [B, T] = arange(T) + (S - T), kv_positions [B, S] = arange(S), int32.
   """
-  kv_pos = jnp.arange(kv_len, dtype=jnp.int32)  # [S]
-  q_pos = jnp.arange(query_len, dtype=jnp.int32) + (kv_len - query_len)  # [T]
-  return (jnp.broadcast_to(q_pos, (batch, query_len)),
-          jnp.broadcast_to(kv_pos, (batch, kv_len)))
+  kv_pos = xp.arange(kv_len, dtype=xp.int32)  # [S]
+  q_pos = xp.arange(query_len, dtype=xp.int32) + (kv_len - query_len)  # [T]
+  return (xp.broadcast_to(q_pos, (batch, query_len)),
+          xp.broadcast_to(kv_pos, (batch, kv_len)))
 
 
 def position_rules(
@@ -125,7 +126,7 @@ def visible_interval(q_pos: np.ndarray, kv_len: int, *, causal: bool,
 
 def visible_pairs(query_len: int, kv_len: int, **rules) -> int:
   """How many (query, key) pairs the position rules let through at default positions."""
-  q_pos = np.arange(query_len) + (kv_len - query_len)
+  q_pos = end_aligned_positions(1, query_len, kv_len, np)[0][0]
   lo, hi = visible_interval(q_pos, kv_len, **rules)
   return int(np.maximum(hi - lo + 1, 0).sum())
 

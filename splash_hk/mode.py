@@ -14,8 +14,4 @@ def detect_mode(query_len: int, kv_len: int) -> Mode:
     raise ValueError(
         f"detect_mode needs query_len >= 1 and kv_len >= 1, got query_len={query_len}, "
         f"kv_len={kv_len}.")
-  if query_len == 1:
-    return Mode.DECODE
-  if query_len < kv_len:
-    return Mode.PREFILL
-  return Mode.TRAIN
+  return Mode.of(query_len, kv_len)

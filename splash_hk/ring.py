@@ -74,7 +74,7 @@ def _pass_on(tree, axis: AxisEntry, n: int):
 
 
 def _merge(out, lse, step_out, step_lse):
-  """Two partial softmaxes over disjoint keys -> one, by their log-sum-exps (-inf: none)."""
+  """Two partial softmaxes over disjoint keys -> one, by their log-sum-exps (`base`'s convention)."""
   new = jnp.logaddexp(lse, step_lse)
   safe = jnp.where(jnp.isfinite(new), new, 0.0)
   scale = lambda l: jnp.where(l == -jnp.inf, 0.0, jnp.exp(l - safe))[..., None]
@@ -85,8 +85,8 @@ def _forward(halves: base.Backend, x: KernelInputs, facts: Facts, axis, n: int):
   """(out [B, T, Hq, Dv] f32, lse [B, T, Hq]) over every block of the ring, sinks included."""
 
   def step(block, out, lse):
-    step_out, step_lse = halves.forward(_with_block(x, block), facts)
-    return _merge(out, lse, step_out, step_lse)
+    part = halves.forward(_with_block(x, block), facts)
+    return _merge(out, lse, part.out, part.lse)
 
   def hop(_, carry):
     block, out, lse = carry
@@ -108,9 +108,9 @@ def _backward(halves: base.Backend, x: KernelInputs, facts: Facts, axis, n: int,
   delta = jnp.sum(d_out.astype(jnp.float32) * out, axis=-1)  # [B, T, Hq]; out can go now
 
   def step(block, dq, dkv):
-    dq, dk, dv, _ = halves.backward(_with_block(x, block), facts, lse, d_out, delta,
-                                    into=(dq, *dkv))
-    return dq, (dk, dv)
+    grads = halves.backward(_with_block(x, block), facts, lse, d_out, delta,
+                            into=base.Grads(dq, *dkv))
+    return grads.dq, (grads.dk, grads.dv)
 
   def hop(_, carry):
     block, dq, dkv = carry
@@ -122,5 +122,5 @@ def _backward(halves: base.Backend, x: KernelInputs, facts: Facts, axis, n: int,
   block, dq, dkv = jax.lax.fori_loop(0, n - 1, hop, init)
   dq, dkv = step(block, dq, dkv)
   dk, dv = _pass_on(dkv, axis, n)  # the last hop home: block i's gradients back to device i
-  d_sinks = base.sink_grads(x.sinks, jnp.where(lse == -jnp.inf, jnp.inf, lse), delta)
+  d_sinks = base.sink_grads(x.sinks, lse, delta)
   return dq.astype(x.query.dtype), dk.astype(x.key.dtype), dv.astype(x.value.dtype), d_sinks

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import jax
 
@@ -17,6 +17,13 @@ class Mode(enum.Enum):
   TRAIN = "train"  # T == S: a whole sequence at once.
   PREFILL = "prefill"  # 1 < T < S: a chunk of queries against a longer KV cache.
   DECODE = "decode"  # T == 1: one new token against the KV cache.
+
+  @classmethod
+  def of(cls, query_len: int, kv_len: int) -> Mode:
+    """DECODE for one query token, PREFILL for fewer queries than keys, else TRAIN."""
+    if query_len == 1:
+      return cls.DECODE
+    return cls.PREFILL if query_len < kv_len else cls.TRAIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +89,7 @@ class KernelOutput(NamedTuple):
   """What a backend returns for one call or shard. A pytree; None fields are absent."""
 
   out: jax.Array  # [B, T, Hq, Dv]
-  lse: jax.Array | None = None  # [B, T, Hq] float32 log-sum-exp of the visible logits
+  lse: jax.Array | None = None  # [B, T, Hq] float32, `splash_hk.backends.base`'s lse convention
   weights: jax.Array | None = None  # [B, Hq, T, S] float32 (reference, when asked for)
 
 
@@ -105,6 +112,17 @@ class Facts:
   sequence_shards: int = 1  # the query sequence is split over this many devices
   load_balanced: bool = False  # the sequence is in dual-chunk (load-balanced) order
   sequence_strategy: str = "all_gather"  # asked for: "all_gather" or "ring" (see Decision.ring)
+
+  @classmethod
+  def from_shapes(cls, config: AttentionConfig, query_shape: Sequence[int],
+                  key_shape: Sequence[int], value_dim: int | None = None, *,
+                  default_positions: bool = True, mask_shape: Sequence[int] | None = None,
+                  **sharding: Any) -> Facts:
+    """Facts of a call from its (already validated) shapes; `sharding`: the fields below."""
+    return cls(config=config, query_shape=tuple(query_shape), key_shape=tuple(key_shape),
+               value_dim=query_shape[-1] if value_dim is None else value_dim,
+               mode=Mode.of(query_shape[1], key_shape[1]), default_positions=default_positions,
+               mask_shape=None if mask_shape is None else tuple(mask_shape), **sharding)
 
   @property
   def query_len(self) -> int:
@@ -133,5 +151,4 @@ class Facts:
   @property
   def rules(self) -> dict:
     """The positional mask rules, as keywords of `splash_hk.masks.position_rules`."""
-    c = self.config
-    return dict(causal=c.causal, window=c.window, chunk_size=c.chunk_size)
+    return self.config.rules

@@ -104,7 +104,7 @@ def test_ejkernel_never_autotunes_nor_writes_its_cache_to_home(tmp_path):
       "def refuse(*args, **kwargs): raise AssertionError('ejkernel autotuned')\n"
       "selection.Tuner.autotune = tuning.Autotuner.autotune = refuse\n"
       "import splash_hk as sh\n"
-      "from splash_hk.examples import baselines\n"
+      "from benchmarks import baselines\n"
       "q = np.random.default_rng(0).normal(size=(1, 300, 2, 64)).astype(np.float32)\n"
       "f = lambda q: baselines.ejkernel_xla(q, q, q, sh.AttentionConfig())\n"
       "jax.grad(lambda q: f(q).sum())(q)\n"

@@ -12,6 +12,7 @@ import splash_hk as sh
 from splash_hk import inputs
 from splash_hk.backends import xla
 from splash_hk.backends import xla_blocks
+from splash_hk.backends import xla_plan
 from splash_hk.types import Extras
 from cases import CASES, Case
 
@@ -72,41 +73,54 @@ def test_narrow_window_reads_kv_in_place_and_matches_oracle():
   q, k, v, extras = case.arrays(seed=14)
   config = case.config.replace(platform="xla", block_sizes=sh.BlockSizes(8, 4, 8, 4))
   x, facts = inputs.normalise(q, k, v, config=config, extras=Extras(**extras))
-  assert not xla_blocks.Views(x, facts, 8, 4).heads_major  # each key block read ~1.4 times
+  views = lambda facts: xla_blocks.Views(x, facts, xla_plan.Grid.of(x, 8, 4))
+  assert not views(facts).heads_major  # each key block read ~1.4 times
   causal = dataclasses.replace(facts, config=config.replace(sliding_window=None))
-  assert xla_blocks.Views(x, causal, 8, 4).heads_major  # up to every query block
+  assert views(causal).heads_major  # up to every query block
   cot = np.random.default_rng(15).normal(size=q.shape)
   _assert_value_and_grads_match(case, config, q, k, v, extras, cot)
 
 
 def _schedule(t, s, block, config=sh.AttentionConfig(), batch=1, **extras):
+  """The plan as lists: the live kv blocks and the full ones, per (row group, query block)."""
   q = jnp.zeros((batch, t, 1, 64))
   k = jnp.zeros((batch, s, 1, 64))
   x, facts = inputs.normalise(q, k, k, config=config, extras=Extras(**extras))
-  views = xla_blocks.Views(x, facts, block, block)
-  sched = views.schedule()
-  pairs = [[[int(sched.order[g, i, n]) for n in range(int(sched.count[g, i]))]
-            for i in range(views.num_q_blocks)] for g in range(sched.count.shape[0])]
-  full_counts = np.asarray(sched.full_count)
-  assert all(np.asarray(sched.full)[g, i, p[:full_counts[g, i]]].all() and
-             not np.asarray(sched.full)[g, i, p[full_counts[g, i]:]].any()
-             for g, rows in enumerate(pairs) for i, p in enumerate(rows))
-  return pairs, np.asarray(sched.full)
+  grid = xla_plan.Grid.of(x, block, block)
+  plan = xla_plan.block_plan(x, facts, grid)
+  order, live, full = (np.asarray(a) for a in plan)
+  assert order.shape == (grid.num_groups, grid.num_q_blocks, grid.num_kv_blocks)
+  assert all(sorted(row) == list(range(grid.num_kv_blocks)) for row in order.reshape(
+      -1, grid.num_kv_blocks))  # a permutation of the kv blocks
+  pairs = [[list(order[g, i, :live[g, i]]) for i in range(grid.num_q_blocks)]
+           for g in range(grid.num_groups)]
+  fulls = [[set(order[g, i, :full[g, i]]) for i in range(grid.num_q_blocks)]
+           for g in range(grid.num_groups)]
+  return pairs, fulls
 
 
 def test_schedule_of_default_positions_is_the_static_plan():
   pairs, full = _schedule(1024, 1024, 256)
   assert pairs == [[list(range(i + 1)) for i in range(4)]]  # causal: the lower triangle
-  assert [[bool(full[0, i, j]) for j in range(i + 1)] for i in range(4)] == [
-      [j < i for j in range(i + 1)] for i in range(4)]  # only the diagonal needs a mask
+  assert full == [[set(range(i)) for i in range(4)]]  # only the diagonal needs a mask
   pairs, full = _schedule(1024, 1024, 128, sh.AttentionConfig(sliding_window=(128, 0)))
-  assert pairs == [[[max(0, i - 1), i][(i == 0):] for i in range(8)]] and not full.any()
+  assert pairs == [[[max(0, i - 1), i][(i == 0):] for i in range(8)]]
+  assert full == [[set()] * 8]
   pairs, full = _schedule(1024, 1024, 128, sh.AttentionConfig(sliding_window=(256, 0)))
   assert pairs == [[[0], [0, 1], *([i - 1, i - 2, i] for i in range(2, 8))]]  # full block first
+  assert full == [[set(), *({i - 1} for i in range(1, 8))]]
   pairs, full = _schedule(1024, 1024, 256, sh.AttentionConfig(causal=False, chunk_size=256))
-  assert pairs == [[[i] for i in range(4)]] and all(full[0, i, i] for i in range(4))
+  assert pairs == [[[i] for i in range(4)]] and full == [[{i} for i in range(4)]]
   pairs, _ = _schedule(256, 1024, 256)  # end-aligned: the queries are the last 256 positions
   assert pairs == [[[0, 1, 2, 3]]]
+
+
+def test_a_dense_mask_empties_blocks_and_leaves_none_unmasked():
+  t = 512
+  mask = np.zeros((1, 1, t, t), bool)
+  mask[..., :128, :128] = mask[..., 384:, 256:] = True  # only blocks (0, 0), (3, 2), (3, 3)
+  pairs, full = _schedule(t, t, 128, sh.AttentionConfig(causal=False), mask=mask)
+  assert pairs == [[[0], [], [], [2, 3]]] and full == [[set()] * 4]
 
 
 def test_schedule_follows_packed_documents_and_cache_lengths():

@@ -3,26 +3,29 @@
 import json
 import math
 import os
+import pathlib
 import subprocess
 import sys
 import warnings
 
 import pytest
 
-from splash_hk.examples import bench
-from splash_hk.examples import bench_report
-from splash_hk.examples import bench_workloads
-from splash_hk.examples import paths
+from benchmarks import bench
+from benchmarks import bench_report
+from benchmarks import bench_workloads
+from examples.train import paths
 
 
 def test_bench_writes_table_json_and_plot(tmp_path):
-  # As `bazel run //:bench -- --out=out` runs it: in another directory, with the
-  # user's directory in BUILD_WORKING_DIRECTORY; a relative --out lands there.
+  # As `bazel run //benchmarks:bench -- --out=out` runs it: in another directory (the
+  # checkout on the path, as Bazel puts the runfiles root), with the user's directory
+  # in BUILD_WORKING_DIRECTORY; a relative --out lands there.
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["BUILD_WORKING_DIRECTORY"] = str(tmp_path)
+  env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parent.parent)
   (tmp_path / "runfiles").mkdir()
   proc = subprocess.run(
-      [sys.executable, "-m", "splash_hk.examples.bench", "--seq_lens=256", "--num_heads=4",
+      [sys.executable, "-m", "benchmarks.bench", "--seq_lens=256", "--num_heads=4",
        "--masks=causal,window:64", "--num_kv_heads=2", "--repeats=1", "--max_interpret_len=256",
        "--out=out"], capture_output=True, text=True, env=env, timeout=300,
       cwd=tmp_path / "runfiles")
@@ -55,7 +58,7 @@ def test_user_paths_resolve_against_the_users_directory(monkeypatch, tmp_path):
 def test_cache_and_shard_workloads_print_their_ratios(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   proc = subprocess.run(
-      [sys.executable, "-m", "splash_hk.examples.bench", "--cpu_devices=2", "--sequence_shards=2",
+      [sys.executable, "-m", "benchmarks.bench", "--cpu_devices=2", "--sequence_shards=2",
        "--impls=splash_hk_xla,splash_hk_xla_sp,reference", "--num_heads=2", "--num_kv_heads=1",
        "--workloads=packed:2@128,decode:40/256,decode:40/64,prefill:16/64", "--repeats=1",
        "--nobackward", "--tiles=32x16"], capture_output=True, text=True, env=env, timeout=300)

@@ -32,27 +32,47 @@ def _label_path(root: pathlib.Path, label: str) -> pathlib.Path | None:
   return root / label
 
 
+def build_files(root: pathlib.Path) -> list[pathlib.Path]:
+  """The project's BUILD files: the root's and its packages' (not the vendored ones)."""
+  found = [root / "BUILD", *root.glob("*/BUILD"), *root.glob("*/*/BUILD")]
+  return [f for f in found if f.is_file() and f.relative_to(root).parts[0] != "third_party"]
+
+
 def read_targets(root: pathlib.Path) -> dict[str, dict[str, Any]]:
-  """Evaluates root/BUILD; returns {name: {"rule", "srcs", "size", ...}}."""
+  """Evaluates every BUILD file; returns {label: {"rule", "srcs", "size", ...}}.
+
+  A target of the root package is keyed by its name ("test_masks"), any other by
+  its label ("//examples/train:train").
+  """
   targets: dict[str, dict[str, Any]] = {}
+  for build in build_files(root):
+    _read_package(root, build.parent.relative_to(root).as_posix().strip("."), targets)
+  return targets
+
+
+def _read_package(root: pathlib.Path, package: str, targets: dict[str, dict[str, Any]]) -> None:
+  """Evaluates root/package/BUILD into `targets`."""
+  here = root / package
 
   def rule(kind: str):
     def record(name: str, **attrs: Any) -> None:
-      if name in targets:
-        raise ValueError(f"BUILD defines {name!r} twice")
-      srcs = [_label_path(root, s) for s in attrs.get("srcs", [])]
-      targets[name] = {**attrs, "rule": kind, "srcs": [s for s in srcs if s is not None]}
+      key = f"//{package}:{name}" if package else name
+      if key in targets:
+        raise ValueError(f"BUILD defines {key!r} twice")
+      srcs = [_label_path(here, s) if not s.startswith("//") else _label_path(root, s)
+              for s in attrs.get("srcs", [])]
+      targets[key] = {**attrs, "rule": kind, "srcs": [s for s in srcs if s is not None]}
     return record
 
   def glob(include: list[str], exclude: tuple[str, ...] = (), **_: Any) -> list[str]:
-    drop = {p for pattern in exclude for p in root.glob(pattern)}
-    return sorted(str(p.relative_to(root)) for pattern in include for p in root.glob(pattern)
+    drop = {p for pattern in exclude for p in here.glob(pattern)}
+    return sorted(str(p.relative_to(here)) for pattern in include for p in here.glob(pattern)
                   if p.is_file() and p not in drop)
 
   def ignore(*_: Any, **__: Any) -> None:
     return None
 
-  native = types.SimpleNamespace(glob=glob, package_name=lambda: "",
+  native = types.SimpleNamespace(glob=glob, package_name=lambda: package,
                                  **{kind: rule(kind) for kind in RULES})
   scope: dict[str, Any] = {"glob": glob, "package": ignore, "exports_files": ignore,
                            "filegroup": ignore, **{kind: rule(kind) for kind in RULES}}
@@ -64,8 +84,12 @@ def read_targets(root: pathlib.Path) -> dict[str, dict[str, Any]]:
     scope.update({alias: bzl[n] for alias, n in aliases.items()})
 
   scope["load"] = load
-  exec(compile((root / "BUILD").read_text(), "BUILD", "exec"), scope)  # noqa: S102
-  return targets
+  build = here / "BUILD"
+  exec(compile(build.read_text(), str(build.relative_to(root)), "exec"), scope)  # noqa: S102
+
+
+def _label(key: str) -> str:
+  return key if key.startswith("//") else f"//:{key}"
 
 
 def drift(root: pathlib.Path) -> list[str]:
@@ -74,7 +98,8 @@ def drift(root: pathlib.Path) -> list[str]:
   problems = []
   covered = {s.resolve() for t in targets.values() for s in t["srcs"]}
   tested = {s.resolve() for t in targets.values() if t["rule"] == "py_test" for s in t["srcs"]}
-  files = sorted([*root.glob("tests/*.py"), *root.glob("splash_hk/**/*.py")])
+  files = sorted([*root.glob("tests/*.py"), *root.glob("splash_hk/**/*.py"),
+                  *root.glob("examples/**/*.py"), *root.glob("benchmarks/**/*.py")])
   for f in files:
     where = f.relative_to(root)
     if f.resolve() not in covered:
@@ -84,9 +109,9 @@ def drift(root: pathlib.Path) -> list[str]:
   for name, t in targets.items():
     for s in t["srcs"]:
       if not s.is_file():
-        problems.append(f"//:{name} names {s.relative_to(root)}, which does not exist")
+        problems.append(f"{_label(name)} names {s.relative_to(root)}, which does not exist")
     if t["rule"] == "py_test" and "size" not in t:
-      problems.append(f"//:{name} has no size")
+      problems.append(f"{_label(name)} has no size")
   return problems
 
 
@@ -103,10 +128,14 @@ def test_every_test_file_has_a_sized_py_test_of_its_own():
     assert targets[f.stem]["size"] in ("small", "medium", "large", "enormous")
 
 
-def test_train_and_bench_binaries_exist():
+def test_binaries_live_in_their_own_packages():
   targets = read_targets(ROOT)
-  for name in ("train", "bench"):
-    assert targets[name]["rule"] == "py_binary", name
+  for label in ("//examples/train:train", "//examples/train:launch", "//benchmarks:bench",
+                "quickcheck"):
+    assert targets[label]["rule"] == "py_binary", label
+  library = {s.resolve() for s in targets["splash_hk"]["srcs"]}
+  assert not [s for s in library if s.is_relative_to(ROOT / "examples")
+              or s.is_relative_to(ROOT / "benchmarks")]
 
 
 def _tree(tmp_path: pathlib.Path, build: str, files: list[str]) -> pathlib.Path:
@@ -138,6 +167,16 @@ def _tree(tmp_path: pathlib.Path, build: str, files: list[str]) -> pathlib.Path:
 ])
 def test_drift_is_reported(tmp_path, build, files, want):
   assert drift(_tree(tmp_path, build, files)) == want
+
+
+def test_drift_reads_the_packages_build_files(tmp_path):
+  root = _tree(tmp_path, 'py_library(name = "lib", srcs = ["splash_hk/a.py"])\n',
+               ["splash_hk/a.py", "examples/train/a.py", "examples/train/b.py", "benchmarks/c.py"])
+  (root / "examples" / "train" / "BUILD").write_text(
+      'py_binary(name = "a", srcs = ["a.py", "//splash_hk:gone.py"])\n')
+  assert drift(root) == ["benchmarks/c.py is in no BUILD target's srcs",
+                         "examples/train/b.py is in no BUILD target's srcs",
+                         "//examples/train:a names splash_hk/gone.py, which does not exist"]
 
 
 def test_drift_sees_through_the_py_pytest_macro(tmp_path):

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from splash_hk.examples import checkpoint
+from examples.train import checkpoint
 
 
 def _state(seed=0):
@@ -109,7 +109,7 @@ def test_the_training_binary_refuses_a_crafted_checkpoint(tmp_path):
   marker = tmp_path / "pwned"
   (tmp_path / "checkpoint.npz").write_bytes(pickle.dumps(_Payload(str(marker))))
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.run([sys.executable, "-m", "splash_hk.examples.train", "--steps=2",
+  proc = subprocess.run([sys.executable, "-m", "examples.train", "--steps=2",
                          f"--checkpoint_dir={tmp_path}"], capture_output=True, text=True, env=env,
                         timeout=120)
   assert proc.returncode != 0 and not marker.exists()

@@ -8,7 +8,7 @@ import sys
 import threading
 
 import numpy as np
-from splash_hk.examples import launch
+from examples.train import launch
 import multihost_worker
 import oracle
 
@@ -41,8 +41,8 @@ def _run(*args, timeout=420):
 
 def test_training_across_two_processes_matches_one_process():
   # The sequence as a load-balanced ring over sp = 4 devices spanning both processes.
-  flags = ["splash_hk.examples.train", "--steps=20", "--log_every=20", "--seq_len=32"]
-  two = _run("splash_hk.examples.launch", "--timeout=400", "--", sys.executable, "-m", *flags,
+  flags = ["examples.train", "--steps=20", "--log_every=20", "--seq_len=32"]
+  two = _run("examples.train.launch", "--timeout=400", "--", sys.executable, "-m", *flags,
              "--mesh=dp=2,sp=4", "--sequence_strategy=ring", "--load_balanced")
   one = _run(*flags)
   assert len(FINAL.findall(two.stdout)) == 1  # only process 0 prints
@@ -84,7 +84,7 @@ def _start_training_pair():
   """Two training processes; process 0 has logged step 10. Retries a port taken meanwhile."""
   for _ in range(3):
     port = launch.free_port()
-    command = lambda i: [sys.executable, "-m", "splash_hk.examples.train", "--steps=100000",
+    command = lambda i: [sys.executable, "-m", "examples.train", "--steps=100000",
                          "--log_every=10", f"--coordinator_address=127.0.0.1:{port}",
                          "--num_processes=2", f"--process_id={i}", "--cpu_devices=4",
                          "--heartbeat_timeout=10"]

@@ -13,7 +13,7 @@ FINAL_LINE = re.compile(r"^final step=(\d+) loss=([0-9.]+) accuracy=([0-9.]+)$",
 
 def _train(*flags, check=True, timeout=300):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.run([sys.executable, "-m", "splash_hk.examples.train", *flags],
+  proc = subprocess.run([sys.executable, "-m", "examples.train", *flags],
                         capture_output=True, text=True, env=env, timeout=timeout)
   if check and proc.returncode:
     raise AssertionError(f"train {flags} failed:\n{proc.stderr[-3000:]}")

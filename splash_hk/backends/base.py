@@ -5,12 +5,19 @@ serve a call, or None: its own limits, consulted by the selector in order) and
 `attend(x, facts)`, which runs it on one shard of KernelInputs and returns a
 KernelOutput. Adding a backend is one file that defines one of these and one
 line in `splash_hk.kernel.BACKENDS`.
+
+The log-sum-exp convention, for every backend and every consumer: `lse[b, t, h]`
+is the log of query row (b, t, h)'s softmax denominator over the keys it sees
+and its sinks. A row that sees nothing and has no sink has -inf (the log of an
+empty sum); +inf or NaN only come from the logits themselves (an Inf key the row
+sees). Code that recomputes probabilities as exp(s - lse) reads it through
+`probability_lse`, where such rows get +inf, so their probabilities are 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +26,40 @@ from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 WhyNot = Callable[[Facts, str], "str | None"]
 Attend = Callable[[KernelInputs, Facts], KernelOutput]
-Forward = Callable[[KernelInputs, Facts], "tuple[jax.Array, jax.Array]"]
-Backward = Callable[..., tuple]
 
 WEIGHTS_REFUSAL = "attention weights were requested and only the reference path materialises them"
+
+
+class Partial(NamedTuple):
+  """A forward half's result over the keys it was given."""
+
+  out: jax.Array  # [B, T, Hq, Dv]: softmax-weighted values over those keys (and the sinks)
+  lse: jax.Array  # [B, T, Hq] float32, in the module's log-sum-exp convention
+
+
+class Grads(NamedTuple):
+  """A backward half's result (and, without d_sinks, its accumulators)."""
+
+  dq: jax.Array  # [B, T, Hq, D]
+  dk: jax.Array  # [B, S, Hkv, D]
+  dv: jax.Array  # [B, S, Hkv, Dv]
+  d_sinks: jax.Array | None = None  # [Hq, n]
+
+
+class ForwardHalf(Protocol):
+  def __call__(self, x: KernelInputs, facts: Facts) -> Partial:
+    """out in float32 and lse of `x`'s queries over `x`'s keys, sinks included."""
+
+
+class BackwardHalf(Protocol):
+  def __call__(self, x: KernelInputs, facts: Facts, lse: jax.Array, d_out: jax.Array,
+               delta: jax.Array, into: Grads | None = None) -> Grads:
+    """Gradients with probabilities taken from `lse` (possibly a ring's global one).
+
+    delta = sum(d_out * out, -1) - d_lse, [B, T, Hq]. With `into` (float32
+    accumulators dq, dk, dv) the result is into + this call's gradients, in
+    float32; without, the gradients in the inputs' dtypes.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,18 +73,22 @@ class Backend:
       `lse` where the backend computes it, `weights` when asked for and served.
     forward, backward: the two halves of `attend`, for a caller that owns the
       gradient and keeps memory tight (the context-parallel ring), or None.
-      `forward(x, facts)` -> (out [B, T, Hq, Dv] float32, lse [B, T, Hq]);
-      `backward(x, facts, lse, d_out, delta, into=None)` -> (dq, dk, dv,
-      d_sinks), probabilities taken from the given (possibly global) lse,
-      delta = sum(d_out * out, -1) - d_lse, and dq, dk, dv added to `into`
-      (float32 accumulators shaped like q, k, v) when given.
+    count_pairs: (facts, q_positions [B, T], kv_positions [B, S], q_segment_ids,
+      kv_segment_ids) -> the block pairs this backend computes per head for such
+      inputs (NumPy, static), or None for a backend that does not say.
   """
 
   name: str
   why_not: WhyNot
   attend: Attend
-  forward: Forward | None = None
-  backward: Backward | None = None
+  forward: ForwardHalf | None = None
+  backward: BackwardHalf | None = None
+  count_pairs: Callable[..., int] | None = None
+
+
+def probability_lse(lse: jax.Array) -> jax.Array:
+  """`lse` with rows that see nothing at +inf: exp(s - it) is then 0 there, never NaN."""
+  return jnp.where(lse == -jnp.inf, jnp.inf, lse)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -68,10 +109,10 @@ def sink_logsumexp(sinks: jax.Array) -> jax.Array:
 
 
 def sink_grads(sinks: jax.Array | None, lse: jax.Array, delta: jax.Array) -> jax.Array | None:
-  """d sinks [Hq, n] = -sum over rows of exp(sink - lse) * delta (lse [B, T, Hq], +inf for none)."""
+  """d sinks [Hq, n] = -sum over rows of exp(sink - lse) * delta (lse [B, T, Hq])."""
   if sinks is None:
     return None
-  weight = jnp.exp(sinks[None, None] - lse[..., None])  # [B, T, Hq, n]
+  weight = jnp.exp(sinks[None, None] - probability_lse(lse)[..., None])  # [B, T, Hq, n]
   return -jnp.sum(weight * delta[..., None], axis=(0, 1))
 
 

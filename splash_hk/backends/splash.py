@@ -101,7 +101,7 @@ def build_kernel(*, padded: tuple[int, int], offset: int, heads: int, is_mqa: bo
                  config: AttentionConfig, blocks: tuple[int, int, int, int],
                  balanced: tuple[int, int] | None = None):
   """The splash kernel for one static shape and config (cached: built once)."""
-  rules = dict(causal=config.causal, window=config.window, chunk_size=config.chunk_size)
+  rules = config.rules
   if any(rules.values()):
     head_mask = PositionMask(padded, offset, **rules, balanced=balanced)
   else:

@@ -1,10 +1,10 @@
 """Block-sparse attention in pure JAX: the portable ("xla") backend, on any hardware.
 
 For each (row group, query block) an inner loop runs over the key blocks some
-query of the block may see (`xla_blocks.Views.schedule`, decided at run time
-from positions, segments and padding), with an online (flash) softmax. A
-`jax.custom_vjp` backward recomputes the probabilities from the saved
-log-sum-exp, over the same kind of schedule, so memory stays linear in T and
+query of the block may see (the block plan, `xla_plan.block_plan`, decided at
+run time from positions, segments and padding), with an online (flash) softmax.
+A `jax.custom_vjp` backward recomputes the probabilities from the saved
+log-sum-exp, over the same kind of plan, so memory stays linear in T and
 neither loop is differentiated.
 
 Blocks whose every (query, key) pair is visible run unmasked. Other blocks
@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk.backends import base
-from splash_hk.backends.xla_blocks import Pair, Schedule, Views
+from splash_hk.backends import xla_plan
+from splash_hk.backends.xla_blocks import Pair, Views
 from splash_hk.config import AttentionConfig
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
@@ -78,8 +79,8 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
     return forward(y, facts, tiles)
 
   def run_fwd(y):
-    out, lse = forward(y, facts, tiles)
-    return (out, lse), (y, out, lse)
+    partial = forward(y, facts, tiles)
+    return partial, (y, *partial)
 
   def run_bwd(residuals, cotangents):
     y, out, lse = residuals
@@ -93,24 +94,24 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   return KernelOutput(*run(x))
 
 
-def _rows(a: jax.Array) -> jax.Array:
-  """[r, Hkv, G, bq, X] -> [r, Hkv, G * bq, X]: the query rows of a kv head as one axis.
+def _merge_heads(a: jax.Array) -> jax.Array:
+  """[r, Hkv, Gq, bq, X] -> [r, Hkv, Gq * bq, X]: a kv head's query rows as one axis.
 
-  Dots over rows: with G as an axis of its own XLA:CPU copied the other operand
+  Dots over them: with Gq as an axis of its own XLA:CPU copied the other operand
   transposed per block pair (measured: window 512 at 8192, forward 130 -> 122 ms).
   """
   return a.reshape(*a.shape[:2], -1, a.shape[-1])
 
 
-def _dot_rows(a: jax.Array, b: jax.Array) -> jax.Array:
-  """a [r, Hkv, G, bq, X] . b [r, Hkv, Y, X] over X: f32 [r, Hkv, G, bq, Y]."""
-  out = jnp.einsum("bkqx,bkyx->bkqy", _rows(a), b, preferred_element_type=jnp.float32)
+def _dot_merged(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a [r, Hkv, Gq, bq, X] . b [r, Hkv, Y, X] over X: f32 [r, Hkv, Gq, bq, Y]."""
+  out = jnp.einsum("bkqx,bkyx->bkqy", _merge_heads(a), b, preferred_element_type=jnp.float32)
   return out.reshape(*a.shape[:-1], b.shape[-2])
 
 
 def _logits(q: jax.Array, k: jax.Array, cap: float | None) -> tuple[jax.Array, jax.Array | None]:
-  """f32 logits [r, Hkv, G, bq, bk] from pre-scaled q, and tanh(s / cap) (None without cap)."""
-  s = _dot_rows(q, k)
+  """f32 logits [r, Hkv, Gq, bq, bk] from pre-scaled q, and tanh(s / cap) (None without cap)."""
+  s = _dot_merged(q, k)
   if cap is None:
     return s, None
   t = jnp.tanh(s / cap)
@@ -130,7 +131,7 @@ def _block_scores(views: Views, q, pair: Pair, masked: bool):
   s, t = _logits(q, pair.k, views.facts.config.logits_soft_cap)
   if not masked:
     return s, t, pair.v, None
-  mask = views.element_mask(pair)
+  mask = views.element_mask(pair.mask)
   return jnp.where(mask, s, -jnp.inf), t, _finite(pair.v), mask
 
 
@@ -167,46 +168,46 @@ def _update(views: Views, q, pair: Pair, masked: bool, state):
 
 
 def _finalize(m, l, acc, sinks):
-  """Normalised block output and its lse (+inf for rows that see nothing; NaN stays NaN)."""
+  """Normalised block output and its lse (`base.Backend`'s convention: -inf for no mass)."""
   m_all, l_all = m, l
-  if sinks is not None:  # [Hkv, G, 1, n]
+  if sinks is not None:  # [Hkv, Gq, 1, n]
     m_all = jnp.maximum(m, jnp.max(sinks, axis=-1))
     l_all = l * jnp.exp(m - m_all) + jnp.sum(jnp.exp(sinks - m_all[..., None]), axis=-1)
   has_key, has_mass = l != 0, l_all != 0
   scale = jnp.exp(m - m_all) / jnp.where(has_key, l_all, 1.0)
   out = jnp.where(has_key[..., None], acc * scale[..., None], 0.0)
-  return out, jnp.where(has_mass, m_all + jnp.log(jnp.where(has_mass, l_all, 1.0)), jnp.inf)
+  return out, jnp.where(has_mass, m_all + jnp.log(jnp.where(has_mass, l_all, 1.0)), -jnp.inf)
 
 
 def forward(x: KernelInputs, facts: Facts, tiles: Tiles, out_dtype=None,
-            kv_in_place: bool = False) -> tuple[jax.Array, jax.Array]:
-  """out [B, T, Hq, Dv] (query dtype or `out_dtype`), lse [B, T, Hq] f32 (-inf: nothing seen)."""
-  views = Views(x, facts, tiles[0], tiles[1], kv_in_place)
-  sched = views.schedule()
+            kv_in_place: bool = False) -> base.Partial:
+  """out [B, T, Hq, Dv] (query dtype or `out_dtype`) and lse [B, T, Hq] f32 (`base`'s convention)."""
+  grid = xla_plan.Grid.of(x, tiles[0], tiles[1])
+  views = Views(x, facts, grid, kv_in_place)
+  plan = xla_plan.block_plan(x, facts, grid)
   batch, padded_q, num_heads, _ = views.q.shape
-  r, nq = views.rows, views.num_q_blocks
-  row_shape = (r, views.num_kv_heads, views.groups, views.block_q)
-  sinks = None if x.sinks is None else x.sinks.reshape(views.num_kv_heads, views.groups, 1, -1)
+  nq = grid.num_q_blocks
+  row_shape = (grid.rows_per_group, views.num_kv_heads, views.heads_per_kv, grid.block_q)
+  sinks = None if x.sinks is None else x.sinks.reshape(*row_shape[1:3], 1, -1)  # [Hkv, Gq, 1, n]
   scale = jnp.asarray(facts.scale, x.query.dtype)
 
   def q_step(step, carry):
     out, lse = carry
-    g, i = step // nq, step % nq
-    q = views.head_rows(views.q, g, i) * scale  # [r, Hkv, G, bq, D]
+    group, i = step // nq, step % nq
+    q = views.head_rows(views.q, group, i) * scale  # [r, Hkv, Gq, bq, D]
     update = lambda masked, j, pair, state: _update(views, q, pair, masked, state)
     init = (jnp.full(row_shape, -jnp.inf), jnp.zeros(row_shape),
             jnp.zeros((*row_shape, x.value.shape[-1])))
-    o, lse_i = _finalize(*_over_live_blocks(views, sched, g, i, update, init), sinks)
-    return views.write_rows(out, o, g, i), views.write_rows(lse, lse_i, g, i)
+    o, lse_i = _finalize(*_over_live_blocks(views, plan, group, i, update, init), sinks)
+    return views.write_rows(out, o, group, i), views.write_rows(lse, lse_i, group, i)
 
   init = (jnp.zeros((batch, padded_q, num_heads, x.value.shape[-1]), out_dtype or x.query.dtype),
           jnp.zeros((batch, padded_q, num_heads), jnp.float32))
-  out, lse = jax.lax.fori_loop(0, (batch // r) * nq, q_step, init)
-  lse = lse[:, :views.query_len]  # [B, T, Hq]
-  return out[:, :views.query_len], jnp.where(lse == jnp.inf, -jnp.inf, lse)
+  out, lse = jax.lax.fori_loop(0, grid.num_groups * nq, q_step, init)
+  return base.Partial(out[:, :grid.query_len], lse[:, :grid.query_len])  # [B, T, Hq, Dv], [B, T, Hq]
 
 
-def _over_live_blocks(views: Views, sched: Schedule, g, i, step_fn, state):
+def _over_live_blocks(views: Views, plan: xla_plan.BlockPlan, group, i, step_fn, state):
   """`state = step_fn(masked, j, pair, state)` over the live key blocks j of query block i.
 
   The full blocks (listed first) run unmasked in one loop, the rest masked in a
@@ -214,12 +215,12 @@ def _over_live_blocks(views: Views, sched: Schedule, g, i, step_fn, state):
   """
   def body(masked: bool):
     def step(t, state):
-      j = sched.order[g, i, t]
-      return step_fn(masked, j, views.pair(g, i, j), state)
+      j = plan.kv_order[group, i, t]
+      return step_fn(masked, j, views.pair(group, i, j), state)
     return step
 
-  state = jax.lax.fori_loop(0, sched.full_count[g, i], body(False), state)
-  return jax.lax.fori_loop(sched.full_count[g, i], sched.count[g, i], body(True), state)
+  full, live = plan.full_count[group, i], plan.live_count[group, i]
+  return jax.lax.fori_loop(full, live, body(True), jax.lax.fori_loop(0, full, body(False), state))
 
 
 def _t(a: jax.Array) -> jax.Array:
@@ -232,76 +233,90 @@ def _t(a: jax.Array) -> jax.Array:
 def _grads(views: Views, q, q_t, do, do_t, lse, delta, pair: Pair, masked: bool):
   """(dq_i, dk_j, dv_j) of a block pair, probabilities recomputed from the saved lse.
 
-  q_t and do_t are the query block's q and dO as [r, Hkv, D, G * bq] (`_rows`, then `_t`).
+  q_t and do_t are the query block's q and dO as [r, Hkv, D, Gq * bq] (`_merge_heads`, then `_t`).
   """
   s, t, v, mask = _block_scores(views, q, pair, masked)
   k = pair.k
   if masked:  # ds is 0 where the mask is False: garbage in q or k must not meet it (0 * NaN)
     q_t, k = _finite(q_t), _finite(k)
-  probs = jnp.exp(s - lse[..., None])  # [r, Hkv, G, bq, bk]
-  dv = _t(jnp.einsum("bkdq,bkqs->bkds", do_t, _rows(probs)))  # as do^T p: see `_t`
-  ds = probs * (_dot_rows(do, v) - delta[..., None])
+  probs = jnp.exp(s - lse[..., None])  # [r, Hkv, Gq, bq, bk]
+  dv = _t(jnp.einsum("bkdq,bkqs->bkds", do_t, _merge_heads(probs)))  # as do^T p: see `_t`
+  ds = probs * (_dot_merged(do, v) - delta[..., None])
   if t is not None:
     ds = ds * (1.0 - t * t)
   if masked:  # where p = 0, dP may be inf (finite garbage values near the float limit)
     ds = jnp.where(mask, ds, 0.0)
   dq = jnp.einsum("bkgqs,bksd->bkgqd", ds, k, preferred_element_type=jnp.float32)
-  dk = _t(jnp.einsum("bkdq,bkqs->bkds", q_t, _rows(ds), preferred_element_type=jnp.float32))
+  dk = _t(jnp.einsum("bkdq,bkqs->bkds", q_t, _merge_heads(ds), preferred_element_type=jnp.float32))
   return dq, dk, dv
 
 
-def backward(x: KernelInputs, facts: Facts, tiles: Tiles, lse, d_out, delta, into=None,
-             kv_in_place: bool = False):
+def backward(x: KernelInputs, facts: Facts, tiles: Tiles, lse, d_out, delta,
+             into: base.Grads | None = None, kv_in_place: bool = False) -> base.Grads:
   """Gradients of q, k, v and sinks, probabilities recomputed from the saved lse [B, T, Hq].
 
   Args:
+    lse: [B, T, Hq] in `base`'s convention, from this call's forward or a ring's
+      merged one.
     delta: [B, T, Hq] = sum(d_out * out, -1) - d_lse; the lse's cotangent enters
       where `delta` does, with the opposite sign (d lse_i / d s_ij = p_ij).
-    into: (dq, dk, dv) float32 accumulators in the inputs' layouts to add the
+    into: float32 accumulators (dq, dk, dv in the inputs' layouts) to add the
       gradients to (a ring accumulates over its steps), or None.
     kv_in_place: read K/V (and accumulate dK/dV) in the caller's layout, no copies.
 
   Returns:
-    (dq, dk, dv, d_sinks); dq, dk, dv in float32 (added to `into`) when `into` is given.
+    Grads; dq, dk, dv in the inputs' dtypes, or float32 sums with `into` when given.
   """
-  views = Views(x, facts, tiles[2], tiles[3], kv_in_place)
-  sched = views.schedule()
-  lse_b = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # rows that see nothing: probabilities 0
-  rows = [views.pad_rows(d_out), views.pad_rows(delta), views.pad_rows(lse_b, jnp.inf)]
-  r, nq = views.rows, views.num_q_blocks
+  grid = xla_plan.Grid.of(x, tiles[2], tiles[3])
+  views = Views(x, facts, grid, kv_in_place)
+  plan = xla_plan.block_plan(x, facts, grid)
+  lse = base.probability_lse(lse)
+  rows = [views.pad_queries(d_out), views.pad_queries(delta), views.pad_queries(lse, jnp.inf)]
+  nq = grid.num_q_blocks
   scale = jnp.asarray(facts.scale, x.query.dtype)
 
   def q_step(step, carry):
     dq, dk, dv = carry
-    g, i = step // nq, step % nq
-    q = views.head_rows(views.q, g, i) * scale  # [r, Hkv, G, bq, D]
-    do, delta_i, lse_i = (views.head_rows(a, g, i).astype(jnp.float32) for a in rows)
-    q_t, do_t = _t(_rows(q)), _t(_rows(do))  # [r, Hkv, D, G * bq]: once per query block
+    group, i = step // nq, step % nq
+    q = views.head_rows(views.q, group, i) * scale  # [r, Hkv, Gq, bq, D]
+    do, delta_i, lse_i = (views.head_rows(a, group, i).astype(jnp.float32) for a in rows)
+    q_t, do_t = _t(_merge_heads(q)), _t(_merge_heads(do))  # [r, Hkv, D, Gq * bq], once per block
 
     def kv_step(masked, j, pair, acc):
       dq_i, dk, dv = acc
       dq_ij, dk_j, dv_j = _grads(views, q, q_t, do, do_t, lse_i, delta_i, pair, masked)
-      return dq_i + dq_ij, views.add_kv(dk, dk_j, g, j), views.add_kv(dv, dv_j, g, j)
+      return dq_i + dq_ij, views.add_kv(dk, dk_j, group, j), views.add_kv(dv, dv_j, group, j)
 
-    dq_i, dk, dv = _over_live_blocks(views, sched, g, i, kv_step,
+    dq_i, dk, dv = _over_live_blocks(views, plan, group, i, kv_step,
                                      (jnp.zeros(q.shape, jnp.float32), dk, dv))
-    dq_i = views.head_rows(dq, g, i) + dq_i * facts.scale  # `into` may hold earlier gradients
-    return views.write_rows(dq, dq_i, g, i), dk, dv
+    dq_i = views.head_rows(dq, group, i) + dq_i * facts.scale  # dq may hold earlier gradients
+    return views.write_rows(dq, dq_i, group, i), dk, dv
 
+  # `into` serves as the loop's own accumulators when the loop's layouts are the caller's
+  # (K/V not transposed, no query padding); otherwise the loop sums from zeros and adds.
   zeros = lambda a: jnp.zeros(a.shape, jnp.float32)
   in_place = into is not None and not views.heads_major and views.q.shape == x.query.shape
-  init = into if in_place else (zeros(views.q), zeros(views.k), zeros(views.v))
-  dq, dk, dv = jax.lax.fori_loop(0, (x.query.shape[0] // r) * nq, q_step, init)
-  grads = dq[:, :views.query_len], views.kv_layout(dk), views.kv_layout(dv)
+  init = into[:3] if in_place else (zeros(views.q), zeros(views.k), zeros(views.v))
+  dq, dk, dv = jax.lax.fori_loop(0, grid.num_groups * nq, q_step, init)
+  grads = dq[:, :grid.query_len], views.kv_layout(dk), views.kv_layout(dv)
   if into is None:
     grads = tuple(g.astype(a.dtype) for g, a in zip(grads, (x.query, x.key, x.value)))
   elif not in_place:
-    grads = tuple(a + g for a, g in zip(into, grads))
-  return (*grads, base.sink_grads(x.sinks, lse_b, delta))
+    grads = tuple(a + g for a, g in zip(into[:3], grads))
+  return base.Grads(*grads, base.sink_grads(x.sinks, lse, delta))
+
+
+def count_pairs(facts: Facts, q_positions, kv_positions, q_segment_ids=None,
+                kv_segment_ids=None) -> int:
+  """The block pairs the forward computes per head for such inputs, with the call's tiles."""
+  block_q, block_kv = tiles_for(facts)[:2]
+  return xla_plan.count_pairs(facts, q_positions, kv_positions, block_q, block_kv,
+                              q_segment_ids, kv_segment_ids)
 
 
 BACKEND = base.Backend(
     name="xla", why_not=why_not, attend=attend,
     forward=lambda x, facts: forward(x, facts, tiles_for(facts), jnp.float32, kv_in_place=True),
-    backward=lambda x, facts, *rest, **kw: backward(x, facts, tiles_for(facts), *rest, **kw,
-                                                    kv_in_place=True))
+    backward=lambda x, facts, lse, d_out, delta, into=None: backward(
+        x, facts, tiles_for(facts), lse, d_out, delta, into, kv_in_place=True),
+    count_pairs=count_pairs)

@@ -1,96 +1,13 @@
-"""Plain ("vanilla") dense attention with the whole semantics: the selector's last resort.
-
-`BACKEND` serves every call (it is the only one that materialises weights);
-`reference_attention` is the same computation from public arguments.
-"""
+"""`reference_attention`: the plain dense path (`splash_hk.backends.reference`) from public arguments."""
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from splash_hk import inputs
-from splash_hk import masks
-from splash_hk.backends import base
+from splash_hk.backends import reference
 from splash_hk.config import AttentionConfig
-from splash_hk.types import AttentionOutput, Extras, Facts, KernelInputs, KernelOutput
-
-_HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def logits_and_mask(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array]:
-  """Scaled, soft-capped float32 logits [B, Hkv, G, T, S] and their mask [B, 1|Hkv, 1|G, T, S].
-
-  Queries and keys enter the product with non-finite entries zeroed, so garbage
-  where the mask is False changes nothing, gradients included; a visible pair
-  whose query or key holds NaN/Inf gets a NaN logit instead, as the plain
-  product would give it.
-  """
-  batch, query_len, num_heads, head_dim = x.query.shape
-  num_kv_heads = x.key.shape[2]
-  groups = num_heads // num_kv_heads
-  finite = lambda a: jnp.where(jnp.isfinite(a), a, jnp.zeros((), a.dtype))
-  bad = lambda a: jnp.any(~jnp.isfinite(a), axis=-1)
-  q = finite(x.query).reshape(batch, query_len, num_kv_heads, groups, head_dim)  # [B, T, Hkv, G, D]
-  logits = jnp.einsum("btkgd,bskd->bkgts", q, finite(x.key), precision=_HIGHEST,
-                      preferred_element_type=jnp.float32) * facts.scale  # [B, Hkv, G, T, S]
-  cap = facts.config.logits_soft_cap
-  if cap is not None:
-    logits = cap * jnp.tanh(logits / cap)
-  mask = masks.full_mask(x, **facts.rules)  # [B, 1|Hq, T, S]
-  mask = mask.reshape(mask.shape[0], -1, groups if mask.shape[1] > 1 else 1, *mask.shape[2:])
-  bad_q = jnp.moveaxis(bad(x.query).reshape(batch, query_len, num_kv_heads, groups), 1, 3)
-  bad_k = jnp.swapaxes(bad(x.key), 1, 2)[:, :, None, None, :]  # [B, Hkv, 1, 1, S]
-  logits = jnp.where(mask & (bad_q[..., None] | bad_k), jnp.nan, logits)
-  return logits, mask
-
-
-def why_not(facts: Facts, hardware: str) -> str | None:
-  """The reference serves every call."""
-  del facts, hardware
-  return None
-
-
-def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
-  """Dense attention on one shard: out [B, T, Hq, Dv], lse [B, T, Hq], weights if asked for.
-
-  GQA groups query heads over their kv head instead of repeating keys/values.
-  """
-  batch, query_len, num_heads, _ = x.query.shape
-  num_kv_heads, kv_len = x.key.shape[2], x.key.shape[1]
-  groups = num_heads // num_kv_heads
-  logits, mask = logits_and_mask(x, facts)  # [B, Hkv, G, T, S]
-  logits = jnp.where(mask, logits, -jnp.inf)
-  row_max = jnp.max(logits, axis=-1, keepdims=True)  # [B, Hkv, G, T, 1]
-  if x.sinks is not None:
-    sinks = x.sinks.reshape(num_kv_heads, groups, 1, -1)  # [Hkv, G, 1, n]
-    row_max = jnp.maximum(row_max, jnp.max(sinks, axis=-1, keepdims=True))
-  visible = jnp.any(mask, axis=-1, keepdims=True)  # [B, 1|Hkv, 1|G, T, 1]
-  # Rows that see nothing get a finite shift and exact zeros (never NaN).
-  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  unnormalized = jnp.exp(logits - row_max)  # [B, Hkv, G, T, S]
-  denominator = jnp.sum(unnormalized, axis=-1, keepdims=True)
-  if x.sinks is not None:
-    denominator = denominator + jnp.sum(jnp.exp(sinks - row_max), axis=-1, keepdims=True)
-  weights = jnp.where(visible, unnormalized / jnp.where(visible, denominator, 1.0), 0.0)
-  # Zero already; the select keeps a masked pair's cotangent (dP may be inf where the
-  # value is garbage near the float limit) out of the row's softmax gradient.
-  weights = jnp.where(mask, weights, 0.0)
-  bad_v = ~jnp.isfinite(x.value)  # [B, S, Hkv, Dv]: zeroed, then NaN where a row sees one
-  value = jnp.where(bad_v, 0, x.value).astype(jnp.float32)
-  out = jnp.einsum("bkgts,bskd->btkgd", weights, value, precision=_HIGHEST)  # [B, T, Hkv, G, Dv]
-  seen = lambda: jnp.einsum("bkgts,bskd->btkgd", jnp.broadcast_to(mask, weights.shape).astype(
-      jnp.float32), bad_v.astype(jnp.float32))
-  out = jax.lax.cond(jnp.any(bad_v), lambda o: jnp.where(seen() > 0, jnp.nan, o), lambda o: o, out)
-  out = out.reshape(batch, query_len, num_heads, -1).astype(x.query.dtype)  # [B, T, Hq, Dv]
-  has_mass = denominator > 0
-  lse = jnp.where(has_mass, row_max + jnp.log(jnp.where(has_mass, denominator, 1.0)), -jnp.inf)
-  lse = lse[..., 0].reshape(batch, num_heads, query_len)  # [B, Hq, T]
-  weights = weights.reshape(batch, num_heads, query_len, kv_len) if facts.return_weights else None
-  return KernelOutput(out, jnp.swapaxes(lse, 1, 2), weights)  # [B, T, Hq, Dv], [B, T, Hq]
-
-
-BACKEND = base.Backend(name="reference", why_not=why_not, attend=attend)
+from splash_hk.types import AttentionOutput, Extras
 
 
 def reference_attention(
@@ -136,5 +53,5 @@ def reference_attention(
   extras = Extras(q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask, softmax_aux)
   x, facts = inputs.normalise(query, key, value, config=config, extras=extras,
                               return_weights=return_weights)
-  result = attend(x, facts)
+  result = reference.attend(x, facts)
   return AttentionOutput(result.out, result.weights)

@@ -1,8 +1,7 @@
 """The decision table: which backend serves a call, as a pure function of static facts.
 
-`BACKENDS` is the table of every backend; they are tried best first, each
-says itself why it cannot serve a call (its `why_not`), and the first that
-can, does. Adding a backend is its file and one line in `BACKENDS`.
+The backends of `splash_hk.kernel.BACKENDS` are tried best first, each says
+itself why it cannot serve a call (its `why_not`), and the first that can, does.
 """
 
 from __future__ import annotations
@@ -13,17 +12,11 @@ from typing import Sequence
 from absl import logging
 import jax
 
-from splash_hk import inputs
 from splash_hk.backends import base
-from splash_hk.backends import splash
-from splash_hk.backends import triton
-from splash_hk.backends import xla
 from splash_hk.config import AttentionConfig
-from splash_hk.fallback import reference
+from splash_hk.kernel import BACKENDS
 from splash_hk.types import Decision, Facts
 
-BACKENDS: dict[str, base.Backend] = {
-    b.name: b for b in (splash.BACKEND, triton.BACKEND, xla.BACKEND, reference.BACKEND)}
 _ACCELERATOR_KERNEL = {"tpu": "splash", "gpu": "triton"}
 _LOGGED_REASONS: set[str] = set()  # a cache: each fallback reason is logged once
 
@@ -119,7 +112,7 @@ def select_backend(
   Raises:
     ValueError: on a fallback when `config.allow_fallback` is False.
   """
-  facts = inputs.facts_from_shapes(
+  facts = Facts.from_shapes(
       config, query_shape, key_shape, None if value_shape is None else value_shape[-1],
       default_positions=default_positions, mask_shape=mask_shape,
       return_weights=return_weights, sequence_shards=sequence_shards)

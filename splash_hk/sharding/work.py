@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from splash_hk import kernel
 from splash_hk import masks
-from splash_hk.backends import xla
-from splash_hk.backends import xla_blocks
 from splash_hk.config import AttentionConfig
-from splash_hk.mode import detect_mode
 from splash_hk.sharding import specs
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Facts
@@ -33,22 +31,19 @@ def shard_work(query_len: int, kv_len: int, config: AttentionConfig, mesh,
   shards = 1 if mesh is None else specs.query_sequence_shards((1, query_len, 1, 1), mesh, axes)
   if axes.load_balanced:
     specs.check_load_balanced(query_len, kv_len, mesh, axes, shards)
-  facts = Facts(config=config, query_shape=(1, query_len, 1, 1), key_shape=(1, kv_len, 1, 1),
-                value_dim=1, mode=detect_mode(query_len, kv_len), default_positions=True,
-                sequence_shards=shards, load_balanced=axes.load_balanced,
-                sequence_strategy=axes.sequence_strategy)
+  facts = Facts.from_shapes(
+      config, (1, query_len, 1, 1), (1, kv_len, 1, 1), sequence_shards=shards,
+      load_balanced=axes.load_balanced, sequence_strategy=axes.sequence_strategy)
   if axes.load_balanced:
-    q_pos = kv_pos = masks.load_balanced_order(query_len, shards)
+    q_pos = kv_pos = masks.load_balanced_order(query_len, shards)[None]
   else:
-    q_pos, kv_pos = np.arange(query_len) + kv_len - query_len, np.arange(kv_len)
+    q_pos, kv_pos = masks.end_aligned_positions(1, query_len, kv_len, np)
   ring = axes.sequence_strategy == "ring" and shards > 1 and query_len == kv_len
-  block_q, block_kv = xla.tiles_for(facts)[:2]
+  count = kernel.BACKENDS["xla"].count_pairs
   rows, cols = query_len // shards, kv_len // shards
   counts = []
   for i in range(shards):
-    q = q_pos[None, i * rows:(i + 1) * rows]
-    blocks = ([kv_pos[None, j * cols:(j + 1) * cols] for j in range(shards)] if ring
-              else [kv_pos[None]])
-    counts.append(sum(xla_blocks.count_pairs(q, kv, facts.rules, block_q, block_kv)
-                      for kv in blocks))
+    q = q_pos[:, i * rows:(i + 1) * rows]
+    blocks = [kv_pos[:, j * cols:(j + 1) * cols] for j in range(shards)] if ring else [kv_pos]
+    counts.append(sum(count(facts, q, kv) for kv in blocks))
   return tuple(counts)

@@ -33,12 +33,6 @@ class Workload:
   documents: int = 1
   filled: int = 0  # cache slots holding tokens before the call
 
-  @property
-  def rules(self) -> dict:
-    """The config's positional mask rules, as keywords of `splash_hk.masks.position_rules`."""
-    c = self.config
-    return dict(causal=c.causal, window=c.window, chunk_size=c.chunk_size)
-
   def extras(self, batch: int) -> dict[str, np.ndarray]:
     """The keyword arrays of `sh.attention` for this workload."""
     if self.kind == "packed":
@@ -54,6 +48,12 @@ class Workload:
                                         (batch, 1)).astype(np.int32)}
     return {}
 
+  def positions(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q_positions [B, T], kv_positions [B, S]): the explicit ones, else the defaults."""
+    q_pos, kv_pos = masks.end_aligned_positions(batch, self.query_len, self.kv_len, np)
+    e = self.extras(batch)
+    return e.get("q_positions", q_pos), e.get("kv_positions", kv_pos)
+
   def dense_mask(self, batch: int) -> np.ndarray:
     """The same visibility as a dense [B, 1, T, S] mask (for implementations without segments)."""
     return self.mask_rows(batch, np.arange(self.query_len))
@@ -61,10 +61,8 @@ class Workload:
   def mask_rows(self, batch: int, rows: np.ndarray) -> np.ndarray:
     """The visibility of query rows `rows` only: [B, 1, len(rows), S] bool."""
     e = self.extras(batch)
-    q_pos = e.get("q_positions", np.tile(np.arange(self.query_len) + self.kv_len - self.query_len,
-                                         (batch, 1)))[:, rows]
-    kv_pos = e.get("kv_positions", np.tile(np.arange(self.kv_len), (batch, 1)))
-    mask = masks.position_mask(q_pos, kv_pos, **self.rules)
+    q_pos, kv_pos = self.positions(batch)
+    mask = masks.position_mask(q_pos[:, rows], kv_pos, **self.config.rules)
     mask = np.ones((batch, len(rows), self.kv_len), bool) if mask is None else mask
     if "q_segment_ids" in e:
       mask = mask & masks.segment_mask(e["q_segment_ids"][:, rows],
@@ -106,8 +104,7 @@ def _mask_workload(mask: str, length: str) -> Workload:
     doc = length // n
     return Workload(f"{mask}@{length}", length, length, config, n * doc * (doc + 1) // 2,
                     "packed", documents=n)
-  pairs = masks.visible_pairs(length, length, causal=config.causal, window=config.window,
-                              chunk_size=config.chunk_size)
+  pairs = masks.visible_pairs(length, length, **config.rules)
   return Workload(f"{mask}@{length}", length, length, config, pairs)
 
 

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from splash_hk.examples import model as model_lib
-from splash_hk.examples import recall
+from examples.train import model as model_lib
+from examples.train import recall
 
 
 def sample(task: recall.RecallTask, config: model_lib.ModelConfig, params, mesh, *, rows: int,

@@ -1,6 +1,8 @@
-"""Runs splash_hk.attention on a few shapes and reports the backend and the error.
+"""Runs splash_hk.attention on a few shapes and logs the backend and the error of each.
 
-  python -m splash_hk.examples.quickcheck --platform=auto
+  python -m splash_hk.quickcheck --platform=auto
+
+Exits non-zero when an error is above the tolerance (the report goes to absl's log).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import splash_hk as sh
+from splash_hk.config import PLATFORMS
 
-_PLATFORM = flags.DEFINE_enum("platform", "auto", ["auto", "splash", "triton", "xla", "reference"],
+_PLATFORM = flags.DEFINE_enum("platform", "auto", list(PLATFORMS),
                               "Platform to ask for.")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed of the inputs.")
 
@@ -43,11 +46,12 @@ def main(argv):
     ref = sh.fallback.reference_attention(q, k, v, config).attention_outputs
     err = float(np.max(np.abs(np.asarray(out) - np.asarray(ref))))
     worst = max(worst, err)
-    print(f"{name:22s} backend={decision.backend:9s} max|err|={err:.2e}  ({decision.reason})")
+    logging.info("%-22s backend=%-9s max|err|=%.2e  (%s)", name, decision.backend, err,
+                 decision.reason)
   # f32 on a CPU matches to rounding; GPU kernels may use TF32 for f32 matmuls.
   tolerance = 1e-5 if jax.default_backend() == "cpu" else 5e-3
-  print(f"worst max|err| vs reference = {worst:.2e} ({'OK' if worst < tolerance else 'TOO LARGE'}, "
-        f"tolerance {tolerance:.0e} on {jax.default_backend()})")
+  logging.info("worst max|err| vs reference = %.2e (%s, tolerance %.0e on %s)", worst,
+               "OK" if worst < tolerance else "TOO LARGE", tolerance, jax.default_backend())
   if worst >= tolerance:
     logging.error("error above %.0e", tolerance)
     raise SystemExit(1)

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 
 import splash_hk as sh
-from splash_hk.examples import recall
+from examples.train import recall
 
 
 def make_batches(task: recall.RecallTask, mesh,

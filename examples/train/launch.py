@@ -1,7 +1,7 @@
 r"""Launches a multi-process JAX program on this host (loopback), one process per "host".
 
-  python -m splash_hk.examples.launch --num_processes=2 --devices_per_process=4 -- \
-      python -m splash_hk.examples.train --mesh=dp=2,tp=4
+  python -m examples.train.launch --num_processes=2 --devices_per_process=4 -- \
+      python -m examples.train --mesh=dp=2,tp=4
 
 Each process gets `--coordinator_address --num_processes --process_id
 --cpu_devices` appended. Waits for all; if one fails (or --timeout passes),

@@ -1,9 +1,9 @@
 r"""Trains a Haiku language model on splash attention: associative recall, end to end.
 
-  python -m splash_hk.examples.train                       # defaults: < 3 min on 2 CPU cores
-  python -m splash_hk.examples.train --cpu_devices=8 --mesh=dp=2,tp=4
-  python -m splash_hk.examples.train --checkpoint_dir=/tmp/ckpt --sample
-  python -m splash_hk.examples.launch -- python -m splash_hk.examples.train   # 2 processes
+  python -m examples.train                       # defaults: < 3 min on 2 CPU cores
+  python -m examples.train --cpu_devices=8 --mesh=dp=2,tp=4
+  python -m examples.train --checkpoint_dir=/tmp/ckpt --sample
+  python -m examples.train.launch -- python -m examples.train   # 2 processes
 
 With --coordinator_address/--num_processes/--process_id it is one process of
 a multi-process run (jax.distributed, gloo collectives on CPU): each process
@@ -33,11 +33,12 @@ import optax
 import tqdm
 
 import splash_hk as sh
-from splash_hk.examples import batches as batches_lib
-from splash_hk.examples import checkpoint as checkpoint_lib
-from splash_hk.examples import model as model_lib
-from splash_hk.examples import recall
-from splash_hk.examples import sampling
+from splash_hk.config import PLATFORMS
+from examples.train import batches as batches_lib
+from examples.train import checkpoint as checkpoint_lib
+from examples.train import model as model_lib
+from examples.train import recall
+from examples.train import sampling
 
 _STEPS = flags.DEFINE_integer("steps", 1200, "Training steps.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Sequences per step (global).")
@@ -50,7 +51,7 @@ _SLIDING_WINDOW = flags.DEFINE_integer("sliding_window", None, "Causal sliding w
 _NUM_SINKS = flags.DEFINE_integer("num_sinks", 0, "Learnable attention sinks per head.")
 _ATTENTION = flags.DEFINE_enum("attention", "splash", ["splash", "reference"],
                                "splash: sh.MultiHeadAttention; reference: Haiku's hk.MultiHeadAttention.")
-_PLATFORM = flags.DEFINE_enum("platform", "auto", ["auto", "splash", "triton", "xla", "reference"],
+_PLATFORM = flags.DEFINE_enum("platform", "auto", list(PLATFORMS),
                               "splash_hk platform.")
 _MESH = flags.DEFINE_string("mesh", None, 'Device mesh, e.g. "dp=2,tp=4" or "dp=2,sp=4" (axes dp, '
                             "fsdp, tp, and sp: the sequence).")

@@ -9,7 +9,6 @@ trees are identical, so the step is the same computation.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import haiku as hk
 import jax
@@ -17,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from splash_hk.examples import model as model_lib
+from benchmarks import timing
+from examples.train import model as model_lib
 
 VOCAB = 256
 
@@ -61,14 +61,9 @@ def tokens_per_second(seq_len: int, documents: int, batch: int, repeats: int) ->
   opt_state = optimizer.init(params)
   rates = {}
   for name, step in (("sh.MultiHeadAttention", splash_step), ("hk.MultiHeadAttention", haiku_step)):
-    jax.block_until_ready(step(params, opt_state, b))
-    times = []
-    for _ in range(repeats):
-      jax.block_until_ready(step(params, opt_state, b))  # untimed call of the same executable
-      start = time.perf_counter()
-      jax.block_until_ready(step(params, opt_state, b))
-      times.append(time.perf_counter() - start)
-    rates[name] = batch * seq_len / float(np.median(times))
+    jax.block_until_ready(step(params, opt_state, b))  # compiles
+    rates[name] = batch * seq_len / timing.median_seconds(step, params, opt_state, b,
+                                                          repeats=repeats)
   return rates
 
 

@@ -21,7 +21,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from splash_hk.examples import paths
+from examples.train import paths
 
 FORMAT = "splash_hk.checkpoint/1"
 _MANIFEST = "__manifest__"

@@ -1,10 +1,10 @@
 r"""Benchmarks attention implementations on this machine: time, memory, fraction of matmul peak.
 
-  python -m splash_hk.examples.bench --seq_lens=4096 --masks=causal --num_kv_heads=8,2 \
+  python -m benchmarks.bench --seq_lens=4096 --masks=causal --num_kv_heads=8,2 \
       --impls=splash_hk_xla,jax_nn --out=/tmp/bench
-  python -m splash_hk.examples.bench --cpu_devices=4 --impls=splash_hk_xla,splash_hk_xla_sp \
+  python -m benchmarks.bench --cpu_devices=4 --impls=splash_hk_xla,splash_hk_xla_sp \
       --workloads=causal@4096,packed:8@4096,decode:1000/16384,decode:1000/1024
-  python -m splash_hk.examples.bench --impls=splash_hk_xla --tiles=256x256,128x128 \
+  python -m benchmarks.bench --impls=splash_hk_xla --tiles=256x256,128x128 \
       --workloads=full@4096,packed:8@4096 --nobackward
 
 For each (workload, kv heads, implementation): compile time, forward and
@@ -39,13 +39,15 @@ import numpy as np
 import tqdm
 
 import splash_hk as sh
+from splash_hk import kernel
 from splash_hk.backends import xla
-from splash_hk.backends import xla_blocks
-from splash_hk.examples import baselines
-from splash_hk.examples import bench_report
-from splash_hk.examples import bench_train_step
-from splash_hk.examples import bench_workloads
-from splash_hk.examples import paths
+from splash_hk.types import Facts
+from benchmarks import baselines
+from benchmarks import bench_report
+from benchmarks import bench_train_step
+from benchmarks import bench_workloads
+from benchmarks import timing
+from examples.train import paths
 
 IMPLS = ("splash_hk_xla", "splash_hk_xla_sp", "splash_hk_ring", "splash_hk_auto", "splash_interpret",
          "reference", "jax_nn", "jax_nn_auto", "ejkernel_xla")
@@ -142,19 +144,24 @@ def parse_tile(spec: str) -> tuple[int, int]:
 
 
 def work_ratio(impl: str, workload: bench_workloads.Workload) -> float:
-  """(query, key) pairs the xla blocks compute over the useful pairs (NaN for other impls)."""
+  """(query, key) pairs the xla blocks compute over the useful pairs (NaN for other impls).
+
+  Counted by the xla backend itself (`Backend.count_pairs`), with the impl's tiles.
+  """
   if impl != "splash_hk_xla" and not impl.startswith("splash_hk_xla@"):
     return float("nan")
   tile = impl.partition("@")[2]
-  block_q, block_kv = parse_tile(tile) if tile else xla.default_tiles(workload.config)[:2]
-  block_q, block_kv = min(block_q, workload.query_len), min(block_kv, workload.kv_len)
+  config = workload.config
+  if tile:
+    block_q, block_kv = parse_tile(tile)
+    config = config.replace(block_sizes=sh.BlockSizes(block_q, block_kv))
+  facts = Facts.from_shapes(config, (1, workload.query_len, 1, 1), (1, workload.kv_len, 1, 1))
+  block_q, block_kv = (min(b, n) for b, n in zip(xla.tiles_for(facts)[:2],
+                                                 (workload.query_len, workload.kv_len)))
   e = workload.extras(1)
-  q_pos = e.get("q_positions", np.arange(workload.query_len)[None] + workload.kv_len
-                - workload.query_len)
-  kv_pos = e.get("kv_positions", np.arange(workload.kv_len)[None])
   q_seg = e.get("q_segment_ids")
-  pairs = xla_blocks.count_pairs(q_pos, kv_pos, workload.rules, block_q, block_kv, q_seg,
-                                 e.get("kv_segment_ids", q_seg))
+  pairs = kernel.BACKENDS["xla"].count_pairs(facts, *workload.positions(1), q_seg,
+                                             e.get("kv_segment_ids", q_seg))
   return pairs * block_q * block_kv / workload.useful_pairs
 
 
@@ -180,15 +187,8 @@ def matmul_peaks(dtype) -> dict[str, float]:
   for name, (m, k, n) in {"square": (2048, 2048, 2048), "qk_shaped": (4096, 64, 4096)}.items():
     a = jnp.asarray(rng.normal(size=(m, k)), dtype)
     b = jnp.asarray(rng.normal(size=(k, n)), dtype)
-    f = jax.jit(jnp.matmul)
-    jax.block_until_ready(f(a, b))
-    times = []
-    for _ in range(5):
-      jax.block_until_ready(f(a, b))  # untimed call first, as for every measurement
-      start = time.perf_counter()
-      jax.block_until_ready(f(a, b))
-      times.append(time.perf_counter() - start)
-    out[name] = 2 * m * k * n / float(np.median(times)) / 1e9
+    seconds = timing.median_seconds(jax.jit(jnp.matmul), a, b, repeats=5)
+    out[name] = 2 * m * k * n / seconds / 1e9
   return out
 
 
@@ -286,13 +286,9 @@ def _measure(runs) -> None:
       for exe, bucket in ((forward_exe, times[id(row)][0]), (backward_exe, times[id(row)][1])):
         if exe is None:
           continue
-        # One untimed call first: a call right after another implementation's runs slower
-        # (measured: 0.13 s -> 0.25 s after a dense backward), whichever implementation it is.
-        jax.block_until_ready(exe(*args))
-        start = time.perf_counter()
-        result = jax.block_until_ready(exe(*args))
+        seconds, result = timing.timed_call(exe, *args)
         if repeat:
-          bucket.append(time.perf_counter() - start)
+          bucket.append(seconds)
         elif exe is forward_exe:
           outputs[id(row)] = np.asarray(result, np.float32)
   for row, _, _, _, flops, _ in compiled:

@@ -51,12 +51,8 @@ def ejkernel_xla(q: jax.Array, k: jax.Array, v: jax.Array, config: sh.AttentionC
 
 def jax_nn(q: jax.Array, k: jax.Array, v: jax.Array, nn_kwargs: dict,
            implementation: str | None = "xla") -> jax.Array:
-  """jax.nn.dot_product_attention with `nn_kwargs`; "chunk" is passed as a dense mask."""
+  """jax.nn.dot_product_attention with `nn_kwargs` (`bench_workloads.jax_nn_kwargs`)."""
   kwargs = dict(nn_kwargs)
-  chunk = kwargs.pop("chunk", None)
-  if chunk is not None:  # jax.nn has no chunked mask
-    t = np.arange(q.shape[1])
-    kwargs["mask"] = (t[:, None] >= t[None, :]) & (t[:, None] // chunk == t[None, :] // chunk)
   if k.shape[2] != q.shape[2]:  # jax.nn's GQA takes repeated kv heads
     k, v = (jnp.repeat(a, q.shape[2] // k.shape[2], axis=2) for a in (k, v))
   return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **kwargs)

@@ -1,0 +1,26 @@
+"""How the bench times a call: one untimed call of the same executable, then the timed one.
+
+An untimed call first, because a call right after another implementation's runs
+slower (measured: 0.13 s -> 0.25 s after a dense backward), whichever it is.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+
+def timed_call(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+  """(seconds, result) of `fn(*args)`, timed after one untimed call of it."""
+  jax.block_until_ready(fn(*args))
+  start = time.perf_counter()
+  result = jax.block_until_ready(fn(*args))
+  return time.perf_counter() - start, result
+
+
+def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int) -> float:
+  """The median of `repeats` timed calls (`timed_call`) of `fn(*args)`."""
+  return float(np.median([timed_call(fn, *args)[0] for _ in range(repeats)]))

@@ -1,0 +1,132 @@
+"""The xla backend's block plan: which (query block, key block) pairs a call computes.
+
+Like splash's `MaskInfo` (`jax/experimental/pallas/ops/tpu/splash_attention/
+splash_attention_mask_info.py`), the plan is one structure with documented
+fields, built apart from the kernel that reads it. Unlike `MaskInfo` it is
+built at run time, from per-block ranges of the call's positions and segment
+ids (`splash_hk.masks.blocks_may_see` / `blocks_fully_see`): for default
+positions that is exactly the static causal/window/chunk plan; for packed
+documents, padding, a cache's filled length or a query shard it skips what no
+query can see. `count_pairs` counts the same plan in NumPy, at trace time.
+
+Words: a *row group* is the batch rows one plan entry serves (the whole batch
+when blocks are small, else one row, so each row skips its own blocks); a
+block pair is *live* when some (query, key) pair in it may be visible and
+*full* when every pair in it is (it then runs without an element mask).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from splash_hk import masks
+from splash_hk.backends import base
+from splash_hk.types import Facts, KernelInputs
+
+# Blocks smaller than this many (row, key, head, dim) products run for the whole
+# batch at once; larger ones per batch row, so each row skips its own blocks.
+PER_ROW_WORK = 1 << 22
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+  """The static tiling of one call: block sizes (clamped to the lengths) and counts."""
+
+  batch: int
+  query_len: int  # T
+  kv_len: int  # S
+  block_q: int  # bq <= T
+  block_kv: int  # bk <= S
+  rows_per_group: int  # batch rows per row group: B or 1
+
+  @classmethod
+  def of(cls, x: KernelInputs, block_q: int, block_kv: int) -> Grid:
+    """The grid of the arrays in `x` (one shard, or one ring step) with these tiles."""
+    batch, query_len, num_heads, head_dim = x.query.shape
+    kv_len = x.key.shape[1]
+    block_q, block_kv = min(block_q, query_len), min(block_kv, kv_len)
+    work = block_q * block_kv * num_heads * head_dim
+    return cls(batch, query_len, kv_len, block_q, block_kv, 1 if work >= PER_ROW_WORK else batch)
+
+  @property
+  def num_q_blocks(self) -> int:  # nq: the last block may be partial
+    return -(-self.query_len // self.block_q)
+
+  @property
+  def num_kv_blocks(self) -> int:  # nk
+    return -(-self.kv_len // self.block_kv)
+
+  @property
+  def num_groups(self) -> int:  # G
+    return self.batch // self.rows_per_group
+
+
+class BlockPlan(NamedTuple):
+  """Which key blocks each (row group, query block) computes, full ones first. A pytree.
+
+  Attributes:
+    kv_order: [G, nq, nk] int32, a permutation of range(nk) per (group, query
+      block): the full blocks, then the live ones that need an element mask, then
+      the dead ones, each in increasing index order.
+    live_count: [G, nq] int32 in [0, nk]: the first `live_count` of `kv_order` run.
+    full_count: [G, nq] int32 in [0, live_count]: the first `full_count` of
+      `kv_order` run without an element mask.
+  """
+
+  kv_order: jax.Array
+  live_count: jax.Array
+  full_count: jax.Array
+
+
+def block_plan(x: KernelInputs, facts: Facts, grid: Grid) -> BlockPlan:
+  """The plan of one call, from the block ranges of its positions, segment ids and dense mask."""
+  q = masks.block_ranges(x.q_positions, x.q_segment_ids, grid.block_q)
+  kv = masks.block_ranges(x.kv_positions, x.kv_segment_ids, grid.block_kv)
+  rules = facts.rules
+  live = masks.blocks_may_see(q, kv, **rules)  # [B, nq, nk], as `count_pairs` counts them
+  full = masks.blocks_fully_see(q, kv, grid.block_q, grid.block_kv, **rules)
+  if x.mask is not None:  # blocks the dense mask empties are dead; no block runs unmasked
+    live, full = live & _dense_mask_blocks(x.mask, grid), jnp.zeros_like(full)
+  if grid.rows_per_group > 1:  # one group: the whole batch
+    live, full = jnp.any(live, axis=0, keepdims=True), jnp.all(full, axis=0, keepdims=True)
+  full = full & live
+  rank = jnp.where(full, 0, jnp.where(live, 1, 2))
+  order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
+  count = lambda a: jnp.sum(a, axis=-1, dtype=jnp.int32)
+  return BlockPlan(order, count(live), count(full))
+
+
+def _dense_mask_blocks(mask: jax.Array, grid: Grid) -> jax.Array:
+  """Whether a dense mask [B|1, 1|Hq, T, S] lets anything through per block pair: [B|1, nq, nk]."""
+  m = jnp.any(mask, axis=1)  # [B|1, T, S]
+  m = base.pad_axis(m, 1, grid.num_q_blocks * grid.block_q, False)
+  m = base.pad_axis(m, 2, grid.num_kv_blocks * grid.block_kv, False)
+  m = m.reshape(m.shape[0], grid.num_q_blocks, grid.block_q, grid.num_kv_blocks, grid.block_kv)
+  return jnp.any(m, axis=(2, 4))
+
+
+def count_pairs(facts: Facts, q_positions, kv_positions, block_q: int, block_kv: int,
+                q_segment_ids=None, kv_segment_ids=None) -> int:
+  """How many block pairs `block_plan` runs for these inputs, per head (NumPy, static).
+
+  Positions and segment ids [B, T] / [B, S] (segments None: one document); the
+  same tiles (clamped to the lengths) and the same rule as the kernel, so this is
+  what it computes, not an idealised count.
+  """
+  block_q, block_kv = min(block_q, q_positions.shape[-1]), min(block_kv, kv_positions.shape[-1])
+  q = masks.block_ranges(np.asarray(q_positions), q_segment_ids, block_q, np)
+  kv = masks.block_ranges(np.asarray(kv_positions), kv_segment_ids, block_kv, np)
+  return int(masks.blocks_may_see(q, kv, **facts.rules).sum())
+
+
+def reads_per_kv_block(facts: Facts, grid: Grid) -> float:
+  """How many query blocks read a key block on average, in the plan of default positions."""
+  if grid.num_q_blocks <= 2:
+    return float(grid.num_q_blocks)
+  q_pos, kv_pos = masks.end_aligned_positions(1, grid.query_len, grid.kv_len, np)
+  return count_pairs(facts, q_pos, kv_pos, grid.block_q, grid.block_kv) / grid.num_kv_blocks
