@@ -35,7 +35,9 @@ def _label_path(root: pathlib.Path, label: str) -> pathlib.Path | None:
 def build_files(root: pathlib.Path) -> list[pathlib.Path]:
   """The project's BUILD files: the root's and its packages' (not the vendored ones)."""
   found = [root / "BUILD", *root.glob("*/BUILD"), *root.glob("*/*/BUILD")]
-  return [f for f in found if f.is_file() and f.relative_to(root).parts[0] != "third_party"]
+  top = lambda f: f.relative_to(root).parts[0]  # bazel-*: Bazel's links to its output trees
+  return [f for f in found if f.is_file() and top(f) != "third_party"
+          and not top(f).startswith(("bazel-", "."))]
 
 
 def read_targets(root: pathlib.Path) -> dict[str, dict[str, Any]]:
