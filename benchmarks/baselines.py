@@ -29,9 +29,9 @@ def ejkernel_xla(q: jax.Array, k: jax.Array, v: jax.Array, config: sh.AttentionC
                  **extras) -> jax.Array:
   """ejkernel's XLA block-sparse path: q [B, T, Hq, D], k, v -> [B, T, Hq, Dv]."""
   x, facts = inputs.normalise(q, k, v, config=config, extras=Extras(**extras))
-  if x.mask is not None and x.mask.shape[1] > 1:
+  mask = masks.full_mask(x)  # [B|1, 1|Hq, T, S]
+  if mask.shape[1] > 1:
     raise ValueError("ejkernel's XLA block-sparse path reads only head 0 of a dense mask.")
-  mask = masks.full_mask(x, **facts.rules)  # [B|1, 1, T, S]
   mask = jnp.broadcast_to(mask, (q.shape[0], *mask.shape[1:]))  # [B, 1, T, S]
   out = _ejkernel.blocksparse_op().run(
       query=base.to_bhtd(x.query),

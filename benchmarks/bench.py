@@ -46,6 +46,7 @@ from benchmarks import baselines
 from benchmarks import bench_report
 from benchmarks import bench_train_step
 from benchmarks import bench_workloads
+from benchmarks import plan_cost
 from benchmarks import timing
 from examples.train import paths
 
@@ -84,6 +85,8 @@ _OUT = flags.DEFINE_string("out", None, "Folder for bench.json and bench.png.")
 _TRAIN_SEQ_LEN = flags.DEFINE_integer(
     "train_seq_len", 0, "If > 0, also time a training step of the example Transformer on packed "
     "documents of this length, sh.MultiHeadAttention vs hk.MultiHeadAttention.")
+_PLAN_WORKLOADS = flags.DEFINE_list(
+    "plan_workloads", [], "Workloads (as --workloads) whose xla block plan is timed alone.")
 _TRAIN_DOCUMENTS = flags.DEFINE_integer("train_documents", 8, "Documents packed per row.")
 _TRAIN_BATCH = flags.DEFINE_integer("train_batch", 2, "Rows of the training-step batch.")
 
@@ -161,7 +164,7 @@ def work_ratio(impl: str, workload: bench_workloads.Workload) -> float:
   e = workload.extras(1)
   q_seg = e.get("q_segment_ids")
   pairs = kernel.BACKENDS["xla"].count_pairs(facts, *workload.positions(1), q_seg,
-                                             e.get("kv_segment_ids", q_seg))
+                                             e.get("kv_segment_ids", q_seg), workload.mask(1))
   return pairs * block_q * block_kv / workload.useful_pairs
 
 
@@ -174,7 +177,9 @@ def _sequence_sharded(config: sh.AttentionConfig, extras: dict, ring: bool):
   axes = sh.MeshAxes(batch=None, heads=None, sequence="sp",
                      sequence_strategy="ring" if ring else "all_gather", load_balanced=ring)
   order = (lambda a: sh.sharding.load_balance(a, n)) if ring else (lambda a: a)
-  extras = {k: order(v) for k, v in extras.items()}
+  in_order = lambda v: (v.map_arrays(lambda side, a: order(a)) if isinstance(v, sh.masks.Mask)
+                        else order(v))
+  extras = {k: in_order(v) for k, v in extras.items()}
   attend = lambda q, k, v: sh.attention(order(q), order(k), order(v), config=config, mesh=mesh,
                                         axes=axes, **extras).attention_outputs
   return (lambda q, k, v: sh.sharding.restore_order(attend(q, k, v), n)) if ring else attend
@@ -235,6 +240,7 @@ def main(argv):
         runs.append((row, make_impl(impl, workload, _BATCH.value), (q, k, v), flops, workload))
   _measure(runs)
   bench_report.report(rows, peaks)
+  plans = plan_cost.report(_PLAN_WORKLOADS.value, _REPEATS.value)
   if _TRAIN_SEQ_LEN.value:
     bench_train_step.report(_TRAIN_SEQ_LEN.value, _TRAIN_DOCUMENTS.value, _TRAIN_BATCH.value,
                             _REPEATS.value)
@@ -245,7 +251,8 @@ def main(argv):
       json.dump({"matmul_peaks_gflops": peaks, "flags": {
           "num_heads": _NUM_HEADS.value, "head_dim": _HEAD_DIM.value, "batch": _BATCH.value,
           "dtype": _DTYPE.value, "repeats": _REPEATS.value},
-                 "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+                 "rows": [dataclasses.asdict(r) for r in rows], "plan_seconds": plans},
+                f, indent=1)
     bench_report.plot(rows, os.path.join(out, "bench.png"))
 
 

@@ -6,12 +6,22 @@
   decode:L/C        one new token after L tokens, in a KV cache of C slots
   prefill:N/C       N new tokens into an empty KV cache of C slots
 
+Mask objects (`sh.masks`), as MASK@T:
+  prefix:P          prefix-LM: the first P tokens see each other, the rest causal
+                    (Causal() | Bidirectional(ids))
+  images:NxL        N images of L tokens, evenly spread, each seen whole by its own
+                    tokens, text causal (Causal() | Bidirectional(ids))
+  window_first:W+K  W keys back, and the first K tokens always
+                    (SlidingWindow((W, 0)) | MaskFn(first K, ranges))
+  window_fn:W+K     the same, its MaskFn without ranges (classified pair by pair)
+
 Useful work counts only the (query, key) pairs the mask lets through.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -32,12 +42,29 @@ class Workload:
   kind: str = "mask"  # "mask", "packed", "decode" or "prefill"
   documents: int = 1
   filled: int = 0  # cache slots holding tokens before the call
+  spans: tuple[int, ...] = ()  # prefix and images: Bidirectional ids per token (-1: none)
+  first: int = 0  # window_first: the K first tokens, and the W keys back
+  window: int = 0
+  ranges: bool = True  # window_first's MaskFn has a range rule (window_fn's has not)
+
+  def mask(self, batch: int) -> Any:
+    """The workload's mask object (NumPy arrays), or None for the config's rules."""
+    if self.spans:
+      ids = np.tile(np.asarray(self.spans, np.int32), (batch, 1))
+      return sh.masks.Causal() | sh.masks.Bidirectional(ids)
+    if self.first:
+      fn, ranges = first_tokens(self.first)
+      return sh.masks.SlidingWindow((self.window, 0)) | sh.masks.MaskFn(
+          fn, ranges if self.ranges else None)
+    return None
 
   def extras(self, batch: int) -> dict[str, np.ndarray]:
     """The keyword arrays of `sh.attention` for this workload."""
     if self.kind == "packed":
       ids = np.repeat(np.arange(self.documents, dtype=np.int32), self.query_len // self.documents)
       return {"q_segment_ids": np.tile(ids, (batch, 1))}
+    if self.kind == "object":
+      return {"mask": self.mask(batch)}
     if self.kind in ("decode", "prefill"):
       slots = np.arange(self.kv_len, dtype=np.int32)
       q_pos = self.filled + np.arange(self.query_len, dtype=np.int32)
@@ -62,8 +89,11 @@ class Workload:
     """The visibility of query rows `rows` only: [B, 1, len(rows), S] bool."""
     e = self.extras(batch)
     q_pos, kv_pos = self.positions(batch)
-    mask = masks.position_mask(q_pos[:, rows], kv_pos, **self.config.rules)
-    mask = np.ones((batch, len(rows), self.kv_len), bool) if mask is None else mask
+    rule = self.mask(batch) or masks.from_rules(**self.config.rules)
+    if rule is not None:
+      rule = rule.map_arrays(lambda side, a: a[:, rows] if side == "q" else a)
+    mask = np.ones((batch, len(rows), self.kv_len), bool) if rule is None else np.asarray(
+        rule.visible(q_pos[:, None, rows, None], kv_pos[:, None, None, :]))[:, 0]
     if "q_segment_ids" in e:
       mask = mask & masks.segment_mask(e["q_segment_ids"][:, rows],
                                        e.get("kv_segment_ids", e["q_segment_ids"]))
@@ -86,12 +116,49 @@ def parse(spec: str) -> Workload:
   except (TypeError, ValueError):
     pass
   raise ValueError(f"unknown workload {spec!r}: use MASK@T (MASK: causal, full, window:W, "
-                   "chunk:C, packed:N), decode:L/C or prefill:N/C.")
+                   "chunk:C, packed:N, prefix:P, images:NxL, window_first:W+K, window_fn:W+K), "
+                   "decode:L/C or "
+                   "prefill:N/C.")
+
+
+@functools.lru_cache(maxsize=None)
+def first_tokens(k: int) -> tuple:
+  """(fn, ranges) of MaskFn for "the first k tokens, always" (once per k: a static mask)."""
+  fn = lambda q_pos, kv_pos: (kv_pos < k) & (q_pos >= 0)
+  ranges = lambda q_lo, q_hi, kv_lo, kv_hi: (kv_lo < k, (kv_hi < k) & (q_lo >= 0))
+  return fn, ranges
+
+
+def _object_workload(mask: str, kind: str, size: str, length: int) -> Workload:
+  """prefix:P, images:NxL or window_first:W+K at `length` tokens."""
+  causal = length * (length + 1) // 2
+  config = sh.AttentionConfig()
+  if kind == "prefix" and 0 < int(size) <= length:
+    p = int(size)
+    return Workload(f"{mask}@{length}", length, length, config, causal + p * (p - 1) // 2,
+                    "object", spans=tuple([0] * p + [-1] * (length - p)))
+  if kind == "images":
+    n, span = map(int, size.split("x"))
+    ids = np.full(length, -1)
+    for i in range(n):
+      start = (2 * i + 1) * length // (2 * n) - span // 2
+      ids[start:start + span] = i
+    if n < 1 or span < 1 or (ids >= 0).sum() != n * span:
+      raise ValueError(mask)
+    return Workload(f"{mask}@{length}", length, length, config,
+                    causal + n * span * (span - 1) // 2, "object", spans=tuple(ids.tolist()))
+  window, first = map(int, size.split("+"))
+  q = np.arange(length)
+  useful = int((np.minimum(q, window) + 1).sum() + np.maximum(0, np.minimum(first, q - window)).sum())
+  return Workload(f"{mask}@{length}", length, length, config, useful, "object", first=first,
+                  window=window, ranges=kind == "window_first")
 
 
 def _mask_workload(mask: str, length: str) -> Workload:
   kind, _, size = mask.partition(":")
   length = int(length)
+  if kind in ("prefix", "images", "window_first", "window_fn"):
+    return _object_workload(mask, kind, size, length)
   n = int(size) if size else 0
   config = {"causal": sh.AttentionConfig(), "full": sh.AttentionConfig(causal=False),
             "packed": sh.AttentionConfig(), "window": sh.AttentionConfig(sliding_window=(n, 0)),

@@ -8,6 +8,7 @@ import jax
 
 from splash_hk import inputs
 from splash_hk import kernel
+from splash_hk import masks
 from splash_hk import ring
 from splash_hk import sharding
 from splash_hk.config import AttentionConfig
@@ -25,7 +26,7 @@ def explain(
     kv_segment_ids: jax.Array | None = None,
     q_positions: jax.Array | None = None,
     kv_positions: jax.Array | None = None,
-    mask: jax.Array | None = None,
+    mask: jax.Array | masks.Mask | None = None,
     softmax_aux: jax.Array | None = None,
     mesh: jax.sharding.Mesh | None = None,
     axes: sharding.MeshAxes = sharding.MeshAxes(),
@@ -52,7 +53,7 @@ def attention(
     kv_segment_ids: jax.Array | None = None,
     q_positions: jax.Array | None = None,
     kv_positions: jax.Array | None = None,
-    mask: jax.Array | None = None,
+    mask: jax.Array | masks.Mask | None = None,
     softmax_aux: jax.Array | None = None,
     mesh: jax.sharding.Mesh | None = None,
     axes: sharding.MeshAxes = sharding.MeshAxes(),
@@ -65,8 +66,9 @@ def attention(
   - Hq: query heads; Hkv: key/value heads (Hq % Hkv == 0: GQA/MQA).
   - D: query/key head dim; Dv: value head dim (may differ from D).
 
-  Key j is visible to query i when every configured rule holds (causal,
-  sliding window, chunk, segments, dense mask; see `splash_hk.masks`),
+  Key j is visible to query i when the position rule (the config's causal,
+  sliding window and chunk with a dense mask, or a mask object) and the
+  segments allow it (see `splash_hk.masks`),
   with positions end-aligned by default: `kv_positions = arange(S)`,
   `q_positions = arange(T) + S - T`, so decode and chunked prefill against a
   KV cache need no extra arguments. Rows that see no key output exactly 0.
@@ -82,7 +84,9 @@ def attention(
       `kv_positions` is given, they default to it (as segment ids do).
     kv_positions: [B, S] int positions of the keys; when S == T, defaults to
       `q_positions` (packed documents with restarting positions need only one).
-    mask: [B, 1 or Hq, T, S] bool, True = may attend.
+    mask: [B, 1 or Hq, T, S] bool, True = may attend (ANDed with the config's
+      rules); or a mask object (`splash_hk.masks.Causal() | Bidirectional(ids)`,
+      ...), the whole position rule: the config then states none.
     softmax_aux: attention sinks, [Hq], [Hq, n] or [Hkv, n]: logits that join
       the softmax denominator and add nothing to the output.
     mesh: if given, the kernel runs under `jax.shard_map` over this mesh (Auto

@@ -30,6 +30,8 @@ def facts(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: 
   """Validates the public arguments (shapes and dtypes only); returns the call's Facts."""
   validation.validate_qkv(query, key, value, config)
   validation.validate_extras(query, key, extras)
+  if isinstance(extras.mask, masks.Mask):
+    validation.validate_rule(extras.mask, query, key, config)
   sequence_shards = 1
   if mesh is not None:
     validation.validate_mesh(mesh, axes)
@@ -39,9 +41,26 @@ def facts(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: 
   return Facts.from_shapes(
       config, query.shape, key.shape, value.shape[-1],
       default_positions=extras.q_positions is None and extras.kv_positions is None,
-      mask_shape=None if extras.mask is None else extras.mask.shape,
+      mask_shape=None if extras.mask is None else getattr(extras.mask, "shape", None),
       return_weights=return_weights, sequence_shards=sequence_shards,
-      load_balanced=axes.load_balanced, sequence_strategy=axes.sequence_strategy)
+      load_balanced=axes.load_balanced, sequence_strategy=axes.sequence_strategy,
+      rule=_rule(extras, config))
+
+
+def _rule(extras: Extras, config: AttentionConfig) -> masks.Mask | None:
+  """The call's position rule: the mask object given, or the config's rules AND a dense array."""
+  if isinstance(extras.mask, masks.Mask):
+    return extras.mask
+  rule = masks.from_rules(**config.rules)
+  if extras.mask is not None:
+    dense = masks.Dense(extras.mask)
+    rule = dense if rule is None else rule & dense
+  return rule
+
+
+def _rule_arrays(side: str, a: Any) -> jax.Array:
+  """An array of a mask object in normal form: bool for a dense mask, else int32."""
+  return jnp.asarray(a, jnp.bool_ if side == "qk" else jnp.int32)
 
 
 def normalise(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: Extras,
@@ -76,7 +95,7 @@ def normalise(query: Any, key: Any, value: Any, *, config: AttentionConfig, extr
       kv_positions=as_int(extras.kv_positions, kv_pos),  # [B, S]
       q_segment_ids=q_seg,  # [B, T] or None
       kv_segment_ids=kv_seg,  # [B, S] or None
-      mask=None if extras.mask is None else jnp.asarray(extras.mask),  # [B|1, 1|Hq, T, S]
+      rule=None if call.rule is None else _rule(extras, config).map_arrays(_rule_arrays),
       sinks=sinks,  # [Hq, n] or None
   )
   return x, call

@@ -1,15 +1,15 @@
-"""The one mask semantics every backend shares.
+"""The one mask semantics every backend shares: the rules, the mask objects, per pair and per block.
 
 Key j is visible to query i when all of these hold:
-  causal:          kv_pos[j] <= q_pos[i]
-  sliding window:  q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right
-  chunk:           q_pos[i] // chunk_size == kv_pos[j] // chunk_size
-  segments:        q_seg[i] == kv_seg[j], and both >= 0 (negative = padding)
-  dense mask:      mask[b, h, i, j]
+  the position rule:  the config's (causal, sliding window, chunk; with a dense
+                      `mask` array ANDed in), or one mask object given as `mask`
+                      (`Causal()`, `SlidingWindow(w)`, `Chunked(c)`,
+                      `Bidirectional(ids)`, `MaskFn(fn)`, `Dense(mask)`, `&`, `|`)
+  segments:           q_seg[i] == kv_seg[j], and both >= 0 (negative = padding)
 
-The position and segment rules are written with operators only, so they work
-on NumPy arrays (static block structure, at trace time) and on traced jnp
-arrays (inside kernels) alike.
+The rules are written with operators only, so they work on NumPy arrays
+(static block structure, at trace time) and on traced jnp arrays (inside
+kernels) alike. The objects themselves live in `splash_hk.mask_objects`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from splash_hk.mask_blocks import BlockRanges, Blocks, block_ranges
+from splash_hk.mask_objects import And, Bidirectional, Causal, Chunked, Dense, Mask, MaskFn, Or
+from splash_hk.mask_objects import SlidingWindow, as_rules, from_rules
 from splash_hk.types import KernelInputs
+
+__all__ = ("And", "Bidirectional", "BlockRanges", "Blocks", "Causal", "Chunked", "Dense", "Mask",
+           "MaskFn", "Or", "SlidingWindow", "as_rules", "block_ranges", "block_map",
+           "blocks_see", "disjoint_padding", "end_aligned_positions", "from_rules", "full_mask",
+           "load_balanced_order", "load_balanced_position", "plan_blocks", "position_mask",
+           "position_rules", "segment_mask", "visible_interval", "visible_pairs")
 
 ArrayLike = Any  # np.ndarray or jax.Array
 
@@ -48,21 +57,11 @@ def position_rules(
 ) -> ArrayLike | None:
   """Visibility of keys at positions `k` to queries at positions `q` (broadcast elementwise).
 
-  Returns None when no positional rule applies (everything visible).
+  The config's rules, as `from_rules` makes them one object. Returns None when
+  no positional rule applies (everything visible).
   """
-  mask = None
-
-  def conj(a, b):
-    return b if a is None else a & b
-
-  if causal:
-    mask = conj(mask, k <= q)
-  if window is not None:
-    left, right = window
-    mask = conj(mask, (k >= q - left) & (k <= q + right))
-  if chunk_size is not None:
-    mask = conj(mask, (q // chunk_size) == (k // chunk_size))
-  return mask
+  rule = from_rules(causal, window, chunk_size)
+  return None if rule is None else rule.visible(q, k)
 
 
 def position_mask(
@@ -131,99 +130,49 @@ def visible_pairs(query_len: int, kv_len: int, **rules) -> int:
   return int(np.maximum(hi - lo + 1, 0).sum())
 
 
-class BlockRanges(NamedTuple):
-  """What the valid entries of each block of a sequence hold: [B, n] arrays (NumPy or jnp).
+def plan_blocks(q_positions: ArrayLike, kv_positions: ArrayLike, q_segment_ids: ArrayLike | None,
+                kv_segment_ids: ArrayLike | None, block_q: int, block_kv: int,
+                xp: Any = jnp) -> Blocks:
+  """One call's sides cut into blocks, as `Mask.classify` and `blocks_see` read them."""
+  valid = lambda ids, pos: xp.ones(pos.shape, bool) if ids is None else ids >= 0
+  return Blocks(block_ranges(q_positions, q_segment_ids, block_q, xp),
+                block_ranges(kv_positions, kv_segment_ids, block_kv, xp),
+                q_positions, kv_positions, valid(q_segment_ids, q_positions),
+                valid(kv_segment_ids, kv_positions), block_q, block_kv, xp)
 
-  An entry is valid when it is inside the sequence and not padding (segment
-  id >= 0). Blocks with no valid entry hold count 0 and empty ranges.
+
+def blocks_see(rule: Mask | None, blocks: Blocks) -> tuple[ArrayLike, ArrayLike]:
+  """(may, full) [B, nq, nk]: whether some / every (query, key) pair of a block pair is visible.
+
+  From the ranges alone: `may` is never a false no and `full` never a false yes,
+  whatever the order of positions and segment ids inside the blocks. Segments and
+  padding (one shared segment, every entry valid) join the rule's own answers.
   """
-
-  count: Any  # valid entries
-  pos_min: Any
-  pos_max: Any
-  seg_min: Any  # 0 when the call has no segment ids
-  seg_max: Any
-
-
-_FAR = 2**30  # beyond every position and segment id: the empty range is [_FAR, -_FAR]
-
-
-def block_ranges(positions: ArrayLike, segment_ids: ArrayLike | None, block: int,
-                 xp: Any = jnp) -> BlockRanges:
-  """Per-block ranges of positions and segment ids over valid entries.
-
-  Args:
-    positions: [B, L] int.
-    segment_ids: [B, L] int or None (no segments: everything valid, segment 0).
-    block: block size; the last block may be partial (its missing entries are invalid).
-    xp: numpy (static plans, work counts) or jax.numpy (inside kernels).
-  """
-  batch, length = positions.shape
-  n = -(-length // block)
-  pad = lambda a, fill: xp.concatenate(
-      [a, xp.full((batch, n * block - length), fill, a.dtype)], axis=1).reshape(batch, n, block)
-  valid = pad(xp.ones((batch, length), bool) if segment_ids is None else segment_ids >= 0, False)
-  pos = pad(positions, 0)
-  seg = pad(xp.zeros_like(positions) if segment_ids is None else segment_ids, 0)
-  lo = lambda a: xp.min(xp.where(valid, a, _FAR), axis=-1)
-  hi = lambda a: xp.max(xp.where(valid, a, -_FAR), axis=-1)
-  return BlockRanges(xp.sum(valid, axis=-1), lo(pos), hi(pos), lo(seg), hi(seg))
-
-
-def _query_side(a: ArrayLike) -> ArrayLike:
-  """Per-query-block [B, nq] -> [B, nq, 1], to meet key blocks."""
-  return a[:, :, None]
-
-
-def _key_side(a: ArrayLike) -> ArrayLike:
-  """Per-key-block [B, nk] -> [B, 1, nk], to meet query blocks."""
-  return a[:, None, :]
-
-
-def blocks_may_see(q: BlockRanges, kv: BlockRanges, *, causal: bool,
-                   window: tuple[int, int] | None, chunk_size: int | None) -> ArrayLike:
-  """Whether some query of block i may see some key of block j: [B, nq, nk] bool.
-
-  A necessary condition from the ranges alone (each rule's, and their
-  conjunction): a pair it rules out has no visible (query, key) pair, whatever
-  the order of the positions and segment ids inside the blocks.
-  """
-  qa, ka = _query_side, _key_side
-  see = (qa(q.count) > 0) & (ka(kv.count) > 0)
-  see = see & (ka(kv.seg_min) <= qa(q.seg_max)) & (qa(q.seg_min) <= ka(kv.seg_max))
-  if causal:
-    see = see & (ka(kv.pos_min) <= qa(q.pos_max))
-  if window is not None:
-    see = see & (ka(kv.pos_max) >= qa(q.pos_min) - window[0])
-    see = see & (ka(kv.pos_min) <= qa(q.pos_max) + window[1])
-  if chunk_size is not None:
-    see = see & (ka(kv.pos_min) // chunk_size <= qa(q.pos_max) // chunk_size)
-    see = see & (qa(q.pos_min) // chunk_size <= ka(kv.pos_max) // chunk_size)
-  return see
-
-
-def blocks_fully_see(q: BlockRanges, kv: BlockRanges, q_block: int, kv_block: int, *,
-                     causal: bool, window: tuple[int, int] | None,
-                     chunk_size: int | None) -> ArrayLike:
-  """Whether every query of block i sees every key of block j: [B, nq, nk] bool.
-
-  Sufficient from the ranges: full blocks with one shared segment whose every
-  position pair passes the rules. Such blocks need no element mask.
-  """
-  qa, ka = _query_side, _key_side
-  full = (qa(q.count) == q_block) & (ka(kv.count) == kv_block)
+  q, kv = blocks.q, blocks.kv
+  qa, ka = (lambda a: a[:, :, None]), (lambda a: a[:, None, :])
+  may = (qa(q.count) > 0) & (ka(kv.count) > 0)
+  may = may & (ka(kv.seg_min) <= qa(q.seg_max)) & (qa(q.seg_min) <= ka(kv.seg_max))
+  full = (qa(q.count) == blocks.block_q) & (ka(kv.count) == blocks.block_kv)
   full = full & (qa(q.seg_min) == qa(q.seg_max)) & (ka(kv.seg_min) == ka(kv.seg_max))
   full = full & (qa(q.seg_min) == ka(kv.seg_min))
-  if causal:
-    full = full & (ka(kv.pos_max) <= qa(q.pos_min))
-  if window is not None:
-    full = full & (ka(kv.pos_min) >= qa(q.pos_max) - window[0])
-    full = full & (ka(kv.pos_max) <= qa(q.pos_min) + window[1])
-  if chunk_size is not None:
-    chunk = qa(q.pos_min) // chunk_size
-    full = full & (qa(q.pos_max) // chunk_size == chunk)
-    full = full & (ka(kv.pos_min) // chunk_size == chunk) & (ka(kv.pos_max) // chunk_size == chunk)
-  return full
+  if rule is not None:
+    rule_may, rule_full = rule.classify(blocks)
+    may, full = may & rule_may, full & rule_full
+  return may, full & may
+
+
+def block_map(rule: Mask | None, query_len: int, kv_len: int, block_q: int,
+              block_kv: int | None = None) -> str:
+  """A picture of the block plan at default positions: '#' full, '+' partial, '.' skipped.
+
+  One line per query block, one character per key block (batch row 0).
+  """
+  block_kv = block_kv or block_q
+  q_pos, kv_pos = end_aligned_positions(1, query_len, kv_len, np)
+  blocks = plan_blocks(q_pos, kv_pos, None, None, block_q, block_kv, np)
+  may, full = blocks_see(rule, blocks)
+  chars = np.where(full[0], "#", np.where(may[0], "+", "."))
+  return "\n".join("".join(row) for row in chars)
 
 
 def segment_mask(q_segment_ids: ArrayLike, kv_segment_ids: ArrayLike) -> ArrayLike:
@@ -241,22 +190,17 @@ def disjoint_padding(q_segment_ids: jax.Array, kv_segment_ids: jax.Array
           jnp.where(kv_segment_ids < 0, -2, kv_segment_ids))
 
 
-def full_mask(x: KernelInputs, *, causal: bool, window: tuple[int, int] | None,
-              chunk_size: int | None) -> jax.Array:
-  """Every rule at once over a call's positions, segments and dense mask, materialised.
+def full_mask(x: KernelInputs) -> jax.Array:
+  """Every rule at once over a call's positions, segments and position rule, materialised.
 
   Returns:
-    [B, 1 or H, T, S] bool (H when `x.mask` has heads).
+    [B, 1 or H, T, S] bool (H when the rule holds a per-head dense mask).
   """
   batch, query_len = x.q_positions.shape
   kv_len = x.kv_positions.shape[-1]
   out = jnp.ones((batch, 1, query_len, kv_len), jnp.bool_)  # [B, 1, T, S]
-  pos = position_mask(x.q_positions, x.kv_positions, causal=causal, window=window,
-                      chunk_size=chunk_size)
-  if pos is not None:
-    out = out & pos[:, None]
+  if x.rule is not None:
+    out = out & x.rule.visible(x.q_positions[:, None, :, None], x.kv_positions[:, None, None, :])
   if x.q_segment_ids is not None:
     out = out & segment_mask(x.q_segment_ids, x.kv_segment_ids)[:, None]
-  if x.mask is not None:
-    out = out & x.mask
   return out

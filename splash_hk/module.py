@@ -8,9 +8,10 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from splash_hk import masks
 from splash_hk.attention import attention
 from splash_hk.config import AttentionConfig, require_int
-from splash_hk.kv_cache import KVCache, append, row_lengths
+from splash_hk.kv_cache import Append, KVCache, append, row_lengths
 from splash_hk.sharding.axes import MeshAxes
 
 
@@ -171,7 +172,9 @@ class MultiHeadAttention(hk.Module):
       key: [..., S, D_k]; default `query`.
       value: [..., S, D_v]; default `key`.
       mask: anything broadcastable to [..., H, T, S] (any dtype, nonzero =
-        attend), as Haiku's.
+        attend), as Haiku's; or a mask object (`splash_hk.masks`), the whole
+        position rule, its arrays [..., T] / [..., S]. With `kv_cache`, a
+        `Bidirectional(q_ids)` spans the new tokens (cached ones have no id).
       q_segment_ids, kv_segment_ids, q_positions, kv_positions: [..., T] and
         [..., S] ints, as in `splash_hk.attention`.
       kv_cache: if given, row b's new keys/values are written at
@@ -210,7 +213,9 @@ class MultiHeadAttention(hk.Module):
     elif lengths is not None:
       raise ValueError("`lengths` says how many tokens each row appends to `kv_cache`; pass "
                        "it with a kv_cache (or use q_segment_ids to mark padding).")
-    if mask is not None:
+    if isinstance(mask, masks.Mask):
+      mask = _flat_mask_object(mask, lead, self.num_heads, query_len, kv_len, step)
+    elif mask is not None:
       mask = _haiku_mask(mask, lead, self.num_heads, query_len, kv_len)  # [B, 1|H, T, S]
     out = self.attend(q, k, v, mask=mask, **extras)  # [B, T, H, V]
     if step is not None:  # a row that could not append says so: NaN, never a finite wrong answer
@@ -225,6 +230,31 @@ class MultiHeadAttention(hk.Module):
     y = hk.Linear(heads * head_size, w_init=self.w_init, with_bias=self.with_bias,
                   b_init=self.b_init, name=name)(x)  # [B, T, heads * head_size]
     return y.reshape(*x.shape[:-1], heads, head_size)  # [B, T, heads, head_size]
+
+
+def _flat_mask_object(mask: masks.Mask, lead: list[int], num_heads: int, query_len: int,
+                      kv_len: int, step: Append | None) -> masks.Mask:
+  """A mask object's arrays with the leading dims flattened ([..., T] -> [B, T]).
+
+  With a cache, a Bidirectional without kv_ids gets them over the cache's slots:
+  each new token's id where it is written, -1 (no span) at every other slot.
+  """
+  def flat(side: str, a: jax.Array) -> jax.Array:
+    if side == "qk":
+      return _haiku_mask(a, lead, num_heads, query_len, kv_len)  # [B, 1|H, T, S]
+    a = jnp.asarray(a)
+    return jnp.broadcast_to(a, (*lead, a.shape[-1])).reshape(-1, a.shape[-1])  # [B, T|S]
+
+  def flat_part(part: masks.Mask) -> masks.Mask:
+    if not (isinstance(part, masks.Bidirectional) and part.kv_ids is None and step is not None):
+      return part.map_arrays(flat)
+    q_ids = flat("q", part.q_ids)  # [B, T]
+    slots = step.extras["q_positions"]  # [B, T]: where each new token is written
+    kv_ids = jnp.full((q_ids.shape[0], kv_len), -1, q_ids.dtype)  # [B, S_max]
+    rows = jnp.arange(q_ids.shape[0])[:, None]
+    return masks.Bidirectional(q_ids, kv_ids.at[rows, slots].set(q_ids, mode="drop"))
+
+  return mask.map_parts(flat_part)
 
 
 def _haiku_mask(mask: jax.Array, lead: list[int], num_heads: int, query_len: int,

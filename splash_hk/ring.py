@@ -57,14 +57,21 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
 
 
 def _block(x: KernelInputs) -> tuple:
-  """What travels: the key/value block, its positions and segment ids."""
-  return (x.key, x.value, x.kv_positions, x.kv_segment_ids)
+  """What travels: the key/value block, its positions, segment ids and the rule's key-side arrays."""
+  kv_arrays = []
+  if x.rule is not None:
+    x.rule.map_arrays(lambda side, a: kv_arrays.append(a) if side == "kv" else a)
+  return (x.key, x.value, x.kv_positions, x.kv_segment_ids, tuple(kv_arrays))
 
 
 def _with_block(x: KernelInputs, block: tuple) -> KernelInputs:
-  key, value, positions, segment_ids = block
+  key, value, positions, segment_ids, kv_arrays = block
+  rule = x.rule
+  if rule is not None:
+    arrays = iter(kv_arrays)
+    rule = rule.map_arrays(lambda side, a: next(arrays) if side == "kv" else a)
   return x._replace(key=key, value=value, kv_positions=positions, kv_segment_ids=segment_ids,
-                    sinks=None)
+                    rule=rule, sinks=None)
 
 
 def _pass_on(tree, axis: AxisEntry, n: int):

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 
+from splash_hk import mask_objects
 from splash_hk.config import AttentionConfig
 
 
@@ -81,7 +82,7 @@ class KernelInputs(NamedTuple):
   kv_positions: jax.Array  # [B, S] int32
   q_segment_ids: jax.Array | None = None  # [B, T] int32, negative = padding
   kv_segment_ids: jax.Array | None = None  # [B, S] int32, negative = padding
-  mask: jax.Array | None = None  # [B or 1, 1 or Hq, T, S] bool
+  rule: Any = None  # a `splash_hk.masks.Mask` (arrays [B, T], [B, S], [B|1, 1|Hq, T, S]) or None
   sinks: jax.Array | None = None  # [Hq, n] float32
 
 
@@ -112,17 +113,29 @@ class Facts:
   sequence_shards: int = 1  # the query sequence is split over this many devices
   load_balanced: bool = False  # the sequence is in dual-chunk (load-balanced) order
   sequence_strategy: str = "all_gather"  # asked for: "all_gather" or "ring" (see Decision.ring)
+  rule: Any = None  # the position rule's skeleton (`mask_objects.skeleton`): static, hashable
 
   @classmethod
   def from_shapes(cls, config: AttentionConfig, query_shape: Sequence[int],
                   key_shape: Sequence[int], value_dim: int | None = None, *,
                   default_positions: bool = True, mask_shape: Sequence[int] | None = None,
                   **sharding: Any) -> Facts:
-    """Facts of a call from its (already validated) shapes; `sharding`: the fields below."""
+    """Facts of a call from its (already validated) shapes; `sharding`: the fields below.
+
+    `rule` (in `sharding`): a mask object given as `mask`; by default the config's
+    rules, ANDed with a dense mask of `mask_shape` when one is given.
+    """
+    rule = sharding.pop("rule", None)
+    if rule is None:
+      rule = mask_objects.from_rules(**config.rules)
+      if mask_shape is not None:
+        dense = mask_objects.Dense(jax.ShapeDtypeStruct(tuple(mask_shape), bool))
+        rule = dense if rule is None else rule & dense
     return cls(config=config, query_shape=tuple(query_shape), key_shape=tuple(key_shape),
                value_dim=query_shape[-1] if value_dim is None else value_dim,
                mode=Mode.of(query_shape[1], key_shape[1]), default_positions=default_positions,
-               mask_shape=None if mask_shape is None else tuple(mask_shape), **sharding)
+               mask_shape=None if mask_shape is None else tuple(mask_shape),
+               rule=mask_objects.skeleton(rule), **sharding)
 
   @property
   def query_len(self) -> int:
@@ -149,6 +162,7 @@ class Facts:
     return self.config.scale(self.head_dim)
 
   @property
-  def rules(self) -> dict:
-    """The positional mask rules, as keywords of `splash_hk.masks.position_rules`."""
-    return self.config.rules
+  def static_rules(self) -> dict | None:
+    """The rule as config keywords (causal, window, chunk_size) when it is an AND of
+    at most one Causal, SlidingWindow and Chunked (what a static kernel builds), else None."""
+    return mask_objects.as_rules(self.rule)

@@ -12,6 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from splash_hk import mask_objects
 from splash_hk.config import AttentionConfig
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Extras
@@ -92,7 +93,7 @@ def validate_extras(query: Shaped, key: Shaped, extras: Extras) -> None:
     missing = "kv_segment_ids" if extras.kv_segment_ids is None else "q_segment_ids"
     _fail(f"`{missing}` is required when query_len ({query_len}) != kv_len ({kv_len}) and "
           "the other segment ids are given: ids of one length cannot default to the other.")
-  if extras.mask is not None:
+  if extras.mask is not None and not isinstance(extras.mask, mask_objects.Mask):
     _validate_mask(extras.mask, batch, query.shape[2], query_len, kv_len)
   if extras.softmax_aux is not None:
     _validate_sinks(extras.softmax_aux, query.shape[2], key.shape[2])
@@ -125,3 +126,55 @@ def validate_mesh(mesh: Any, axes: MeshAxes) -> None:
     _fail(f"`mesh` must be a jax.sharding.Mesh (e.g. from jax.make_mesh), got {type(mesh).__name__}.")
   if not isinstance(axes, MeshAxes):
     _fail(f"`axes` must be a splash_hk.sharding.MeshAxes, got {type(axes).__name__}.")
+
+
+def validate_rule(rule: mask_objects.Mask, query: Shaped, key: Shaped,
+                  config: AttentionConfig) -> None:
+  """A mask object given as `mask`: the whole position rule, with arrays of the call's shapes."""
+  stated = [f"{name}={value!r}" for name, value, default in (
+      ("causal", config.causal, True), ("sliding_window", config.sliding_window, None),
+      ("chunk_size", config.chunk_size, None)) if value != default]
+  if stated:
+    _fail(f"`mask` is a mask object ({type(rule).__name__}), the whole position rule, and "
+          f"AttentionConfig also states {', '.join(stated)}: state the rule in one place "
+          "(combine Causal(), SlidingWindow(w), Chunked(c) into the object, or pass no object).")
+  batch, query_len, num_heads = query.shape[:3]
+  kv_len = key.shape[1]
+  for part in rule.parts():
+    if isinstance(part, mask_objects.Bidirectional):
+      _validate_ids(part, batch, query_len, kv_len)
+    elif isinstance(part, mask_objects.Dense):
+      _validate_mask(part.mask, batch, num_heads, query_len, kv_len)
+    elif isinstance(part, mask_objects.MaskFn):
+      _validate_mask_fn(part, batch, query_len, kv_len)
+
+
+def _validate_ids(part: mask_objects.Bidirectional, batch: int, query_len: int,
+                  kv_len: int) -> None:
+  if part.kv_ids is None and query_len != kv_len:
+    _fail(f"Bidirectional(q_ids) needs kv_ids when query_len ({query_len}) != kv_len "
+          f"({kv_len}): ids of one length cannot default to the other.")
+  for name, ids, length in (("q_ids", part.q_ids, query_len), ("kv_ids", part.kv_ids, kv_len)):
+    if ids is not None:
+      layout = f"[batch, {'query_len' if name == 'q_ids' else 'kv_len'}] = {(batch, length)}"
+      _rank(ids, 2, f"Bidirectional.{name}", layout)
+      if tuple(ids.shape) != (batch, length):
+        _fail(f"`Bidirectional.{name}` must be {layout}, got {tuple(ids.shape)}.")
+      _integer(ids, f"Bidirectional.{name}")
+
+
+def _validate_mask_fn(part: mask_objects.MaskFn, batch: int, query_len: int, kv_len: int) -> None:
+  want = (batch, 1, query_len, kv_len)
+  q = jax.ShapeDtypeStruct((batch, 1, query_len, 1), jnp.int32)
+  kv = jax.ShapeDtypeStruct((batch, 1, 1, kv_len), jnp.int32)
+  name = getattr(part.fn, "__name__", repr(part.fn))
+  try:
+    out = jax.eval_shape(part.fn, q, kv)
+  except Exception as e:  # pylint: disable=broad-except
+    _fail(f"MaskFn({name}) failed on int positions q [B, 1, T, 1], kv [B, 1, 1, S]: {e}")
+  shape = tuple(getattr(out, "shape", ()))
+  fits = len(shape) <= 4 and all(n in (1, w) for n, w in zip(shape[::-1], want[::-1]))
+  if not (getattr(out, "dtype", None) == jnp.bool_ and fits):
+    _fail(f"MaskFn({name}) must return bool of the broadcast shape {want} (elementwise over "
+          f"q_pos [B, 1, T, 1] and kv_pos [B, 1, 1, S]), got "
+          f"{getattr(out, 'dtype', type(out).__name__)} {shape}.")

@@ -75,7 +75,8 @@ def test_narrow_window_reads_kv_in_place_and_matches_oracle():
   x, facts = inputs.normalise(q, k, v, config=config, extras=Extras(**extras))
   views = lambda facts: xla_blocks.Views(x, facts, xla_plan.Grid.of(x, 8, 4))
   assert not views(facts).heads_major  # each key block read ~1.4 times
-  causal = dataclasses.replace(facts, config=config.replace(sliding_window=None))
+  causal = dataclasses.replace(facts, config=config.replace(sliding_window=None),
+                               rule=sh.masks.Causal())
   assert views(causal).heads_major  # up to every query block
   cot = np.random.default_rng(15).normal(size=q.shape)
   _assert_value_and_grads_match(case, config, q, k, v, extras, cot)
@@ -87,7 +88,7 @@ def _schedule(t, s, block, config=sh.AttentionConfig(), batch=1, **extras):
   k = jnp.zeros((batch, s, 1, 64))
   x, facts = inputs.normalise(q, k, k, config=config, extras=Extras(**extras))
   grid = xla_plan.Grid.of(x, block, block)
-  plan = xla_plan.block_plan(x, facts, grid)
+  plan = xla_plan.block_plan(x, grid)
   order, live, full = (np.asarray(a) for a in plan)
   assert order.shape == (grid.num_groups, grid.num_q_blocks, grid.num_kv_blocks)
   assert all(sorted(row) == list(range(grid.num_kv_blocks)) for row in order.reshape(
@@ -115,12 +116,15 @@ def test_schedule_of_default_positions_is_the_static_plan():
   assert pairs == [[[0, 1, 2, 3]]]
 
 
-def test_a_dense_mask_empties_blocks_and_leaves_none_unmasked():
+def test_a_dense_mask_empties_blocks_and_runs_its_all_true_blocks_unmasked():
   t = 512
   mask = np.zeros((1, 1, t, t), bool)
   mask[..., :128, :128] = mask[..., 384:, 256:] = True  # only blocks (0, 0), (3, 2), (3, 3)
   pairs, full = _schedule(t, t, 128, sh.AttentionConfig(causal=False), mask=mask)
-  assert pairs == [[[0], [], [], [2, 3]]] and full == [[set()] * 4]
+  assert pairs == [[[0], [], [], [2, 3]]] and full == [[{0}, set(), set(), {2, 3}]]
+  mask[..., 400, 300] = False  # one pair of block (3, 2) hidden: it runs masked
+  pairs, full = _schedule(t, t, 128, sh.AttentionConfig(causal=False), mask=mask)
+  assert pairs == [[[0], [], [], [3, 2]]] and full == [[{0}, set(), set(), {3}]]
 
 
 def test_schedule_follows_packed_documents_and_cache_lengths():

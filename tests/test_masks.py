@@ -70,8 +70,9 @@ def test_full_mask_combines_every_rule():
   q_seg = rng.integers(-1, 2, size=(2, 6))
   kv_seg = rng.integers(-1, 2, size=(2, 9))
   dense = rng.random((2, 3, 6, 9)) < 0.7
-  x = KernelInputs(None, None, None, q_pos, kv_pos, q_seg, kv_seg, dense)
-  got = masks.full_mask(x, causal=True, window=(4, 0), chunk_size=5)
+  rule = masks.Causal() & masks.SlidingWindow((4, 0)) & masks.Chunked(5) & masks.Dense(dense)
+  x = KernelInputs(None, None, None, q_pos, kv_pos, q_seg, kv_seg, rule)
+  got = masks.full_mask(x)
   want = oracle.visible(2, 6, 9, 3, causal=True, window=(4, 0), chunk=5, q_seg=q_seg,
                         kv_seg=kv_seg, mask=dense)
   np.testing.assert_array_equal(np.asarray(got), want)

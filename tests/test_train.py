@@ -47,8 +47,9 @@ def test_splash_and_reference_attention_give_the_same_losses():
 
 
 def test_sharded_training_matches_single_device():
-  # Batch over dp, heads over tp, and the sequence over sp as a load-balanced ring.
-  flags = ("--steps=20", "--log_every=20", "--seq_len=32")
+  # Batch over dp, heads over tp, and the sequence over sp as a load-balanced ring, under a
+  # prefix-LM mask object (its ids travel the ring with their keys).
+  flags = ("--steps=20", "--log_every=20", "--seq_len=32", "--prefix_lm")
   single = _losses(_train(*flags))
   sharded = _losses(_train(*flags, "--cpu_devices=8", "--mesh=dp=2,sp=2,tp=2",
                            "--sequence_strategy=ring", "--load_balanced"))
@@ -78,6 +79,7 @@ def test_bfloat16_compute_trains():
     (("--num_heads=4", "--num_kv_heads=3"), "multiple of --num_kv_heads"),
     (("--seq_len=1",), "--seq_len must be >= 3"),
     (("--attention=reference", "--num_kv_heads=2"), "no GQA"),
+    (("--attention=reference", "--prefix_lm"), "--prefix_lm needs --attention=splash"),
     (("--cpu_devices=8", "--mesh=dp=8", "--load_balanced"), "needs an sp axis"),
     (("--cpu_devices=8", "--mesh=sp=8", "--load_balanced", "--seq_len=40"), "2 * sp = 16"),
 ])

@@ -24,6 +24,7 @@ class ModelConfig:
   attention: str = "splash"  # "splash" (sh.MultiHeadAttention) or "reference" (hk.MultiHeadAttention)
   attention_config: sh.AttentionConfig = sh.AttentionConfig()
   axes: sh.MeshAxes = sh.MeshAxes()  # with a mesh: batch, heads and sequence axes
+  prefix_len: int = 0  # > 0: prefix-LM, the first prefix_len positions see each other
 
   def __post_init__(self):
     if self.model_size % self.num_heads:
@@ -35,6 +36,22 @@ class ModelConfig:
     if self.attention == "reference" and (kv != self.num_heads or self.num_sinks):
       raise ValueError("--attention=reference is Haiku's own hk.MultiHeadAttention: it has no GQA "
                        "or sinks; use --num_kv_heads=--num_heads and --num_sinks=0.")
+    if self.attention == "reference" and self.prefix_len:
+      raise ValueError("--prefix_lm needs --attention=splash (a mask object).")
+
+  @property
+  def module_config(self) -> sh.AttentionConfig:
+    """The attention config of the layers: with a prefix, the mask object holds the rule."""
+    return self.attention_config.replace(sliding_window=None) if self.prefix_len else (
+        self.attention_config)
+
+  def mask(self, positions: jax.Array, segment_ids: jax.Array | None) -> sh.masks.Mask | None:
+    """Prefix-LM: (causal [& window]) | the prefix of each document, seen whole; else None."""
+    if not self.prefix_len:
+      return None
+    rule = sh.masks.from_rules(True, self.attention_config.window, None)
+    docs = jnp.zeros_like(positions) if segment_ids is None else segment_ids
+    return rule | sh.masks.Bidirectional(jnp.where(positions < self.prefix_len, docs, -1))
 
 
 class Transformer(hk.Module):
@@ -53,7 +70,7 @@ class Transformer(hk.Module):
                                    name=f"attention_{i}")
     return sh.MultiHeadAttention(c.num_heads, c.model_size // c.num_heads,
                                  num_kv_heads=c.num_kv_heads, w_init=w_init,
-                                 config=c.attention_config, mesh=self.mesh, axes=c.axes,
+                                 config=c.module_config, mesh=self.mesh, axes=c.axes,
                                  num_sinks=c.num_sinks, name=f"attention_{i}")
 
   def init_caches(self, batch: int, capacity: int | None = None) -> list[sh.KVCache]:
@@ -80,17 +97,17 @@ class Transformer(hk.Module):
       positions = jnp.broadcast_to(jnp.arange(seq_len), (batch, seq_len))
     h = hk.Embed(c.vocab_size, c.model_size, name="embed")(tokens)  # [B, T, D]
     h = h + hk.Embed(c.max_len, c.model_size, name="position")(positions)  # [B, T, D]
-    new_caches = []
+    new_caches, mask = [], c.mask(positions, segment_ids)
     for i in range(c.num_layers):
       x = hk.LayerNorm(-1, True, True, name=f"ln_attn_{i}")(h)
       attend = self._attention(i)
       if caches is not None:
-        a, cache = attend(x, kv_cache=caches[i], lengths=lengths)
+        a, cache = attend(x, kv_cache=caches[i], lengths=lengths, mask=mask)
         new_caches.append(cache)
       elif c.attention == "reference":
         a = attend(x, x, x, mask=_reference_mask(seq_len, c.attention_config.window, segment_ids))
       else:
-        a = attend(x, q_segment_ids=segment_ids)
+        a = attend(x, q_segment_ids=segment_ids, mask=mask)
       h = h + a
       x = hk.LayerNorm(-1, True, True, name=f"ln_mlp_{i}")(h)
       h = h + hk.nets.MLP([4 * c.model_size, c.model_size], activation=jax.nn.gelu,

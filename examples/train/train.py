@@ -49,6 +49,9 @@ _NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Query heads.")
 _NUM_KV_HEADS = flags.DEFINE_integer("num_kv_heads", None, "Key/value heads (GQA); default num_heads.")
 _SLIDING_WINDOW = flags.DEFINE_integer("sliding_window", None, "Causal sliding window (left size).")
 _NUM_SINKS = flags.DEFINE_integer("num_sinks", 0, "Learnable attention sinks per head.")
+_PREFIX_LM = flags.DEFINE_bool(
+    "prefix_lm", False, "Prefix-LM: the recall task's key-value pairs see each other whole (a "
+    "Bidirectional mask object over the prefix); the queries and answers stay causal.")
 _ATTENTION = flags.DEFINE_enum("attention", "splash", ["splash", "reference"],
                                "splash: sh.MultiHeadAttention; reference: Haiku's hk.MultiHeadAttention.")
 _PLATFORM = flags.DEFINE_enum("platform", "auto", list(PLATFORMS),
@@ -148,7 +151,7 @@ def make_task_and_model(axes: sh.MeshAxes) -> tuple[recall.RecallTask, model_lib
         vocab_size=task.vocab_size, max_len=task.seq_len, num_layers=_NUM_LAYERS.value,
         model_size=_MODEL_SIZE.value, num_heads=_NUM_HEADS.value, num_kv_heads=_NUM_KV_HEADS.value,
         num_sinks=_NUM_SINKS.value, attention=_ATTENTION.value, attention_config=attention_config,
-        axes=axes)
+        axes=axes, prefix_len=2 * task.num_pairs if _PREFIX_LM.value else 0)
   except ValueError as e:
     _fail(str(e))
   return task, config
@@ -284,8 +287,9 @@ def run() -> None:
   head_size = config.model_size // config.num_heads
   heads = lambda n: jax.ShapeDtypeStruct((_BATCH_SIZE.value, task.seq_len, n, head_size), jnp.float32)
   kv_heads = heads(config.num_kv_heads or config.num_heads)
-  decision = sh.explain(heads(config.num_heads), kv_heads, kv_heads, config=config.attention_config,
-                        mesh=mesh, axes=axes)
+  positions = jnp.broadcast_to(jnp.arange(task.seq_len), (_BATCH_SIZE.value, task.seq_len))
+  decision = sh.explain(heads(config.num_heads), kv_heads, kv_heads, config=config.module_config,
+                        mesh=mesh, axes=axes, mask=config.mask(positions, None))
   logging.info("recall task: %d pairs, seq_len %d, vocab %d; attention=%s mesh=%s; backend: %s",
                task.num_pairs, task.seq_len, task.vocab_size, _ATTENTION.value, _MESH.value,
                decision.reason)

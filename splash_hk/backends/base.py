@@ -17,7 +17,7 @@ sees). Code that recomputes probabilities as exp(s - lse) reads it through
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -74,8 +74,11 @@ class Backend:
     forward, backward: the two halves of `attend`, for a caller that owns the
       gradient and keeps memory tight (the context-parallel ring), or None.
     count_pairs: (facts, q_positions [B, T], kv_positions [B, S], q_segment_ids,
-      kv_segment_ids) -> the block pairs this backend computes per head for such
-      inputs (NumPy, static), or None for a backend that does not say.
+      kv_segment_ids, rule=None) -> the block pairs this backend computes per head
+      for such inputs (NumPy, static; `rule` with NumPy arrays when the call's rule
+      has arrays), or None for a backend that does not say.
+    plan: (KernelInputs, facts) -> what the backend builds before it computes
+      (the xla backend's block plan), for a caller that measures it, or None.
   """
 
   name: str
@@ -84,6 +87,27 @@ class Backend:
   forward: ForwardHalf | None = None
   backward: BackwardHalf | None = None
   count_pairs: Callable[..., int] | None = None
+  plan: Callable[[KernelInputs, Facts], Any] | None = None
+
+
+def rule_refusal(facts: Facts, kernel: str, serves: tuple[type, ...],
+                 combinations: bool = True) -> str | None:
+  """Why `kernel` cannot build the call's position rule, naming the parts it cannot, or None.
+
+  `serves`: the mask object types it builds; `combinations`: whether it builds
+  any `&`/`|` of them, or only an AND of at most one of each (config-style rules).
+  """
+  if facts.rule is None:
+    return None
+  names = sorted({type(p).__name__ for p in facts.rule.parts() if not isinstance(p, serves)})
+  if names:
+    what = " and ".join(f"a {n} part" for n in names)
+    return (f"the mask holds {what}, which {kernel} cannot build (it builds "
+            f"{', '.join(t.__name__ for t in serves)})")
+  if not combinations and facts.static_rules is None:
+    return (f"the mask combines its rules with | or repeats one; {kernel} takes an AND of at "
+            "most one Causal, SlidingWindow and Chunked")
+  return None
 
 
 def probability_lse(lse: jax.Array) -> jax.Array:

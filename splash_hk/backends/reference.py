@@ -33,7 +33,7 @@ def logits_and_mask(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array
       "btkgd,bskd->bkgts", q.reshape(batch, query_len, num_kv_heads, groups, head_dim), k,
       precision=_HIGHEST, preferred_element_type=jnp.float32) * facts.scale  # [B, Hkv, G, T, S]
   logits = product(finite(x.query), finite(x.key))
-  mask = masks.full_mask(x, **facts.rules)  # [B, 1|Hq, T, S]
+  mask = masks.full_mask(x)  # [B, 1|Hq, T, S]
   mask = mask.reshape(mask.shape[0], -1, groups if mask.shape[1] > 1 else 1, *mask.shape[2:])
   bad_q = jnp.moveaxis(bad(x.query).reshape(batch, query_len, num_kv_heads, groups), 1, 3)
   bad_k = jnp.swapaxes(bad(x.key), 1, 2)[:, :, None, None, :]  # [B, Hkv, 1, 1, S]

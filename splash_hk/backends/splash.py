@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
+from splash_hk import mask_objects
 from splash_hk import masks
 from splash_hk.backends import base
 from splash_hk.backends import xla
@@ -49,6 +50,9 @@ def why_not(facts: Facts, hardware: str) -> str | None:
             f"{LANE}-row splash block is cheaper unpadded")
   if facts.mask_shape is not None:
     return "a dense mask was given: a traced mask cannot be proven a segment mask"
+  refusal = base.rule_refusal(facts, "the splash kernel's static mask", STATIC_PARTS)
+  if refusal is not None:
+    return refusal + " (splash masks are built from indices at trace time)"
   if not facts.default_positions:
     return ("explicit q_positions/kv_positions were given and splash masks are static "
             "(built from indices at trace time)")
@@ -57,22 +61,26 @@ def why_not(facts: Facts, hardware: str) -> str | None:
   return None
 
 
+# The mask objects whose rule reads positions only: splash builds them as static masks.
+STATIC_PARTS = (mask_objects.Causal, mask_objects.SlidingWindow, mask_objects.Chunked,
+                mask_objects.MaskFn)
+
+
 class PositionMask(splash_mask._ComputableMask):  # pylint: disable=protected-access
-  """`masks.position_rules` on padded row/column indices, queries shifted by `offset`.
+  """A position rule (a mask object without arrays) on padded row/column indices,
+  queries shifted by `offset`.
 
   With `balanced=(length, shards)` indices are places in the load-balanced
   order and map to the tokens' original positions (`masks.load_balanced_position`).
   """
 
-  def __init__(self, shape: tuple[int, int], offset: int, causal: bool,
-               window: tuple[int, int] | None, chunk_size: int | None,
+  def __init__(self, shape: tuple[int, int], offset: int, rule: mask_objects.Mask,
                balanced: tuple[int, int] | None = None):
-    self.params = (shape, offset, causal, window, chunk_size, balanced)
-    rules = functools.partial(masks.position_rules, causal=causal, window=window,
-                              chunk_size=chunk_size)
+    self.params = (shape, offset, rule, balanced)
     place = (lambda i: i) if balanced is None else (
         lambda i: masks.load_balanced_position(i, *balanced))
-    super().__init__(shape, lambda q_ids, kv_ids: rules(place(q_ids + offset), place(kv_ids)))
+    super().__init__(shape, lambda q_ids, kv_ids: rule.visible(place(q_ids + offset),
+                                                                 place(kv_ids)))
 
   def __eq__(self, other):
     return isinstance(other, PositionMask) and self.params == other.params
@@ -98,12 +106,12 @@ def padded_layout(query_len: int, kv_len: int, block_sizes) -> tuple[tuple[int, 
 
 @functools.lru_cache(maxsize=64)
 def build_kernel(*, padded: tuple[int, int], offset: int, heads: int, is_mqa: bool,
-                 config: AttentionConfig, blocks: tuple[int, int, int, int],
+                 config: AttentionConfig, rule: mask_objects.Mask | None,
+                 blocks: tuple[int, int, int, int],
                  balanced: tuple[int, int] | None = None):
   """The splash kernel for one static shape and config (cached: built once)."""
-  rules = config.rules
-  if any(rules.values()):
-    head_mask = PositionMask(padded, offset, **rules, balanced=balanced)
+  if rule is not None:
+    head_mask = PositionMask(padded, offset, rule, balanced=balanced)
   else:
     head_mask = splash_mask.FullMask(padded)
   bq, bkv, bq_bwd, bkv_bwd = blocks
@@ -131,24 +139,25 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   """
   x = x._replace(query=base.to_bhtd(x.query), key=base.to_bhtd(x.key),
                  value=base.to_bhtd(x.value))  # [B, H, T, D]
-  config, n = facts.config, facts.sequence_shards
+  n = facts.sequence_shards
   query_len, kv_len = x.query.shape[2], x.key.shape[2]
   if n == 1:
-    return KernelOutput(base.to_bhtd(_run_at_offset(x, config, kv_len - query_len)))
+    return KernelOutput(base.to_bhtd(_run_at_offset(x, facts, kv_len - query_len)))
   balanced = (kv_len, n) if facts.load_balanced else None
   if balanced:  # slice i starts with chunk i: its first original position is i * T_global / 2n
     first, index = 0, x.q_positions[0, 0] // (kv_len // (2 * n))
   else:
     first = kv_len - n * query_len  # position of the global query's row 0
     index = (x.q_positions[0, 0] - first) // query_len
-  branches = [functools.partial(_run_at_offset, config=config, offset=first + i * query_len,
+  branches = [functools.partial(_run_at_offset, facts=facts, offset=first + i * query_len,
                                 balanced=balanced) for i in range(n)]
   return KernelOutput(base.to_bhtd(jax.lax.switch(jnp.clip(index, 0, n - 1), branches, x)))
 
 
-def _run_at_offset(x: KernelInputs, config: AttentionConfig, offset: int,
+def _run_at_offset(x: KernelInputs, facts: Facts, offset: int,
                    balanced: tuple[int, int] | None = None) -> jax.Array:
   """Splash with the static mask of queries at places offset + arange(T) (see PositionMask)."""
+  config = facts.config
   batch, num_heads, query_len, head_dim = x.query.shape
   num_kv_heads, kv_len = x.key.shape[1], x.key.shape[2]
   groups = num_heads // num_kv_heads
@@ -170,7 +179,7 @@ def _run_at_offset(x: KernelInputs, config: AttentionConfig, offset: int,
            else base.sink_logsumexp(x.sinks))  # [Hq]
   kernel = build_kernel(padded=(t_pad, s_pad), offset=offset,
                         heads=groups if groups > 1 else num_heads, is_mqa=groups > 1,
-                        config=config, blocks=blocks, balanced=balanced)
+                        config=config, rule=facts.rule, blocks=blocks, balanced=balanced)
   seg_axes = None if segment_ids is None else splash.SegmentIds(0, 0)
   if groups == 1:
     per_example = lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg, sinks=sinks)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from splash_hk import mask_objects
 from splash_hk import masks
 from splash_hk.backends import _ejkernel
 from splash_hk.backends import base
@@ -34,14 +35,17 @@ def why_not(facts: Facts, hardware: str) -> str | None:
   if facts.mask_shape is not None:
     return ("a dense mask was given and ejkernel's Triton kernel would turn it into segment "
             "ids (a traced mask cannot be proven a segment mask)")
-  if facts.config.chunk_size is not None:
-    return "chunked masks: ejkernel's Triton kernel ignores chunk_size"
-  return None
+  refusal = base.rule_refusal(
+      facts, "ejkernel's Triton kernel",
+      (mask_objects.Causal, mask_objects.SlidingWindow, mask_objects.Chunked), combinations=False)
+  if refusal is None and facts.static_rules["chunk_size"] is not None:
+    refusal = "chunked masks: ejkernel's Triton kernel ignores chunk_size"
+  return refusal
 
 
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   """ejkernel's Triton kernel on one shard: KernelInputs -> out [B, T, Hq, Dv]."""
-  config = facts.config
+  config, rules = facts.config, facts.static_rules
   batch, query_len = x.query.shape[:2]
   kv_len = x.key.shape[1]
   q_seg = jnp.zeros((batch, query_len), jnp.int32) if x.q_segment_ids is None else x.q_segment_ids
@@ -58,8 +62,8 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
       softmax_aux=None if x.sinks is None else base.sink_logsumexp(x.sinks).astype(x.query.dtype),
       logits_soft_cap=config.logits_soft_cap,
       softmax_scale=facts.scale,
-      sliding_window=config.window,
-      causal=config.causal,
+      sliding_window=rules["window"],
+      causal=rules["causal"],
       fused_backward=config.fused_backward,
       platform="triton",
       cfg=_ejkernel.blocksparse_config(config, "triton", num_warps=4, num_stages=2),

@@ -184,7 +184,7 @@ def forward(x: KernelInputs, facts: Facts, tiles: Tiles, out_dtype=None,
   """out [B, T, Hq, Dv] (query dtype or `out_dtype`) and lse [B, T, Hq] f32 (`base`'s convention)."""
   grid = xla_plan.Grid.of(x, tiles[0], tiles[1])
   views = Views(x, facts, grid, kv_in_place)
-  plan = xla_plan.block_plan(x, facts, grid)
+  plan = xla_plan.block_plan(x, grid)
   batch, padded_q, num_heads, _ = views.q.shape
   nq = grid.num_q_blocks
   row_shape = (grid.rows_per_group, views.num_kv_heads, views.heads_per_kv, grid.block_q)
@@ -269,7 +269,7 @@ def backward(x: KernelInputs, facts: Facts, tiles: Tiles, lse, d_out, delta,
   """
   grid = xla_plan.Grid.of(x, tiles[2], tiles[3])
   views = Views(x, facts, grid, kv_in_place)
-  plan = xla_plan.block_plan(x, facts, grid)
+  plan = xla_plan.block_plan(x, grid)
   lse = base.probability_lse(lse)
   rows = [views.pad_queries(d_out), views.pad_queries(delta), views.pad_queries(lse, jnp.inf)]
   nq = grid.num_q_blocks
@@ -307,11 +307,14 @@ def backward(x: KernelInputs, facts: Facts, tiles: Tiles, lse, d_out, delta,
 
 
 def count_pairs(facts: Facts, q_positions, kv_positions, q_segment_ids=None,
-                kv_segment_ids=None) -> int:
-  """The block pairs the forward computes per head for such inputs, with the call's tiles."""
+                kv_segment_ids=None, rule=None) -> int:
+  """The block pairs the forward computes per head for such inputs, with the call's tiles.
+
+  `rule`: the position rule with NumPy arrays, when it has arrays (else `facts.rule`).
+  """
   block_q, block_kv = tiles_for(facts)[:2]
-  return xla_plan.count_pairs(facts, q_positions, kv_positions, block_q, block_kv,
-                              q_segment_ids, kv_segment_ids)
+  return xla_plan.count_pairs(facts.rule if rule is None else rule, q_positions, kv_positions,
+                              block_q, block_kv, q_segment_ids, kv_segment_ids)
 
 
 BACKEND = base.Backend(
@@ -319,4 +322,5 @@ BACKEND = base.Backend(
     forward=lambda x, facts: forward(x, facts, tiles_for(facts), jnp.float32, kv_in_place=True),
     backward=lambda x, facts, lse, d_out, delta, into=None: backward(
         x, facts, tiles_for(facts), lse, d_out, delta, into, kv_in_place=True),
-    count_pairs=count_pairs)
+    count_pairs=count_pairs,
+    plan=lambda x, facts: xla_plan.block_plan(x, xla_plan.Grid.of(x, *tiles_for(facts)[:2])))

@@ -20,7 +20,7 @@ heads per kv head.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,7 @@ class PairMask(NamedTuple):
   kv_pos: jax.Array  # [r, bk] int32
   q_seg: jax.Array | None  # [r, bq] int32, None without segment ids
   kv_seg: jax.Array | None  # [r, bk] int32
-  dense: jax.Array | None  # [r|1, 1|Hkv, 1|Gq, bq, bk] bool, None without a dense mask
+  rule: Any  # the call's `masks.Mask` with its arrays cut to the pair, or None
 
 
 class Pair(NamedTuple):
@@ -75,11 +75,10 @@ class Views:
     self.q_pos = base.pad_axis(x.q_positions, 1, self.padded_q)  # [B, Tp]
     self.q_seg = None if x.q_segment_ids is None else base.pad_axis(
         x.q_segment_ids, 1, self.padded_q, -1)  # [B, Tp]
-    self.mask = None
-    if x.mask is not None:  # [B|1, 1|Hq, T, S] -> [B|1, 1|Hkv, 1|Gq, Tp, S]
-      m = base.pad_axis(x.mask, 2, self.padded_q, False)
-      heads = self.num_kv_heads if m.shape[1] > 1 else 1
-      self.mask = m.reshape(m.shape[0], heads, m.shape[1] // heads, *m.shape[2:])
+    pad = {"q": lambda a: base.pad_axis(a, 1, self.padded_q, -1),  # [B, Tp]
+           "kv": lambda a: a,  # [B, S]
+           "qk": lambda a: base.pad_axis(a, 2, self.padded_q, False)}  # [B|1, 1|Hq, Tp, S]
+    self.rule = None if x.rule is None else x.rule.map_arrays(lambda side, a: pad[side](a))
 
   def of_group(self, a: jax.Array, group) -> jax.Array:
     """Row group `group` of a batch-major array (the whole batch when groups are the batch)."""
@@ -148,20 +147,21 @@ class Views:
     k_idx = self.kv_start(j) + jnp.arange(bk)  # [bk]
     q_side = lambda a: None if a is None else self.q_block(a, group, i, 1)
     kv_side = lambda a: None if a is None else self.kv_block(a, group, j)
-    dense = None if self.mask is None else self.kv_block(self.q_block(self.mask, group, i, 3),
-                                                         group, j, 4)
+    cut = {"q": q_side, "kv": kv_side,
+           "qk": lambda a: self.kv_block(self.q_block(a, group, i, 2), group, j, 3)}
+    rule = None if self.rule is None else self.rule.map_arrays(lambda side, a: cut[side](a))
     mask = PairMask(q_idx < self.grid.query_len, k_idx >= j * bk, q_side(self.q_pos),
                     kv_side(self.x.kv_positions), q_side(self.q_seg),
-                    kv_side(self.x.kv_segment_ids), dense)
+                    kv_side(self.x.kv_segment_ids), rule)
     return Pair(k, v, mask)
 
   def element_mask(self, m: PairMask) -> jax.Array:
     """Visibility inside a block pair: broadcastable to [r, Hkv, Gq, bq, bk]."""
-    mask = (m.q_real[:, None] & m.kv_fresh[None, :])[None]  # [1, bq, bk]
-    pos = masks.position_mask(m.q_pos, m.kv_pos, **self.facts.rules)
-    if pos is not None:
-      mask = mask & pos  # [r, bq, bk]
+    mask = (m.q_real[:, None] & m.kv_fresh[None, :])[None, None]  # [1, 1, bq, bk]
+    if m.rule is not None:
+      mask = mask & m.rule.visible(m.q_pos[:, None, :, None], m.kv_pos[:, None, None, :])
     if m.q_seg is not None:
-      mask = mask & masks.segment_mask(m.q_seg, m.kv_seg)
-    mask = mask[:, None, None]  # [r, 1, 1, bq, bk]
-    return mask if m.dense is None else mask & m.dense
+      mask = mask & masks.segment_mask(m.q_seg, m.kv_seg)[:, None]  # [r, 1|Hq, bq, bk]
+    if mask.shape[1] == 1:
+      return mask[:, :, None]  # [r, 1, 1, bq, bk]
+    return mask.reshape(mask.shape[0], self.num_kv_heads, self.heads_per_kv, *mask.shape[2:])

@@ -4,7 +4,7 @@ Like splash's `MaskInfo` (`jax/experimental/pallas/ops/tpu/splash_attention/
 splash_attention_mask_info.py`), the plan is one structure with documented
 fields, built apart from the kernel that reads it. Unlike `MaskInfo` it is
 built at run time, from per-block ranges of the call's positions and segment
-ids (`splash_hk.masks.blocks_may_see` / `blocks_fully_see`): for default
+ids, and the position rule's own classification (`splash_hk.masks.blocks_see`): for default
 positions that is exactly the static causal/window/chunk plan; for packed
 documents, padding, a cache's filled length or a query shard it skips what no
 query can see. `count_pairs` counts the same plan in NumPy, at trace time.
@@ -83,50 +83,59 @@ class BlockPlan(NamedTuple):
   full_count: jax.Array
 
 
-def block_plan(x: KernelInputs, facts: Facts, grid: Grid) -> BlockPlan:
-  """The plan of one call, from the block ranges of its positions, segment ids and dense mask."""
-  q = masks.block_ranges(x.q_positions, x.q_segment_ids, grid.block_q)
-  kv = masks.block_ranges(x.kv_positions, x.kv_segment_ids, grid.block_kv)
-  rules = facts.rules
-  live = masks.blocks_may_see(q, kv, **rules)  # [B, nq, nk], as `count_pairs` counts them
-  full = masks.blocks_fully_see(q, kv, grid.block_q, grid.block_kv, **rules)
-  if x.mask is not None:  # blocks the dense mask empties are dead; no block runs unmasked
-    live, full = live & _dense_mask_blocks(x.mask, grid), jnp.zeros_like(full)
+def block_plan(x: KernelInputs, grid: Grid) -> BlockPlan:
+  """The plan of one call, from the block ranges of its positions, segment ids and rule."""
+  blocks = masks.plan_blocks(x.q_positions, x.kv_positions, x.q_segment_ids, x.kv_segment_ids,
+                             grid.block_q, grid.block_kv)
+  live, full = masks.blocks_see(x.rule, blocks)  # [B|1, nq, nk], as `count_pairs` counts them
+  live = jnp.broadcast_to(live, (grid.batch, *live.shape[1:]))
   if grid.rows_per_group > 1:  # one group: the whole batch
     live, full = jnp.any(live, axis=0, keepdims=True), jnp.all(full, axis=0, keepdims=True)
   full = full & live
-  rank = jnp.where(full, 0, jnp.where(live, 1, 2))
-  order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
   count = lambda a: jnp.sum(a, axis=-1, dtype=jnp.int32)
-  return BlockPlan(order, count(live), count(full))
+  return BlockPlan(_full_then_live(full, live), count(live), count(full))
 
 
-def _dense_mask_blocks(mask: jax.Array, grid: Grid) -> jax.Array:
-  """Whether a dense mask [B|1, 1|Hq, T, S] lets anything through per block pair: [B|1, nq, nk]."""
-  m = jnp.any(mask, axis=1)  # [B|1, T, S]
-  m = base.pad_axis(m, 1, grid.num_q_blocks * grid.block_q, False)
-  m = base.pad_axis(m, 2, grid.num_kv_blocks * grid.block_kv, False)
-  m = m.reshape(m.shape[0], grid.num_q_blocks, grid.block_q, grid.num_kv_blocks, grid.block_kv)
-  return jnp.any(m, axis=(2, 4))
+def _full_then_live(full: jax.Array, live: jax.Array) -> jax.Array:
+  """[G, nq, nk] int32: each row's kv blocks, full, then live, then dead, each in index order.
+
+  Places by running counts and one scatter, O(nk) a row: a stable sort by rank did the
+  same in 1.3 s at T = 2^20 (8M block pairs) on a 2-core CPU.
+  """
+  partial, dead = live & ~full, ~live
+  at = lambda a: jnp.cumsum(a, axis=-1, dtype=jnp.int32) - 1
+  first = lambda a: jnp.sum(a, axis=-1, keepdims=True, dtype=jnp.int32)
+  place = jnp.where(full, at(full), jnp.where(partial, first(full) + at(partial),
+                                              first(live) + at(dead)))  # [G, nq, nk]
+  groups, rows, blocks = place.shape
+  g = jnp.arange(groups)[:, None, None]
+  i = jnp.arange(rows)[None, :, None]
+  j = jnp.broadcast_to(jnp.arange(blocks, dtype=jnp.int32), place.shape)
+  return jnp.zeros(place.shape, jnp.int32).at[g, i, place].set(j, unique_indices=True)
 
 
-def count_pairs(facts: Facts, q_positions, kv_positions, block_q: int, block_kv: int,
+def count_pairs(rule: masks.Mask | None, q_positions, kv_positions, block_q: int, block_kv: int,
                 q_segment_ids=None, kv_segment_ids=None) -> int:
   """How many block pairs `block_plan` runs for these inputs, per head (NumPy, static).
 
-  Positions and segment ids [B, T] / [B, S] (segments None: one document); the
-  same tiles (clamped to the lengths) and the same rule as the kernel, so this is
-  what it computes, not an idealised count.
+  `rule` with NumPy arrays (or none); positions and segment ids [B, T] / [B, S]
+  (segments None: one document). The same tiles (clamped to the lengths) and the
+  same rule as the kernel, so this is what it computes, not an idealised count.
   """
   block_q, block_kv = min(block_q, q_positions.shape[-1]), min(block_kv, kv_positions.shape[-1])
-  q = masks.block_ranges(np.asarray(q_positions), q_segment_ids, block_q, np)
-  kv = masks.block_ranges(np.asarray(kv_positions), kv_segment_ids, block_kv, np)
-  return int(masks.blocks_may_see(q, kv, **facts.rules).sum())
+  blocks = masks.plan_blocks(np.asarray(q_positions), np.asarray(kv_positions), q_segment_ids,
+                             kv_segment_ids, block_q, block_kv, np)
+  may, _ = masks.blocks_see(rule, blocks)
+  return int(np.broadcast_to(may, (q_positions.shape[0], *may.shape[1:])).sum())
 
 
 def reads_per_kv_block(facts: Facts, grid: Grid) -> float:
-  """How many query blocks read a key block on average, in the plan of default positions."""
-  if grid.num_q_blocks <= 2:
+  """How many query blocks read a key block on average, in the plan of default positions.
+
+  A rule with arrays of its own (ids, a dense mask) is not known here: every query
+  block is taken to read every key block.
+  """
+  if grid.num_q_blocks <= 2 or jax.tree.leaves(facts.rule):
     return float(grid.num_q_blocks)
   q_pos, kv_pos = masks.end_aligned_positions(1, grid.query_len, grid.kv_len, np)
-  return count_pairs(facts, q_pos, kv_pos, grid.block_q, grid.block_kv) / grid.num_kv_blocks
+  return count_pairs(facts.rule, q_pos, kv_pos, grid.block_q, grid.block_kv) / grid.num_kv_blocks

@@ -15,6 +15,7 @@ import jax
 from splash_hk.backends import base
 from splash_hk.config import AttentionConfig
 from splash_hk.kernel import BACKENDS
+from splash_hk.mask_objects import Dense, MaskFn
 from splash_hk.types import Decision, Facts
 
 _ACCELERATOR_KERNEL = {"tpu": "splash", "gpu": "triton"}
@@ -42,11 +43,11 @@ def select(facts: Facts, hardware: str | None = None) -> Decision:
     refusals.append(f"{backend}: {why_not}")
   if not refusals:
     asked = "requested" if config.platform == backend else f"first choice on {hardware}"
-    decision = Decision(backend, f"{backend} is the {asked} ({mode} mode)")
+    decision = Decision(backend, f"{backend} is the {asked} ({mode} mode){_plan_note(facts)}")
   else:
     decision = _fallback(config, Decision(
-        backend, f"falling back to {backend} ({mode} mode) because " + "; ".join(refusals),
-        fallback=True))
+        backend, f"falling back to {backend} ({mode} mode) because " + "; ".join(refusals)
+        + _plan_note(facts), fallback=True))
   if facts.sequence_strategy != "ring" or facts.sequence_shards == 1:
     return decision
   why_not = ring_refusal(facts, BACKENDS[backend])
@@ -55,6 +56,18 @@ def select(facts: Facts, hardware: str | None = None) -> Decision:
         f"{decision.reason}, as a ring over {facts.sequence_shards} sequence shards"))
   return _fallback(config, dataclasses.replace(decision, fallback=True, reason=(
       f"{decision.reason}; sequence_strategy='ring' falls back to all_gather because {why_not}")))
+
+
+def _plan_note(facts: Facts) -> str:
+  """What the block plan reads whole: MaskFn parts without a range rule, in words (or "")."""
+  if facts.rule is None:
+    return ""
+  names = [getattr(p.fn, "__name__", "fn") for p in facts.rule.parts()
+           if isinstance(p, MaskFn) and p.ranges is None]
+  if not names:
+    return ""
+  return (f"; MaskFn({', '.join(names)}) has no range rule: its blocks are classified by "
+          "evaluating it on every (query, key) pair, once per call")
 
 
 def _fallback(config: AttentionConfig, decision: Decision) -> Decision:
@@ -69,7 +82,7 @@ def ring_refusal(facts: Facts, backend: base.Backend) -> str | None:
   if facts.query_len != facts.kv_len:
     return (f"the ring needs self-attention (query_len == kv_len), got query_len "
             f"{facts.query_len}, kv_len {facts.kv_len}")
-  if facts.mask_shape is not None:
+  if facts.rule is not None and any(isinstance(p, Dense) for p in facts.rule.parts()):
     return "a dense mask was given (the ring passes keys, not mask columns, around)"
   if facts.return_weights:
     return "attention weights were requested"

@@ -135,11 +135,10 @@ def attention_specs(
   kv_spec = PartitionSpec(batch_entry, kv_seq, head_entry, None)
   q_rows = PartitionSpec(batch_entry, seq_entry)
   kv_rows = PartitionSpec(batch_entry, kv_seq)
-  mask_spec = None
-  if x.mask is not None:
-    mask_spec = PartitionSpec(batch_entry if x.mask.shape[0] == batch else None,
-                              head_entry if x.mask.shape[1] == num_heads else None,
-                              seq_entry, None)
+  side_spec = {"q": lambda a: q_rows, "kv": lambda a: kv_rows,
+               "qk": lambda a: PartitionSpec(batch_entry if a.shape[0] == batch else None,
+                                             head_entry if a.shape[1] == num_heads else None,
+                                             seq_entry, None)}
   present = lambda value, spec: None if value is None else spec
   in_specs = KernelInputs(
       query=PartitionSpec(batch_entry, seq_entry, head_entry, None),
@@ -149,7 +148,7 @@ def attention_specs(
       kv_positions=kv_rows,
       q_segment_ids=present(x.q_segment_ids, q_rows),
       kv_segment_ids=present(x.kv_segment_ids, kv_rows),
-      mask=present(x.mask, mask_spec),
+      rule=None if x.rule is None else x.rule.map_arrays(lambda side, a: side_spec[side](a)),
       sinks=present(x.sinks, PartitionSpec(head_entry, None)),
   )
   out_specs = KernelOutput(out=PartitionSpec(batch_entry, seq_entry, head_entry, None),
