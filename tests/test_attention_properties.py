@@ -38,7 +38,7 @@ def cases(draw):
   )
 
 
-@hypothesis.settings(max_examples=25, deadline=None, derandomize=True,
+@hypothesis.settings(max_examples=16, deadline=None, derandomize=True,
                      suppress_health_check=[hypothesis.HealthCheck.too_slow])
 @hypothesis.given(case=cases(), seed=st.integers(0, 2**16))
 def test_xla_matches_oracle_on_drawn_cases(case, seed):
@@ -79,7 +79,7 @@ def long_cases(draw):
   return case, tiles
 
 
-@hypothesis.settings(max_examples=6, deadline=None, derandomize=True,
+@hypothesis.settings(max_examples=4, deadline=None, derandomize=True,
                      suppress_health_check=[hypothesis.HealthCheck.too_slow])
 @hypothesis.given(drawn=long_cases(), seed=st.integers(0, 2**16))
 def test_xla_across_block_boundaries_values_and_gradients(drawn, seed):

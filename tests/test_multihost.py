@@ -87,7 +87,7 @@ def _start_training_pair():
     command = lambda i: [sys.executable, "-m", "examples.train", "--steps=100000",
                          "--log_every=10", f"--coordinator_address=127.0.0.1:{port}",
                          "--num_processes=2", f"--process_id={i}", "--cpu_devices=4",
-                         "--heartbeat_timeout=10"]
+                         "--heartbeat_timeout=5"]
     procs = [subprocess.Popen(command(i), stdout=subprocess.DEVNULL, text=True, env=ENV,
                               stderr=subprocess.PIPE if i == 0 else subprocess.DEVNULL)
              for i in range(2)]
