@@ -14,7 +14,7 @@ kernels) alike. The objects themselves live in `splash_hk.mask_objects`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp

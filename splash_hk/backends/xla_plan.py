@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from splash_hk import masks
-from splash_hk.backends import base
 from splash_hk.types import Facts, KernelInputs
 
 # Blocks smaller than this many (row, key, head, dim) products run for the whole
