@@ -6,6 +6,7 @@ r"""Benchmarks attention implementations on this machine: time, memory, fraction
       --workloads=causal@4096,packed:8@4096,decode:1000/16384,decode:1000/1024
   python -m benchmarks.bench --impls=splash_hk_xla --tiles=256x256,128x128 \
       --workloads=full@4096,packed:8@4096 --nobackward
+  python -m benchmarks.bench --cpu_devices=8 --workloads= --traffic_len=65536 --sequence_shards=8
 
 For each (workload, kv heads, implementation): compile time, forward and
 forward+backward time (median of --repeats, every timed call preceded by an
@@ -48,9 +49,12 @@ from benchmarks import bench_train_step
 from benchmarks import bench_workloads
 from benchmarks import plan_cost
 from benchmarks import timing
+from benchmarks import traffic_table
 from examples.train import paths
 
-IMPLS = ("splash_hk_xla", "splash_hk_xla_sp", "splash_hk_ring", "splash_hk_auto", "splash_interpret",
+SEQUENCE_SHARDED = {"splash_hk_xla_sp": "all_gather", "splash_hk_ring": "ring",
+                    "splash_hk_ulysses": "ulysses"}
+IMPLS = ("splash_hk_xla", *SEQUENCE_SHARDED, "splash_hk_auto", "splash_interpret",
          "reference", "jax_nn", "jax_nn_auto", "ejkernel_xla")
 DEFAULT_IMPLS = ("splash_hk_xla", "splash_interpret", "reference", "jax_nn", "ejkernel_xla")
 DENSE = ("reference", "jax_nn", "jax_nn_auto", "ejkernel_xla")
@@ -87,6 +91,10 @@ _TRAIN_SEQ_LEN = flags.DEFINE_integer(
     "documents of this length, sh.MultiHeadAttention vs hk.MultiHeadAttention.")
 _PLAN_WORKLOADS = flags.DEFINE_list(
     "plan_workloads", [], "Workloads (as --workloads) whose xla block plan is timed alone.")
+_TRAFFIC_LEN = flags.DEFINE_integer(
+    "traffic_len", 0, "If > 0, print per sequence strategy (all_gather, ring, ulysses) the bytes "
+    "each of --sequence_shards devices sends per attention call of this length, and its peak "
+    "memory, from the compiled program (needs --cpu_devices >= --sequence_shards on CPU).")
 _TRAIN_DOCUMENTS = flags.DEFINE_integer("train_documents", 8, "Documents packed per row.")
 _TRAIN_BATCH = flags.DEFINE_integer("train_batch", 2, "Rows of the training-step batch.")
 
@@ -118,8 +126,8 @@ def make_impl(name: str, workload: bench_workloads.Workload, batch: int):
     block_q, block_kv = parse_tile(name.partition("@")[2])
     return functools.partial(attend, config=config.replace(
         platform="xla", block_sizes=sh.BlockSizes(block_q, block_kv)))
-  if name in ("splash_hk_xla_sp", "splash_hk_ring"):
-    return _sequence_sharded(config.replace(platform="xla"), extras, ring=name == "splash_hk_ring")
+  if name in SEQUENCE_SHARDED:
+    return _sequence_sharded(config.replace(platform="xla"), extras, SEQUENCE_SHARDED[name])
   if name == "splash_hk_auto":  # the hardware's kernel (Triton on a GPU), with its fallbacks
     return functools.partial(attend, config=config)
   if name == "splash_interpret":
@@ -168,14 +176,15 @@ def work_ratio(impl: str, workload: bench_workloads.Workload) -> float:
   return pairs * block_q * block_kv / workload.useful_pairs
 
 
-def _sequence_sharded(config: sh.AttentionConfig, extras: dict, ring: bool):
-  """The query sequence over --sequence_shards devices: contiguous with all_gather, or a
-  load-balanced ring (inputs put in load-balanced order and the output restored, included
-  in its time: a model pays that once per batch, not per layer)."""
+def _sequence_sharded(config: sh.AttentionConfig, extras: dict, strategy: str):
+  """The query sequence over --sequence_shards devices: contiguous with all_gather and
+  Ulysses, or a load-balanced ring (inputs put in load-balanced order and the output
+  restored, included in its time: a model pays that once per batch, not per layer)."""
   n = _SEQUENCE_SHARDS.value
   mesh = jax.make_mesh((n,), ("sp",), devices=jax.devices()[:n])
-  axes = sh.MeshAxes(batch=None, heads=None, sequence="sp",
-                     sequence_strategy="ring" if ring else "all_gather", load_balanced=ring)
+  ring = strategy == "ring"
+  axes = sh.MeshAxes(batch=None, heads=None, sequence="sp", sequence_strategy=strategy,
+                     load_balanced=ring)
   order = (lambda a: sh.sharding.load_balance(a, n)) if ring else (lambda a: a)
   in_order = lambda v: (v.map_arrays(lambda side, a: order(a)) if isinstance(v, sh.masks.Mask)
                         else order(v))
@@ -221,8 +230,11 @@ def main(argv):
                                   for t in _TILES.value]
   except ValueError as e:
     sys.exit(f"error: {e}")
-  if "splash_hk_xla_sp" in _IMPLS.value and jax.device_count() < _SEQUENCE_SHARDS.value:
-    sys.exit(f"error: splash_hk_xla_sp needs --sequence_shards={_SEQUENCE_SHARDS.value} devices; "
+  sharded = [i for i in _IMPLS.value if i in SEQUENCE_SHARDED]
+  if _TRAFFIC_LEN.value:
+    sharded.append("--traffic_len")
+  if sharded and jax.device_count() < _SEQUENCE_SHARDS.value:
+    sys.exit(f"error: {sharded[0]} needs --sequence_shards={_SEQUENCE_SHARDS.value} devices; "
              f"there are {jax.device_count()} (set --cpu_devices).")
   peaks = matmul_peaks(dtype)
   rows, runs = [], []
@@ -241,6 +253,10 @@ def main(argv):
   _measure(runs)
   bench_report.report(rows, peaks)
   plans = plan_cost.report(_PLAN_WORKLOADS.value, _REPEATS.value)
+  traffic = {}
+  if _TRAFFIC_LEN.value:
+    traffic = traffic_table.report(_TRAFFIC_LEN.value, _SEQUENCE_SHARDS.value, _BATCH.value,
+                                   _NUM_HEADS.value, _HEAD_DIM.value, dtype)
   if _TRAIN_SEQ_LEN.value:
     bench_train_step.report(_TRAIN_SEQ_LEN.value, _TRAIN_DOCUMENTS.value, _TRAIN_BATCH.value,
                             _REPEATS.value)
@@ -251,7 +267,8 @@ def main(argv):
       json.dump({"matmul_peaks_gflops": peaks, "flags": {
           "num_heads": _NUM_HEADS.value, "head_dim": _HEAD_DIM.value, "batch": _BATCH.value,
           "dtype": _DTYPE.value, "repeats": _REPEATS.value},
-                 "rows": [dataclasses.asdict(r) for r in rows], "plan_seconds": plans},
+                 "rows": [dataclasses.asdict(r) for r in rows], "plan_seconds": plans,
+                 "traffic_mib": traffic},
                 f, indent=1)
     bench_report.plot(rows, os.path.join(out, "bench.png"))
 

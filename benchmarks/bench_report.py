@@ -46,8 +46,9 @@ def ratios(rows: Sequence[Any]) -> list[str]:
       lines.append(f"speedup of splash_hk_xla over jax_nn: {r.workload} Hkv={r.num_kv_heads}: "
                    f"{speedup}")
     one = by_key.get(("splash_hk_xla", r.workload, r.num_kv_heads))
-    if r.impl in ("splash_hk_xla_sp", "splash_hk_ring") and ran(one) and ran(r):
-      how = "as a load-balanced ring" if r.impl == "splash_hk_ring" else "all-gathered"
+    how = {"splash_hk_xla_sp": "all-gathered", "splash_hk_ring": "as a load-balanced ring",
+           "splash_hk_ulysses": "Ulysses: heads sharded"}.get(r.impl)
+    if how and ran(one) and ran(r):
       lines.append(f"{r.workload} Hkv={r.num_kv_heads} with the query sequence sharded ({how}) "
                    f"vs unsharded: {_times((r, one))} the time")
   caches = collections.defaultdict(list)  # (impl, kind:first, Hkv) -> [(capacity, row)]

@@ -11,6 +11,7 @@ from splash_hk import kernel
 from splash_hk import masks
 from splash_hk import ring
 from splash_hk import sharding
+from splash_hk import ulysses
 from splash_hk.config import AttentionConfig
 from splash_hk.fallback import selector
 from splash_hk.types import AttentionOutput, Decision, Extras
@@ -109,7 +110,10 @@ def attention(
   else:
     if decision.ring:
       body = functools.partial(ring.attend, decision.backend, facts=facts)
+    elif decision.ulysses:
+      body = functools.partial(ulysses.attend, decision.backend, facts=facts.on_whole_sequence())
     else:
       body = lambda y, _: kernel.run(decision.backend, y, facts)
-    result = sharding.shard_kernel(body, x, mesh=mesh, axes=axes, facts=facts, ring=decision.ring)
+    result = sharding.shard_kernel(body, x, mesh=mesh, axes=axes, facts=facts, ring=decision.ring,
+                                   ulysses=decision.ulysses)
   return AttentionOutput(result.out, result.weights)  # [B, T, Hq, Dv], [B, Hq, T, S] or None

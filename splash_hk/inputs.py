@@ -32,10 +32,11 @@ def facts(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: 
   validation.validate_extras(query, key, extras)
   if isinstance(extras.mask, masks.Mask):
     validation.validate_rule(extras.mask, query, key, config)
-  sequence_shards = 1
+  sequence_shards = head_shards = 1
   if mesh is not None:
     validation.validate_mesh(mesh, axes)
     sequence_shards = specs.query_sequence_shards(query.shape, mesh, axes)
+    head_shards = specs.query_head_shards(query.shape, mesh, axes)
   if axes.load_balanced:
     specs.check_load_balanced(query.shape[1], key.shape[1], mesh, axes, sequence_shards)
   return Facts.from_shapes(
@@ -44,7 +45,7 @@ def facts(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: 
       mask_shape=None if extras.mask is None else getattr(extras.mask, "shape", None),
       return_weights=return_weights, sequence_shards=sequence_shards,
       load_balanced=axes.load_balanced, sequence_strategy=axes.sequence_strategy,
-      rule=_rule(extras, config))
+      head_shards=head_shards, rule=_rule(extras, config))
 
 
 def _rule(extras: Extras, config: AttentionConfig) -> masks.Mask | None:

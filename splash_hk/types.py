@@ -36,12 +36,15 @@ class Decision:
     reason: why this backend; for a fallback, what the preferred one could not do.
     fallback: True when the backend (or sequence strategy) is not the one asked for.
     ring: True when the call runs as a context-parallel ring over the sequence axis.
+    ulysses: True when the call runs Ulysses-style: an all-to-all turns the sharded
+      sequence into sharded heads, and the backend attends the whole sequence.
   """
 
   backend: str
   reason: str
   fallback: bool = False
   ring: bool = False
+  ulysses: bool = False
 
 
 class AttentionOutput(NamedTuple):
@@ -112,7 +115,9 @@ class Facts:
   return_weights: bool = False
   sequence_shards: int = 1  # the query sequence is split over this many devices
   load_balanced: bool = False  # the sequence is in dual-chunk (load-balanced) order
-  sequence_strategy: str = "all_gather"  # asked for: "all_gather" or "ring" (see Decision.ring)
+  sequence_strategy: str = "all_gather"  # asked for (see Decision.ring, Decision.ulysses)
+  head_shards: int = 1  # the query heads are split over this many devices (the head axis)
+  whole_sequence: bool = False  # a sharded sequence, but the kernel sees all of it (Ulysses)
   rule: Any = None  # the position rule's skeleton (`mask_objects.skeleton`): static, hashable
 
   @classmethod
@@ -136,6 +141,15 @@ class Facts:
                mode=Mode.of(query_shape[1], key_shape[1]), default_positions=default_positions,
                mask_shape=None if mask_shape is None else tuple(mask_shape),
                rule=mask_objects.skeleton(rule), **sharding)
+
+  def on_whole_sequence(self) -> Facts:
+    """These facts as a Ulysses kernel sees them: the whole sequence, a share of the heads."""
+    return dataclasses.replace(self, whole_sequence=True)
+
+  @property
+  def query_slices(self) -> int:
+    """Into how many slices the kernel's query is cut (1 when it sees the whole sequence)."""
+    return 1 if self.whole_sequence else self.sequence_shards
 
   @property
   def query_len(self) -> int:

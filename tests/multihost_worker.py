@@ -1,5 +1,8 @@
 """One process of a two-process test: attention under a mesh that spans processes.
 
+The sequence is a ring over sp = 2 (one shard per process: K/V blocks cross the
+process boundary every step), the heads over tp = 4 within each process.
+
   python tests/multihost_worker.py OUT.npy --coordinator_address=... --num_processes=2 \
       --process_id=I --cpu_devices=4
 """
@@ -39,22 +42,25 @@ def main(argv):
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import splash_hk as sh  # pylint: disable=g-import-not-at-top
 
-  mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+  mesh = jax.make_mesh((2, 4), ("sp", "tp"))
+  axes = sh.MeshAxes(batch=None, heads="tp", sequence="sp", sequence_strategy="ring")
   q, k, v, seg, sinks = inputs()
   glob = lambda a: jax.make_array_from_callback(
-      a.shape, NamedSharding(mesh, P("dp") if a.ndim else P()), lambda idx: a[idx])
+      a.shape, NamedSharding(mesh, P(None, "sp") if a.ndim > 1 else P()), lambda idx: a[idx])
   config = sh.AttentionConfig(**CONFIG)
 
   @jax.jit
   def run(q, k, v, seg, sinks):
     def loss(q, k, v, sinks):
-      out = sh.attention(q, k, v, config=config, q_segment_ids=seg, softmax_aux=sinks, mesh=mesh)
+      out = sh.attention(q, k, v, config=config, q_segment_ids=seg, softmax_aux=sinks, mesh=mesh,
+                         axes=axes)
+      assert sh.explain(q, k, v, config=config, q_segment_ids=seg, softmax_aux=sinks, mesh=mesh,
+                        axes=axes).ring
       return jnp.sum(out.attention_outputs ** 2), out.attention_outputs
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
     return out, grads
 
-  out, grads = run(glob(q), glob(k), glob(v), glob(seg),
-                   jax.device_put(sinks, NamedSharding(mesh, P())))
+  out, grads = run(glob(q), glob(k), glob(v), glob(seg), glob(sinks))
   gathered = [np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in (out, *grads)]
   if jax.process_index() == 0:
     np.savez(argv[1], *gathered)

@@ -59,13 +59,21 @@ def test_cache_and_shard_workloads_print_their_ratios(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   proc = subprocess.run(
       [sys.executable, "-m", "benchmarks.bench", "--cpu_devices=2", "--sequence_shards=2",
-       "--impls=splash_hk_xla,splash_hk_xla_sp,reference", "--num_heads=2", "--num_kv_heads=1",
-       "--workloads=packed:2@128,decode:40/256,decode:40/64,prefill:16/64", "--repeats=1",
-       "--nobackward", "--tiles=32x16"], capture_output=True, text=True, env=env, timeout=300)
+       "--impls=splash_hk_xla,splash_hk_xla_sp,splash_hk_ulysses,reference", "--num_heads=2",
+       "--num_kv_heads=1", "--workloads=packed:2@128,decode:40/256,decode:40/64,prefill:16/64",
+       "--repeats=1", "--nobackward", "--tiles=32x16", "--traffic_len=1024"],
+      capture_output=True, text=True, env=env, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout
   assert "decode 40 tokens, cache of 256 vs 64 slots (splash_hk_xla, Hkv=1):" in out
   assert "packed:2@128 Hkv=1 with the query sequence sharded (all-gathered) vs unsharded" in out
+  assert "packed:2@128 Hkv=1 with the query sequence sharded (Ulysses: heads sharded)" in out
+  # MiB each device sends per forward, measured then analytic, at T=1024, sp=2, H=2, D=64 (at
+  # n = 2 all three send one K/V-sized array: 4 (n-1) / n^2 == 2 (n-1) / n); Ulysses holds least.
+  table = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in out.splitlines()
+           if line.split()[:1] in (["all_gather"], ["ring"], ["ulysses"])}
+  assert all(table[s][:2] == [0.5, 0.5] for s in ("all_gather", "ring", "ulysses")), out
+  assert table["ulysses"][3] < table["all_gather"][3], out
   rows = [line.split() for line in out.splitlines() if line.startswith("splash_hk_xla")]
   errors = [float(r[-2]) for r in rows if r[-2] != "nan"]  # max err, then work
   assert errors and max(errors) < 1e-5, out

@@ -116,8 +116,8 @@ def test_load_balanced_needs_self_attention_and_a_splitting_mesh():
     call = dict(query=x, key=x, mesh=mesh) | kwargs
     with pytest.raises(ValueError, match=f"load_balanced.*{needle}|{needle}.*load_balanced"):
       sh.attention(call["query"], call["key"], call["key"], mesh=call["mesh"], axes=axes)
-  with pytest.raises(ValueError, match="sequence_strategy"):
-    sh.MeshAxes(sequence="sp", sequence_strategy="ulysses")
+  with pytest.raises(ValueError, match="sequence_strategy must be one of .*'ulysses'"):
+    sh.MeshAxes(sequence="sp", sequence_strategy="all_to_all")
   with pytest.raises(ValueError, match="needs `sequence`"):
     sh.MeshAxes(load_balanced=True)
 

@@ -136,7 +136,8 @@ def test_query_sequence_sharding_uses_global_positions(query_len):
   got = _out_and_grads(config, mesh, q, k, v, sinks, cot, axes=axes)
   want = _oracle(config, q, k, v, sinks, cot)
   _assert_close(got, want)
-  out = sh.attention(q, k, v, config=config, mesh=mesh, axes=axes).attention_outputs
+  out = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config, mesh=mesh, axes=axes))(
+      q, k, v).attention_outputs
   assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", "sp", "tp", None)), 4)
 
 

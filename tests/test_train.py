@@ -1,5 +1,6 @@
 """The absl training binary, run as users run it (subprocess)."""
 
+import functools
 import os
 import re
 import subprocess
@@ -46,14 +47,25 @@ def test_splash_and_reference_attention_give_the_same_losses():
     assert abs(splash[step] - reference[step]) < 1e-3, (step, splash[step], reference[step])
 
 
-def test_sharded_training_matches_single_device():
-  # Batch over dp, heads over tp, and the sequence over sp as a load-balanced ring, under a
-  # prefix-LM mask object (its ids travel the ring with their keys).
-  flags = ("--steps=20", "--log_every=20", "--seq_len=32", "--prefix_lm")
-  single = _losses(_train(*flags))
-  sharded = _losses(_train(*flags, "--cpu_devices=8", "--mesh=dp=2,sp=2,tp=2",
-                           "--sequence_strategy=ring", "--load_balanced"))
+@pytest.mark.parametrize("mesh,strategy", [
+    ("dp=2,sp=2,tp=2", "ring"), ("dp=2,sp=4", "ulysses"), ("sp=2,tp=4", "ulysses")])
+def test_sharded_training_matches_single_device(mesh, strategy):
+  # Batch over dp, heads over tp, and the sequence over sp as a load-balanced ring (the
+  # prefix-LM ids travel it with their keys) or Ulysses (8 heads: 4 or 1 per device after tp
+  # and sp; the kernel sees the whole sequence), under a prefix-LM mask object.
+  flags = ("--steps=20", "--log_every=20", "--seq_len=32", "--prefix_lm", "--num_heads=8")
+  single = _single_device_losses(flags)
+  proc = _train(*flags, "--cpu_devices=8", f"--mesh={mesh}", f"--sequence_strategy={strategy}",
+                "--load_balanced")
+  needle = "as a ring over 2 sequence shards" if strategy == "ring" else "(Ulysses over"
+  assert needle in proc.stderr, proc.stderr[-2000:]
+  sharded = _losses(proc)
   assert abs(single[20] - sharded[20]) < 1e-3, (single, sharded)
+
+
+@functools.lru_cache(maxsize=None)
+def _single_device_losses(flags: tuple[str, ...]) -> dict[int, float]:
+  return _losses(_train(*flags))
 
 
 def test_resumed_run_ends_like_an_uninterrupted_one(tmp_path):

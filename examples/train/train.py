@@ -34,6 +34,7 @@ import tqdm
 
 import splash_hk as sh
 from splash_hk.config import PLATFORMS
+from splash_hk.sharding.axes import SEQUENCE_STRATEGIES
 from examples.train import batches as batches_lib
 from examples.train import checkpoint as checkpoint_lib
 from examples.train import model as model_lib
@@ -58,8 +59,10 @@ _PLATFORM = flags.DEFINE_enum("platform", "auto", list(PLATFORMS),
                               "splash_hk platform.")
 _MESH = flags.DEFINE_string("mesh", None, 'Device mesh, e.g. "dp=2,tp=4" or "dp=2,sp=4" (axes dp, '
                             "fsdp, tp, and sp: the sequence).")
-_SEQUENCE_STRATEGY = flags.DEFINE_enum("sequence_strategy", "all_gather", ["all_gather", "ring"],
-                                       "How a sequence sharded over sp is attended.")
+_SEQUENCE_STRATEGY = flags.DEFINE_enum(
+    "sequence_strategy", "all_gather", list(SEQUENCE_STRATEGIES),
+    "How a sequence sharded over sp is attended: all_gather (every device gets all keys), ring "
+    "(keys travel), ulysses (all-to-all: each device attends the whole sequence for its heads).")
 _LOAD_BALANCED = flags.DEFINE_bool(
     "load_balanced", False, "Put each batch in load-balanced (dual-chunk) order over sp, so causal "
     "work is even; needs sp in --mesh and a --seq_len that 2 * sp divides.")

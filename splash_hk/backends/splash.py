@@ -34,7 +34,7 @@ _SILENT_SINK = -1e30
 def why_not(facts: Facts, hardware: str) -> str | None:
   """Why JAX's Pallas splash kernel cannot serve this call, or None."""
   config, query_len, kv_len = facts.config, facts.query_len, facts.kv_len
-  shards = facts.sequence_shards
+  shards = facts.query_slices
   if facts.return_weights:
     return base.WEIGHTS_REFUSAL
   if hardware != "tpu" and not config.interpret:
@@ -130,7 +130,7 @@ def build_kernel(*, padded: tuple[int, int], offset: int, heads: int, is_mqa: bo
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   """Splash attention on one shard: KernelInputs (default positions) -> out [B, T, Hq, Dv].
 
-  With `facts.sequence_shards` n > 1, `x` holds one of n equal query slices
+  With `facts.query_slices` n > 1, `x` holds one of n equal query slices
   (T = T_global / n) and its positions are the defaults over the whole query.
   The mask of slice i is the static mask shifted by i * T (in load-balanced
   order: of the places i * T onwards), so one kernel per slice is built (once
@@ -139,11 +139,12 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   """
   x = x._replace(query=base.to_bhtd(x.query), key=base.to_bhtd(x.key),
                  value=base.to_bhtd(x.value))  # [B, H, T, D]
-  n = facts.sequence_shards
+  n = facts.query_slices
   query_len, kv_len = x.query.shape[2], x.key.shape[2]
-  if n == 1:
-    return KernelOutput(base.to_bhtd(_run_at_offset(x, facts, kv_len - query_len)))
-  balanced = (kv_len, n) if facts.load_balanced else None
+  balanced = (kv_len, facts.sequence_shards) if facts.load_balanced else None
+  if n == 1:  # the whole query (balanced: all places, so offset 0)
+    offset = 0 if balanced else kv_len - query_len
+    return KernelOutput(base.to_bhtd(_run_at_offset(x, facts, offset, balanced)))
   if balanced:  # slice i starts with chunk i: its first original position is i * T_global / 2n
     first, index = 0, x.q_positions[0, 0] // (kv_len // (2 * n))
   else:

@@ -51,11 +51,11 @@ def tiles_for(facts: Facts) -> Tiles:
 
   A sequence shard takes 256-row query blocks: its devices already share the
   cores, and at T=8192 over 8 devices a ring step ran faster with them (f+b
-  2.24 s vs 2.53 s) and holds half the working set. A load-balanced shard's
-  blocks stay within one of its chunks (T / 2n).
+  2.24 s vs 2.53 s) and holds half the working set. In a load-balanced
+  sequence (sliced or whole, as under Ulysses) blocks stay within one chunk (T / 2n).
   """
   fwd_q, fwd_kv, bwd_q, bwd_kv = default_tiles(facts.config)
-  if facts.sequence_shards > 1:
+  if facts.query_slices > 1:
     fwd_q, bwd_q = min(fwd_q, 256), min(bwd_q, 256)
   defaults = (fwd_q, fwd_kv, bwd_q, bwd_kv)
   if facts.load_balanced and facts.sequence_shards > 1:

@@ -32,8 +32,33 @@ def candidates(platform: str, hardware: str) -> tuple[str, ...]:
 
 
 def select(facts: Facts, hardware: str | None = None) -> Decision:
-  """Picks the backend (and, for a sharded sequence, the ring or not) from a call's facts."""
+  """Picks the backend (and, for a sharded sequence, ring, Ulysses or not) from a call's facts."""
   hardware = hardware or jax.default_backend()
+  if facts.sequence_shards == 1 or facts.sequence_strategy == "all_gather":
+    return _pick(facts, hardware)
+  strategy = facts.sequence_strategy
+  if strategy == "ulysses":
+    why_not = ulysses_refusal(facts)
+    if why_not is None:
+      decision = _pick(facts.on_whole_sequence(), hardware)
+      heads = facts.num_heads // (facts.head_shards * facts.sequence_shards)
+      return dataclasses.replace(decision, ulysses=True, reason=(
+          f"{decision.reason}, on the whole sequence with {heads} of {facts.num_heads} query "
+          f"heads per device (Ulysses over {facts.sequence_shards} sequence shards)"))
+    decision = _pick(facts, hardware)
+  else:
+    decision = _pick(facts, hardware)
+    why_not = ring_refusal(facts, BACKENDS[decision.backend])
+    if why_not is None:
+      return dataclasses.replace(decision, ring=True, reason=(
+          f"{decision.reason}, as a ring over {facts.sequence_shards} sequence shards"))
+  return _fallback(facts.config, dataclasses.replace(decision, fallback=True, reason=(
+      f"{decision.reason}; sequence_strategy={strategy!r} falls back to all_gather because "
+      f"{why_not}")))
+
+
+def _pick(facts: Facts, hardware: str) -> Decision:
+  """The first backend of `candidates` that serves the call; the others' refusals as reason."""
   config, mode = facts.config, facts.mode.value
   refusals = []
   for backend in candidates(config.platform, hardware):
@@ -43,19 +68,10 @@ def select(facts: Facts, hardware: str | None = None) -> Decision:
     refusals.append(f"{backend}: {why_not}")
   if not refusals:
     asked = "requested" if config.platform == backend else f"first choice on {hardware}"
-    decision = Decision(backend, f"{backend} is the {asked} ({mode} mode){_plan_note(facts)}")
-  else:
-    decision = _fallback(config, Decision(
-        backend, f"falling back to {backend} ({mode} mode) because " + "; ".join(refusals)
-        + _plan_note(facts), fallback=True))
-  if facts.sequence_strategy != "ring" or facts.sequence_shards == 1:
-    return decision
-  why_not = ring_refusal(facts, BACKENDS[backend])
-  if why_not is None:
-    return dataclasses.replace(decision, ring=True, reason=(
-        f"{decision.reason}, as a ring over {facts.sequence_shards} sequence shards"))
-  return _fallback(config, dataclasses.replace(decision, fallback=True, reason=(
-      f"{decision.reason}; sequence_strategy='ring' falls back to all_gather because {why_not}")))
+    return Decision(backend, f"{backend} is the {asked} ({mode} mode){_plan_note(facts)}")
+  return _fallback(config, Decision(
+      backend, f"falling back to {backend} ({mode} mode) because " + "; ".join(refusals)
+      + _plan_note(facts), fallback=True))
 
 
 def _plan_note(facts: Facts) -> str:
@@ -88,6 +104,20 @@ def ring_refusal(facts: Facts, backend: base.Backend) -> str | None:
     return "attention weights were requested"
   if backend.forward is None or backend.backward is None:
     return f"the {backend.name} backend has no forward/backward halves for ring steps"
+  return None
+
+
+def ulysses_refusal(facts: Facts) -> str | None:
+  """Why a sharded sequence cannot run Ulysses-style (heads split over the sequence axis), or None."""
+  n, heads = facts.sequence_shards, facts.num_heads // facts.head_shards
+  if facts.return_weights:
+    return "attention weights were requested"
+  if heads % n:
+    return (f"the {heads} query heads per device after the head axis ({facts.head_shards} "
+            f"shards) do not divide over {n} sequence shards; use a multiple of "
+            f"{n * facts.head_shards} query heads or fewer sequence shards")
+  if facts.kv_len % n:
+    return f"kv_len {facts.kv_len} does not divide over {n} sequence shards"
   return None
 
 

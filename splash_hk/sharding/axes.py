@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 AxisEntry = str | tuple[str, ...] | None
-SEQUENCE_STRATEGIES = ("all_gather", "ring")
+SEQUENCE_STRATEGIES = ("all_gather", "ring", "ulysses")
 
 
 def _as_tuple(entry: AxisEntry) -> tuple[str, ...]:
@@ -26,8 +26,10 @@ class MeshAxes:
     batch: axes of the batch dimension.
     heads: axes of the head dimension.
     sequence: axes of the query sequence (context parallelism), or None.
-    sequence_strategy: "all_gather" (every shard sees all keys/values) or
-      "ring" (keys/values stay sharded too and travel around the ring).
+    sequence_strategy: "all_gather" (every shard sees all keys/values),
+      "ring" (keys/values stay sharded too and travel around the ring) or
+      "ulysses" (all-to-all: every device attends the whole sequence with its
+      share of the heads, on any backend).
     load_balanced: the sequence is in dual-chunk order (`load_balance`), so
       causal work is even across shards; needs `sequence`.
   """

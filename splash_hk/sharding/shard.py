@@ -23,6 +23,7 @@ def shard_kernel(
     axes: MeshAxes,
     facts: Facts,
     ring: bool = False,
+    ulysses: bool = False,
 ) -> KernelOutput:
   """Runs `body` on every shard of `x` and reassembles its output (and weights, if asked for).
 
@@ -36,11 +37,13 @@ def shard_kernel(
     facts: the call's facts (its mode: DECODE never shards the query axis; whether
       weights are returned).
     ring: keys/values stay sharded over the sequence axis (the body runs the ring).
+    ulysses: keys/values stay sharded over the sequence axis and the sinks follow the
+      heads each device attends (the body runs the all-to-alls).
 
   Returns:
     KernelOutput(out [B, T, Hq, Dv], None, weights or None), sharded like the query.
   """
-  in_specs, out_specs, kv_repeats = attention_specs(x, mesh, axes, facts.mode, ring)
+  in_specs, out_specs, kv_repeats = attention_specs(x, mesh, axes, facts.mode, ring, ulysses)
   if kv_repeats > 1:
     x = x._replace(key=jnp.repeat(x.key, kv_repeats, axis=2),  # [B, S, Hkv * r, D]
                    value=jnp.repeat(x.value, kv_repeats, axis=2))  # [B, S, Hkv * r, Dv]

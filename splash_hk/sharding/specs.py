@@ -73,6 +73,12 @@ def query_sequence_shards(query_shape: Sequence[int], mesh: Mesh, axes: MeshAxes
   return entry_size(spec[1], mesh)
 
 
+def query_head_shards(query_shape: Sequence[int], mesh: Mesh, axes: MeshAxes) -> int:
+  """How many shards the heads of a public [B, T, Hq, D] query are split into (the head axis)."""
+  spec = stable_spec((axes.batch, None, axes.heads), query_shape, mesh, keep=BTHD_KEEP)
+  return entry_size(spec[2], mesh)
+
+
 def check_load_balanced(query_len: int, kv_len: int, mesh: Mesh | None, axes: MeshAxes,
                         shards: int) -> None:
   """load_balanced=True needs self-attention over a sequence that the mesh really splits."""
@@ -109,6 +115,7 @@ def attention_specs(
     axes: MeshAxes,
     mode: Mode,
     ring: bool = False,
+    ulysses: bool = False,
 ) -> tuple[KernelInputs, KernelOutput, int]:
   """Specs for every kernel input and output, and the kv-head repeat factor.
 
@@ -119,6 +126,9 @@ def attention_specs(
     mode: DECODE never shards the query axis.
     ring: keys/values (and their positions and segment ids) are sharded over the
       sequence axes too (context-parallel ring); otherwise every shard gets them whole.
+    ulysses: keys/values are sharded over the sequence axes too, and the sinks over
+      the head axes then the sequence axes (the heads each device attends after the
+      all-to-all).
 
   Returns:
     (in_specs, out_specs, kv_repeats): a KernelInputs of PartitionSpecs (None
@@ -131,7 +141,8 @@ def attention_specs(
   q_spec = stable_spec((axes.batch, sequence, axes.heads), x.query.shape, mesh, keep=BTHD_KEEP)
   batch_entry, seq_entry, head_entry = q_spec[0], q_spec[1], q_spec[2]
   repeats = kv_head_repeats(num_heads, x.key.shape[2], entry_size(head_entry, mesh))
-  kv_seq = seq_entry if ring else None
+  kv_seq = seq_entry if ring or ulysses else None
+  sink_heads = _entry(_as_tuple(head_entry) + _as_tuple(seq_entry)) if ulysses else head_entry
   kv_spec = PartitionSpec(batch_entry, kv_seq, head_entry, None)
   q_rows = PartitionSpec(batch_entry, seq_entry)
   kv_rows = PartitionSpec(batch_entry, kv_seq)
@@ -149,7 +160,7 @@ def attention_specs(
       q_segment_ids=present(x.q_segment_ids, q_rows),
       kv_segment_ids=present(x.kv_segment_ids, kv_rows),
       rule=None if x.rule is None else x.rule.map_arrays(lambda side, a: side_spec[side](a)),
-      sinks=present(x.sinks, PartitionSpec(head_entry, None)),
+      sinks=present(x.sinks, PartitionSpec(sink_heads, None)),
   )
   out_specs = KernelOutput(out=PartitionSpec(batch_entry, seq_entry, head_entry, None),
                            lse=PartitionSpec(batch_entry, seq_entry, head_entry),

@@ -18,7 +18,9 @@ def shard_work(query_len: int, kv_len: int, config: AttentionConfig, mesh,
 
   Counted on the xla path with its own tiles and block rule (what its kernel
   really computes, not an idealised count), at default positions, over all ring
-  steps when `axes.sequence_strategy == "ring"` applies (T == S).
+  steps when `axes.sequence_strategy == "ring"` applies (T == S). Under
+  "ulysses" every device attends the whole sequence for its share of the heads:
+  each count is the whole sequence's pairs, per head it holds.
 
   Args:
     query_len: T; kv_len: S.
@@ -40,6 +42,8 @@ def shard_work(query_len: int, kv_len: int, config: AttentionConfig, mesh,
     q_pos, kv_pos = masks.end_aligned_positions(1, query_len, kv_len, np)
   ring = axes.sequence_strategy == "ring" and shards > 1 and query_len == kv_len
   count = kernel.BACKENDS["xla"].count_pairs
+  if axes.sequence_strategy == "ulysses" and shards > 1:
+    return (count(facts.on_whole_sequence(), q_pos, kv_pos),) * shards
   rows, cols = query_len // shards, kv_len // shards
   counts = []
   for i in range(shards):

@@ -1,0 +1,64 @@
+"""Ulysses context parallelism: swap the sharded axis from sequence to heads, inside `shard_map`.
+
+One all-to-all turns this device's sequence shard of q, k, v `[B, T/n, H, D]`
+into the whole sequence of its share of the heads `[B, T, H/n, D]`; the
+backend runs unchanged (any backend: the accelerator kernel stays); one
+all-to-all turns the output back. Positions, segment ids and a mask object's
+arrays are gathered (a dense mask arrives with the heads it serves); sinks
+arrive sharded with their heads (`sharding.attention_specs`). Gradients are
+autodiff of the same program: an all-to-all's transpose is the reverse one.
+
+`sharding/` builds the specs and hands this the sequence axis name.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from splash_hk import kernel
+from splash_hk.sharding.axes import AxisEntry
+from splash_hk.sharding.specs import kv_head_repeats
+from splash_hk.types import Facts, KernelInputs, KernelOutput
+
+
+def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> KernelOutput:
+  """This device's query shard attending every key, computed head-sharded: out [B, T/n, Hq, Dv].
+
+  Args:
+    backend: any backend; it sees the whole sequence and Hq / n of this shard's heads.
+    x: this device's shard: queries and keys/values of its sequence shard (in sequence
+      order along the axis), with their positions and segment ids; sinks of the
+      heads it attends.
+    axis: the mesh axis (or axes) the sequence is sharded over.
+    facts: the call's facts as the kernel sees them (`Facts.on_whole_sequence`).
+  """
+  n = facts.sequence_shards
+  repeats = kv_head_repeats(x.query.shape[2], x.key.shape[2], n)
+  key, value = x.key, x.value
+  if repeats > 1:  # only as many copies as make the kv heads split with their query heads
+    key = jnp.repeat(key, repeats, axis=2)  # [B, S/n, Hkv * r, D]
+    value = jnp.repeat(value, repeats, axis=2)  # [B, S/n, Hkv * r, Dv]
+  to_heads = lambda a: jax.lax.all_to_all(a, axis, 2, 1, tiled=True)
+  gather = lambda a: None if a is None else jax.lax.all_gather(a, axis, axis=1, tiled=True)
+  whole = x._replace(
+      query=to_heads(x.query),  # [B, T, Hq/n, D]
+      key=to_heads(key),  # [B, S, Hkv * r / n, D]
+      value=to_heads(value),  # [B, S, Hkv * r / n, Dv]
+      q_positions=gather(x.q_positions),  # [B, T]
+      kv_positions=gather(x.kv_positions),  # [B, S]
+      q_segment_ids=gather(x.q_segment_ids),  # [B, T]
+      kv_segment_ids=gather(x.kv_segment_ids),  # [B, S]
+      rule=None if x.rule is None else x.rule.map_arrays(
+          lambda side, a: _whole_rule_array(side, a, axis)))
+  out = kernel.run(backend, whole, facts).out  # [B, T, Hq/n, Dv]
+  return KernelOutput(jax.lax.all_to_all(out, axis, 1, 2, tiled=True))  # [B, T/n, Hq, Dv]
+
+
+def _whole_rule_array(side: str, a: jax.Array, axis: AxisEntry) -> jax.Array:
+  """A mask object's array for the whole sequence and this device's heads."""
+  if side != "qk":
+    return jax.lax.all_gather(a, axis, axis=1, tiled=True)  # [B, T] or [B, S]
+  if a.shape[1] == 1:  # one mask for every head: all its rows
+    return jax.lax.all_gather(a, axis, axis=2, tiled=True)  # [B, 1, T, S]
+  return jax.lax.all_to_all(a, axis, 1, 2, tiled=True)  # [B, Hq/n, T, S]
