@@ -142,26 +142,33 @@ def _window_or_first_four(q_pos, kv_pos):
   return ((q_pos - kv_pos >= 0) & (q_pos - kv_pos <= 40)) | (kv_pos < 4)
 
 
-@pytest.mark.parametrize("mesh_name,balanced", [("dp2_sp2_tp2", True), ("sp8", False)])
-def test_splash_in_interpret_mode_keeps_the_kernel(mesh_name, balanced):
-  # MQA at sp = 8 (one kv head repeated for the devices, never for every query head).
-  hkv = 2 if mesh_name == "dp2_sp2_tp2" else 1
+@pytest.mark.parametrize("mesh_name,balanced,rules", [
+    ("dp2_sp2_tp2", True, "mask_fn"), ("sp8", False, "mask_fn"), ("dp2_sp4", False, "config")])
+def test_splash_in_interpret_mode_keeps_the_kernel(mesh_name, balanced, rules):
+  # MQA at sp = 8 (one kv head repeated for the devices, never for every query head); the
+  # config's causal + window + chunk with Dv != D at sp = 4.
+  hkv = {"dp2_sp2_tp2": 2, "sp8": 1, "dp2_sp4": 4}[mesh_name]
   case = Case("splash", batch=2, query_len=256, kv_len=256, num_heads=8, num_kv_heads=hkv,
-              head_dim=32, soft_cap=10.0, segments="packed", sinks="heads")
+              head_dim=32, value_dim=64 if rules == "config" else None, soft_cap=10.0,
+              segments="packed", sinks="heads", window=(40, 0) if rules == "config" else None,
+              chunk=96 if rules == "config" else None)
   q, k, v, extras = case.arrays(seed=11)
-  cot = np.random.default_rng(12).normal(size=q.shape)
+  cot = np.random.default_rng(12).normal(size=(*q.shape[:3], v.shape[-1]))
   n = _sp(mesh_name)
   order = (lambda a: sh.sharding.load_balance(a, n)) if balanced else (lambda a: a)
   restore = (lambda a: sh.sharding.restore_order(a, n)) if balanced else (lambda a: a)
-  config = sh.AttentionConfig(platform="splash", interpret=True, allow_fallback=False,
-                              logits_soft_cap=10.0)
-  got = _run(q, k, v, cot, mesh=_mesh(mesh_name), axes=_axes(balanced), config=config,
-             order=order, restore=restore, mask=M.MaskFn(_window_or_first_four),
-             q_segment_ids=order(extras["q_segment_ids"]), softmax_aux=extras["softmax_aux"])
+  config = case.config.replace(platform="splash", interpret=True, allow_fallback=False)
   pos = np.arange(256)
-  dense = _window_or_first_four(pos[:, None], pos[None, :])[None, None]
-  _check(got, oracle.out_and_vjp(q, k, v, cot, causal=False, soft_cap=10.0, mask=dense,
-                                 q_seg=extras["q_segment_ids"], sinks=extras["softmax_aux"]))
+  if rules == "mask_fn":
+    mask = {"mask": M.MaskFn(_window_or_first_four)}
+    oracle_rules = dict(mask=_window_or_first_four(pos[:, None], pos[None, :])[None, None])
+  else:
+    mask, oracle_rules = {}, dict(causal=True, window=(40, 0), chunk=96)
+  got = _run(q, k, v, cot, mesh=_mesh(mesh_name), axes=_axes(balanced), config=config,
+             order=order, restore=restore, q_segment_ids=order(extras["q_segment_ids"]),
+             softmax_aux=extras["softmax_aux"], **mask)
+  _check(got, oracle.out_and_vjp(q, k, v, cot, soft_cap=10.0, q_seg=extras["q_segment_ids"],
+                                 sinks=extras["softmax_aux"], **{"causal": False, **oracle_rules}))
 
 
 def test_explain_splash_serves_what_the_ring_refuses_and_ulysses_limits_fall_back():
