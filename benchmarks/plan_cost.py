@@ -4,7 +4,10 @@
 
 The plan is everything the xla path builds before its loops (block ranges of
 positions and segment ids, the rule's classification, the order of the blocks);
-it runs inside every call, so its time is a part of each forward's.
+it runs inside every call, so its time is a part of each forward's. Where the
+splash (TPU) kernel can serve the workload, its build is timed too: the
+MaskInfo of its forward, dq and dK/dV grids (`backends/splash_plan.py`), built
+once per static shape at trace time.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from benchmarks import bench_workloads
 from benchmarks import timing
 from splash_hk import inputs
 from splash_hk import kernel
+from splash_hk.backends import splash
 from splash_hk.types import Extras
 
 
@@ -30,11 +34,34 @@ def plan_seconds(workload: bench_workloads.Workload, repeats: int) -> float:
   return timing.median_seconds(plan, x, repeats=repeats)
 
 
+def splash_build_seconds(workload: bench_workloads.Workload, repeats: int) -> float | None:
+  """Median seconds of building the splash kernel of `workload` (its MaskInfo), or None
+  where splash cannot serve it (it then never builds one)."""
+  zeros = jax.ShapeDtypeStruct((1, workload.query_len, 1, 128), jnp.float32)
+  keys = jax.ShapeDtypeStruct((1, workload.kv_len, 1, 128), jnp.float32)
+  config = workload.config.replace(platform="splash", interpret=True)
+  facts = inputs.facts(zeros, keys, keys, config=config, extras=Extras(**workload.extras(1)))
+  if splash.why_not(facts, "tpu") is not None:
+    return None
+  blocks, t_pad, s_pad = splash.padded_layout(workload.query_len, workload.kv_len,
+                                              config.block_sizes)
+  build = lambda: splash.build_kernel.__wrapped__(
+      padded=(t_pad, s_pad), offset=workload.kv_len - workload.query_len, is_mqa=False,
+      config=config, rule=facts.rule, blocks=blocks)
+  return timing.median_seconds(build, repeats=repeats)
+
+
 def report(specs: list[str], repeats: int) -> dict[str, float]:
-  """Prints and returns {spec: plan seconds}."""
+  """Prints and returns {spec: plan seconds} (and {spec + " splash": build seconds})."""
   seconds = {}
   for spec in specs:
-    seconds[spec] = plan_seconds(bench_workloads.parse(spec), repeats)
-    print(f"plan of {spec}: {seconds[spec] * 1e3:.1f} ms (xla block plan, B=1)")
+    workload = bench_workloads.parse(spec)
+    seconds[spec] = plan_seconds(workload, repeats)
+    line = f"plan of {spec}: {seconds[spec] * 1e3:.1f} ms (xla block plan, B=1)"
+    built = splash_build_seconds(workload, repeats)
+    if built is not None:
+      seconds[f"{spec} splash"] = built
+      line += f"; splash MaskInfo (fwd, dq, dK/dV) {built * 1e3:.1f} ms"
+    print(line)
   return seconds
 

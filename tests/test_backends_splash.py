@@ -187,3 +187,50 @@ def test_kernels_are_built_once_per_static_shape():
 def test_padded_layout_clamps_blocks(t, s, block, expected):
   blocks = sh.BlockSizes(block_q=block, block_kv=block)
   assert splash_tpu.padded_layout(t, s, blocks) == expected
+
+
+def _first_four(q, k):
+  return (k < 4) | (q < 0)
+
+
+def _from_128(q, k):
+  return (k >= 128) | (q < 0)
+
+
+M = sh.masks
+PLAN_CASES = [  # (rule, padded (T, S), query offset, load-balanced (length, shards), blocks)
+    (M.Causal(), (384, 640), 256, None, (128, 128)),
+    (M.Causal() & M.SlidingWindow((200, 0)), (1024, 1024), 0, None, (128, 256)),
+    (M.Chunked(300), (768, 768), 0, None, (128, 128)),
+    (M.SlidingWindow((100, 0)) | M.MaskFn(_first_four), (1024, 1024), 0, None, (256, 128)),
+    (M.Causal(), (1024, 1024), 0, (1024, 4), (128, 128)),
+    (M.Causal(), (256, 1024), 512, (1024, 2), (128, 128)),
+    # The first visible block is not block 0, and the grid ends in empty blocks (a wrap).
+    (M.Causal() & M.MaskFn(_from_128), (256, 1024), 0, None, (128, 128)),
+]
+
+
+@pytest.mark.parametrize("rule,padded,offset,balanced,blocks", PLAN_CASES)
+def test_mask_info_equals_jax_per_block_loop(rule, padded, offset, balanced, blocks):
+  # JAX's own MaskInfo (its Python loop over every block pair, evaluating the mask) is the
+  # oracle for ours (from the rule's per-block answers): every array, dtype and layout, for
+  # the forward/dq and dK/dV grids, shrunk and not.
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
+      splash_attention_mask as splash_mask, splash_attention_mask_info as info_lib)
+  from splash_hk.backends import splash_plan  # pylint: disable=g-import-not-at-top
+  head = splash_tpu.PositionMask(padded, offset, rule, balanced)
+  place = (lambda i: i) if balanced is None else (
+      lambda i: sh.masks.load_balanced_position(i, *balanced))
+  values = splash_plan.block_mask(rule, place(np.arange(padded[0]) + offset),
+                                  place(np.arange(padded[1])), blocks)
+  for is_dkv in (False, True):
+    for shrink in (True, False):
+      want, _ = info_lib._process_mask(  # pylint: disable=protected-access
+          splash_mask.MultiHeadMask([head] * 2), blocks, is_dkv, shrink_grid=shrink)
+      got = splash_plan.mask_info(values, padded[0], is_dkv=is_dkv, shrink=shrink,
+                                  computed=True)
+      for name, w, g in zip(want._fields, want, got):
+        assert (w is None) == (g is None), name
+        if w is not None:
+          assert np.asarray(w).dtype == g.dtype, (name, is_dkv, shrink)
+          np.testing.assert_array_equal(np.asarray(w), g, err_msg=f"{name} {is_dkv} {shrink}")

@@ -15,12 +15,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from splash_hk import mask_objects
 from splash_hk import masks
 from splash_hk.backends import base
+from splash_hk.backends import splash_plan
 from splash_hk.backends import xla
 from splash_hk.config import AttentionConfig
 from splash_hk.types import Facts, KernelInputs, KernelOutput, Mode
@@ -105,26 +107,46 @@ def padded_layout(query_len: int, kv_len: int, block_sizes) -> tuple[tuple[int, 
 
 
 @functools.lru_cache(maxsize=64)
-def build_kernel(*, padded: tuple[int, int], offset: int, heads: int, is_mqa: bool,
+def build_kernel(*, padded: tuple[int, int], offset: int, is_mqa: bool,
                  config: AttentionConfig, rule: mask_objects.Mask | None,
                  blocks: tuple[int, int, int, int],
                  balanced: tuple[int, int] | None = None):
-  """The splash kernel for one static shape and config (cached: built once)."""
-  if rule is not None:
-    head_mask = PositionMask(padded, offset, rule, balanced=balanced)
-  else:
-    head_mask = splash_mask.FullMask(padded)
+  """The splash kernel for one static shape and config (cached: built once).
+
+  Its MaskInfo comes from the rule's per-block answers (`splash_plan`), in O(blocks),
+  not from JAX's per-block Python loop; partial blocks compute `PositionMask`.
+  """
   bq, bkv, bq_bwd, bkv_bwd = blocks
   fused = config.fused_backward
   block_sizes = splash.BlockSizes(
       block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq_bwd, block_kv_dkv=bkv_bwd,
       block_kv_dkv_compute=bkv_bwd, block_q_dq=None if fused else bq_bwd,
       block_kv_dq=None if fused else bkv_bwd, use_fused_bwd_kernel=fused)
-  make = splash.make_splash_mqa if is_mqa else splash.make_splash_mha
+  place = (lambda i: i) if balanced is None else (
+      lambda i: masks.load_balanced_position(i, *balanced))
+  q_pos, kv_pos = place(np.arange(padded[0]) + offset), place(np.arange(padded[1]))
+  computed = rule is not None
+
+  @functools.cache
+  def values(block_shape):
+    return splash_plan.block_mask(rule, q_pos, kv_pos, block_shape)
+
+  @functools.cache
+  def info(block_shape, is_dkv, shrink=True):
+    return splash_plan.mask_info(values(block_shape), padded[0], is_dkv=is_dkv, shrink=shrink,
+                                 computed=computed)
+
   with jax.ensure_compile_time_eval():  # MaskInfo arrays are constants, not tracers of the caller
-    return make(splash_mask.MultiHeadMask([head_mask] * heads), block_sizes=block_sizes,
-                head_shards=1, q_seq_shards=1, attn_logits_soft_cap=config.logits_soft_cap,
-                interpret=config.interpret)
+    as_arrays = lambda mask_info: jax.tree.map(jnp.array, mask_info)
+    return splash.SplashAttentionKernel(
+        as_arrays(info((bq, bkv), False)),
+        None if fused else as_arrays(info((bq_bwd, bkv_bwd), False)),
+        as_arrays(info((bq_bwd, bkv_bwd), True, shrink=not fused)),
+        block_sizes=block_sizes, is_mqa=is_mqa, save_residuals=False,
+        mask_value=splash.DEFAULT_MASK_VALUE, attn_logits_soft_cap=config.logits_soft_cap,
+        residual_checkpoint_name=None, interpret=config.interpret,
+        mask_function=PositionMask(padded, offset, rule, balanced).mask_function if computed
+        else None)
 
 
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
@@ -179,7 +201,7 @@ def _run_at_offset(x: KernelInputs, facts: Facts, offset: int,
   sinks = (jnp.full((num_heads,), _SILENT_SINK, jnp.float32) if x.sinks is None
            else base.sink_logsumexp(x.sinks))  # [Hq]
   kernel = build_kernel(padded=(t_pad, s_pad), offset=offset,
-                        heads=groups if groups > 1 else num_heads, is_mqa=groups > 1,
+                        is_mqa=groups > 1,
                         config=config, rule=facts.rule, blocks=blocks, balanced=balanced)
   seg_axes = None if segment_ids is None else splash.SegmentIds(0, 0)
   if groups == 1:
