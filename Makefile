@@ -19,7 +19,7 @@ setup: $(STAMP)
 # Two pytest workers: most of the suite is XLA compilation, which runs on one core.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 tests
 
 # The built wheel (not an editable install) in a fresh venv, against the lock:
 # it installs, ships py.typed and the library alone (no example or bench module),

@@ -1,4 +1,4 @@
-"""Test setup: 8 virtual CPU devices (before jax is imported) and a private HOME.
+"""Test setup: 8 virtual CPU devices (before jax is imported), a private HOME, slow files first.
 
 `pytest -m gpu` (what `make gpu-check` runs on a GPU machine) leaves JAX_PLATFORMS
 and the device count as the machine has them, so the GPU tests see the GPU.
@@ -40,3 +40,17 @@ def pytest_runtest_makereport(item: pytest.Item, call):
   if report.skipped and _gpu_run(item.config):
     report.outcome = "failed"
     report.longrepr = f"skipped under -m gpu (is there a GPU?): {report.longrepr}"
+
+
+# Files whose tests run training binaries or processes (tens of seconds each): run first, so
+# that under two pytest workers the short tests fill in around them instead of one worker
+# finishing a long one alone at the end.
+SLOW_FIRST = ("test_multihost.py", "test_train.py", "test_readme.py", "test_real_sizes.py",
+              "test_ulysses.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+  del config
+  rank = lambda item: (SLOW_FIRST.index(item.path.name) if item.path.name in SLOW_FIRST
+                       else len(SLOW_FIRST))
+  items.sort(key=rank)  # stable: each file keeps its own order
