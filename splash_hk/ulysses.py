@@ -14,11 +14,11 @@ autodiff of the same program: an all-to-all's transpose is the reverse one.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from splash_hk import kernel
 from splash_hk.sharding.axes import AxisEntry
 from splash_hk.sharding.specs import kv_head_repeats
+from splash_hk.sharding.specs import repeat_kv_heads
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 
@@ -33,18 +33,15 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
     axis: the mesh axis (or axes) the sequence is sharded over.
     facts: the call's facts as the kernel sees them (`Facts.on_whole_sequence`).
   """
-  n = facts.sequence_shards
-  repeats = kv_head_repeats(x.query.shape[2], x.key.shape[2], n)
-  key, value = x.key, x.value
-  if repeats > 1:  # only as many copies as make the kv heads split with their query heads
-    key = jnp.repeat(key, repeats, axis=2)  # [B, S/n, Hkv * r, D]
-    value = jnp.repeat(value, repeats, axis=2)  # [B, S/n, Hkv * r, Dv]
+  # Only as many kv-head copies as make the kv heads split with their query heads.
+  x = repeat_kv_heads(x, kv_head_repeats(x.query.shape[2], x.key.shape[2],
+                                         facts.sequence_shards))
   to_heads = lambda a: jax.lax.all_to_all(a, axis, 2, 1, tiled=True)
-  gather = lambda a: None if a is None else jax.lax.all_gather(a, axis, axis=1, tiled=True)
+  gather = lambda a: None if a is None else _gather(a, axis, 1)
   whole = x._replace(
       query=to_heads(x.query),  # [B, T, Hq/n, D]
-      key=to_heads(key),  # [B, S, Hkv * r / n, D]
-      value=to_heads(value),  # [B, S, Hkv * r / n, Dv]
+      key=to_heads(x.key),  # [B, S, Hkv * r / n, D]
+      value=to_heads(x.value),  # [B, S, Hkv * r / n, Dv]
       q_positions=gather(x.q_positions),  # [B, T]
       kv_positions=gather(x.kv_positions),  # [B, S]
       q_segment_ids=gather(x.q_segment_ids),  # [B, T]
@@ -58,7 +55,12 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
 def _whole_rule_array(side: str, a: jax.Array, axis: AxisEntry) -> jax.Array:
   """A mask object's array for the whole sequence and this device's heads."""
   if side != "qk":
-    return jax.lax.all_gather(a, axis, axis=1, tiled=True)  # [B, T] or [B, S]
+    return _gather(a, axis, 1)  # [B, T] or [B, S]
   if a.shape[1] == 1:  # one mask for every head: all its rows
-    return jax.lax.all_gather(a, axis, axis=2, tiled=True)  # [B, 1, T, S]
+    return _gather(a, axis, 2)  # [B, 1, T, S]
   return jax.lax.all_to_all(a, axis, 1, 2, tiled=True)  # [B, Hq/n, T, S]
+
+
+def _gather(a: jax.Array, axis: AxisEntry, dim: int) -> jax.Array:
+  """`a` whole along `dim` (its sequence dimension), from every device's shard."""
+  return jax.lax.all_gather(a, axis, axis=dim, tiled=True)

@@ -242,3 +242,18 @@ def test_shard_work_counts_the_whole_sequence_on_every_device():
     axes = sh.MeshAxes(batch=None, heads=None, sequence="sp", sequence_strategy="ulysses",
                        load_balanced=balanced)
     assert sh.sharding.shard_work(8192, 8192, config, mesh, axes) == whole * 8
+
+
+def test_real_size_with_default_tiles_and_a_partial_last_block():
+  # B = 2, T = 1800 over sp = 4 (450 tokens per device): the kernel sees 1800 tokens with the
+  # default tiles (512 x 256), so the last blocks are partial; GQA, packed rows, sinks.
+  case = Case("real", batch=2, query_len=1800, kv_len=1800, num_heads=8, num_kv_heads=2,
+              head_dim=64, segments="packed", sinks="heads", window=(700, 0))
+  q, k, v, extras = case.arrays(seed=13)
+  config = case.config.replace(platform="xla", allow_fallback=False)
+  mesh = _mesh("dp2_sp4")
+  assert sh.explain(q, k, v, config=config, mesh=mesh, axes=_axes(), **extras).ulysses
+  out = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config, mesh=mesh, axes=_axes(),
+                                             **extras).attention_outputs)(q, k, v)
+  np.testing.assert_allclose(np.asarray(out), case.oracle(q, k, v, extras)[0], atol=2e-5,
+                             rtol=2e-5)

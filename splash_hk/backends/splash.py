@@ -79,16 +79,23 @@ class PositionMask(splash_mask._ComputableMask):  # pylint: disable=protected-ac
   def __init__(self, shape: tuple[int, int], offset: int, rule: mask_objects.Mask,
                balanced: tuple[int, int] | None = None):
     self.params = (shape, offset, rule, balanced)
-    place = (lambda i: i) if balanced is None else (
-        lambda i: masks.load_balanced_position(i, *balanced))
-    super().__init__(shape, lambda q_ids, kv_ids: rule.visible(place(q_ids + offset),
-                                                                 place(kv_ids)))
+    super().__init__(shape, lambda q_ids, kv_ids: rule.visible(*places(q_ids, kv_ids, offset,
+                                                                       balanced)))
 
   def __eq__(self, other):
     return isinstance(other, PositionMask) and self.params == other.params
 
   def __hash__(self):
     return hash(self.params)
+
+
+def places(q_ids, kv_ids, offset: int, balanced: tuple[int, int] | None):
+  """The positions of padded query / key indices (queries shifted by `offset`): the indices
+  themselves, or with `balanced=(length, shards)` the tokens' original positions."""
+  if balanced is None:
+    return q_ids + offset, kv_ids
+  return (masks.load_balanced_position(q_ids + offset, *balanced),
+          masks.load_balanced_position(kv_ids, *balanced))
 
 
 @functools.lru_cache(maxsize=64)
@@ -122,9 +129,7 @@ def build_kernel(*, padded: tuple[int, int], offset: int, is_mqa: bool,
       block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq_bwd, block_kv_dkv=bkv_bwd,
       block_kv_dkv_compute=bkv_bwd, block_q_dq=None if fused else bq_bwd,
       block_kv_dq=None if fused else bkv_bwd, use_fused_bwd_kernel=fused)
-  place = (lambda i: i) if balanced is None else (
-      lambda i: masks.load_balanced_position(i, *balanced))
-  q_pos, kv_pos = place(np.arange(padded[0]) + offset), place(np.arange(padded[1]))
+  q_pos, kv_pos = places(np.arange(padded[0]), np.arange(padded[1]), offset, balanced)
   computed = rule is not None
 
   @functools.cache

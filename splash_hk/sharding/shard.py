@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from splash_hk.sharding.axes import AxisEntry, MeshAxes
 from splash_hk.sharding.specs import attention_specs
+from splash_hk.sharding.specs import repeat_kv_heads
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 _is_spec = lambda s: isinstance(s, PartitionSpec)
@@ -44,9 +44,7 @@ def shard_kernel(
     KernelOutput(out [B, T, Hq, Dv], None, weights or None), sharded like the query.
   """
   in_specs, out_specs, kv_repeats = attention_specs(x, mesh, axes, facts.mode, ring, ulysses)
-  if kv_repeats > 1:
-    x = x._replace(key=jnp.repeat(x.key, kv_repeats, axis=2),  # [B, S, Hkv * r, D]
-                   value=jnp.repeat(x.value, kv_repeats, axis=2))  # [B, S, Hkv * r, Dv]
+  x = repeat_kv_heads(x, kv_repeats)
   if any(t == AxisType.Explicit for t in mesh.axis_types):
     x = jax.tree.map(lambda spec, a: jax.reshard(a, NamedSharding(mesh, spec)),
                      in_specs, x, is_leaf=_is_spec)

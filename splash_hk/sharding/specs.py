@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from splash_hk.sharding.axes import AxisEntry, MeshAxes, _as_tuple
@@ -107,6 +108,14 @@ def kv_head_repeats(num_heads: int, num_kv_heads: int, head_shards: int) -> int:
   group size Hq / Hkv, so grouping stays exact.
   """
   return head_shards // math.gcd(num_kv_heads, head_shards)
+
+
+def repeat_kv_heads(x: KernelInputs, repeats: int) -> KernelInputs:
+  """x with every kv head repeated `repeats` times in place (see `kv_head_repeats`)."""
+  if repeats == 1:
+    return x
+  return x._replace(key=jnp.repeat(x.key, repeats, axis=2),  # [B, S, Hkv * r, D]
+                    value=jnp.repeat(x.value, repeats, axis=2))  # [B, S, Hkv * r, Dv]
 
 
 def attention_specs(
