@@ -32,7 +32,8 @@ class BlockSizes:
 
   `block_q`/`block_kv` tile the forward pass, `*_bwd` the backward pass. The
   defaults: XLA path, measured on CPU (see `splash_hk.backends.xla.default_tiles`);
-  splash, 128 everywhere (its blocks must be multiples of 128, clamped to the
+  splash, 128 up to 2048 blocks per sequence, then doubled (512 at 2^20 tokens:
+  `splash_hk.backends.splash.default_block`; multiples of 128, clamped to the
   padded sequence); Triton, ejkernel's GPU heuristics (64 forward, 32 backward).
   """
 

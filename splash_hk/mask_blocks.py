@@ -8,8 +8,9 @@ their count and the ranges of their positions and segment ids.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 ArrayLike = Any  # np.ndarray or jax.Array
@@ -92,4 +93,27 @@ class Blocks:
     `may` that counts its pairs is still never a false no.
     """
     blocks = self.pairs(see)  # [B|1, 1|H, nq, bq, nk, bk]
-    return self.xp.any(blocks, axis=(1, 3, 5)), self.xp.all(blocks, axis=(1, 3, 5))
+    return any_all(blocks, (1, 3, 5), self.xp)
+
+  def evaluate(self, fn: Callable[[Any, Any], Any]) -> tuple[ArrayLike, ArrayLike]:
+    """(may, full) [B, nq, nk] of an elementwise rule `fn(q_pos, kv_pos)`, evaluated on every
+    pair where each block pair's pairs are contiguous: [B, nq, 1, bq, 1] x [B, 1, nk, 1, bk]."""
+    xp, (bq, bk) = self.xp, (self.block_q, self.block_kv)
+    q = blocks(self.q_pos, bq, 0, xp)[:, :, None, :, None]  # [B, nq, 1, bq, 1]
+    kv = blocks(self.kv_pos, bk, 0, xp)[:, None, :, None, :]  # [B, 1, nk, 1, bk]
+    see = xp.asarray(fn(q, kv))
+    if see.shape != xp.broadcast_shapes(q.shape, kv.shape):  # not elementwise: read it whole
+      return self.reduce(xp.asarray(fn(self.q_pos[:, None, :, None], self.kv_pos[:, None, None, :])))
+    return any_all(see, (3, 4), self.xp)
+
+
+def any_all(see: ArrayLike, axes: tuple[int, ...], xp) -> tuple[ArrayLike, ArrayLike]:
+  """(any, all) of bool `see` over `axes`; under jnp in one pass (a two-result reduction:
+  XLA:CPU evaluates `see` once instead of once per answer, 5-10x faster at T = 8192)."""
+  if xp is not jnp:
+    return xp.any(see, axis=axes), xp.all(see, axis=axes)
+  small = see.astype(jnp.int8)
+  most, least = jax.lax.reduce((small, small), (jnp.int8(0), jnp.int8(1)),
+                               lambda a, b: (jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])),
+                               axes)
+  return most > 0, least > 0

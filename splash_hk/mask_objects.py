@@ -213,8 +213,7 @@ class MaskFn(Mask):
       q, kv = b.q, b.kv
       return self.ranges(_q_side(q.pos_min), _q_side(q.pos_max), _kv_side(kv.pos_min),
                          _kv_side(kv.pos_max))
-    see = b.xp.asarray(self.fn(b.q_pos[:, None, :, None], b.kv_pos[:, None, None, :]))
-    return b.reduce(see)
+    return b.evaluate(self.fn)
 
 
 @_register

@@ -189,6 +189,16 @@ def test_padded_layout_clamps_blocks(t, s, block, expected):
   assert splash_tpu.padded_layout(t, s, blocks) == expected
 
 
+@pytest.mark.parametrize("t,s,expected", [
+    (256 * 1024, 256 * 1024, ((128, 128, 128, 128), 2**18, 2**18)),
+    (2**18 + 1, 2**20, ((256, 512, 256, 512), 2**18 + 256, 2**20)),
+    (128, 2**20 + 1, ((128, 1024, 128, 1024), 128, 2**20 + 1024)),
+])
+def test_default_blocks_grow_with_the_sequence(t, s, expected):
+  # At most 2048 blocks per side by default: 128-row tiles at 2^20 would be 67M grid steps.
+  assert splash_tpu.padded_layout(t, s, sh.BlockSizes()) == expected
+
+
 def _first_four(q, k):
   return (k < 4) | (q < 0)
 

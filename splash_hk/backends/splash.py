@@ -28,6 +28,10 @@ from splash_hk.config import AttentionConfig
 from splash_hk.types import Facts, KernelInputs, KernelOutput, Mode
 
 LANE = 128  # splash blocks are multiples of this
+# The default tile is LANE, doubled while a sequence would hold more blocks than this:
+# a grid step costs the same at any tile, and at 2^20 tokens 128-row tiles make 67M
+# steps per head (and MaskInfo arrays of that size); MaxText runs 512 or 1024 there.
+MAX_DEFAULT_BLOCKS = 2048
 # A sink this low adds exp(-1e30 - m) == 0 to every real row, but gives a row
 # with no visible key a finite max, so the kernel returns 0 there (not mean(v)).
 _SILENT_SINK = -1e30
@@ -98,6 +102,15 @@ def places(q_ids, kv_ids, offset: int, balanced: tuple[int, int] | None):
           masks.load_balanced_position(kv_ids, *balanced))
 
 
+def default_block(length: int) -> int:
+  """The default splash tile for a sequence of `length`: LANE, doubled while the sequence
+  would hold more than MAX_DEFAULT_BLOCKS blocks (512 at 2^20 tokens)."""
+  block = LANE
+  while -(-length // block) > MAX_DEFAULT_BLOCKS:
+    block *= 2
+  return block
+
+
 @functools.lru_cache(maxsize=64)
 def padded_layout(query_len: int, kv_len: int, block_sizes) -> tuple[tuple[int, ...], int, int]:
   """Block sizes clamped to the (padded) lengths, and the padded lengths.
@@ -105,7 +118,8 @@ def padded_layout(query_len: int, kv_len: int, block_sizes) -> tuple[tuple[int, 
   Returns:
     ((block_q, block_kv, block_q_bwd, block_kv_bwd), padded_query_len, padded_kv_len).
   """
-  fwd_q, fwd_kv, bwd_q, bwd_kv = block_sizes.resolve(LANE, LANE)
+  fwd_q, fwd_kv, bwd_q, bwd_kv = block_sizes.resolve(default_block(query_len),
+                                                      default_block(kv_len))
   q_cap, kv_cap = base.round_up(query_len, LANE), base.round_up(kv_len, LANE)
   bq, bq_bwd = min(fwd_q, q_cap), min(bwd_q, q_cap)
   bkv, bkv_bwd = min(fwd_kv, kv_cap), min(bwd_kv, kv_cap)

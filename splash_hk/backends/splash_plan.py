@@ -29,10 +29,20 @@ from splash_hk import mask_objects
 
 def block_mask(rule: mask_objects.Mask | None, q_positions: np.ndarray,
                kv_positions: np.ndarray, block_shape: tuple[int, int]) -> np.ndarray:
-  """[nq, nk] int32: 0 no pair visible, 1 some, 2 all (never a false 0 or 2)."""
-  blocks = masks.plan_blocks(q_positions[None], kv_positions[None], None, None, *block_shape, np)
-  may, full = masks.blocks_see(rule, blocks)  # [1, nq, nk]
-  return np.where(full[0], 2, np.where(may[0], 1, 0)).astype(np.int32)
+  """[nq, nk] int8: 0 no pair visible, 1 some, 2 all (never a false 0 or 2).
+
+  The positions are the padded indices' places: every block is whole (the
+  padding is masked by segment ids in the kernel, not here).
+  """
+  (length, kv_length), (bq, bk) = (len(q_positions), len(kv_positions)), block_shape
+  if length % bq or kv_length % bk:
+    raise ValueError(f"padded lengths {(length, kv_length)} must be whole blocks {block_shape}")
+  shape = (length // bq, kv_length // bk)
+  if rule is None:
+    return np.full(shape, 2, np.int8)
+  blocks = masks.plan_blocks(q_positions[None], kv_positions[None], None, None, bq, bk, np)
+  may, full = (np.broadcast_to(a, (1, *shape))[0] for a in rule.classify(blocks))
+  return may.view(np.int8) + (full & may).view(np.int8)
 
 
 def mask_info(block_values: np.ndarray, q_len: int, *, is_dkv: bool, shrink: bool,
@@ -44,10 +54,12 @@ def mask_info(block_values: np.ndarray, q_len: int, *, is_dkv: bool, shrink: boo
   """
   if not computed and (block_values == 1).any():
     raise ValueError("a mask without a mask function cannot have partial blocks")
-  if shrink:
-    values, data_next = (_shrunk_columns if is_dkv else _shrunk_rows)(block_values)
-  else:
+  if not shrink:
     values, data_next = block_values, _next_nonzero(block_values, is_dkv)
+  elif is_dkv:  # each key column's non-empty query blocks, in order, 0-padded at the front
+    values, data_next = (_transposed(a) for a in _packed(_transposed(block_values), front=True))
+  else:  # each query row's non-empty key blocks, in order, 0-padded at the end
+    values, data_next = _packed(block_values, front=False)
   return info_lib.MaskInfo(
       data_next=_small(data_next)[None], mask_next=None, block_mask=_small(values)[None],
       partial_mask_blocks=None,
@@ -69,29 +81,51 @@ def _next_nonzero(values: np.ndarray, is_dkv: bool) -> np.ndarray:
   return fetched.T if is_dkv else fetched
 
 
-def _shrunk_rows(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Forward/dq: each row's non-empty blocks in order, 0-padded at the end."""
+def _packed(values: np.ndarray, front: bool) -> tuple[np.ndarray, np.ndarray]:
+  """Each row's non-empty blocks (values, column indices) in order, zero-padded to the
+  widest row at the end (or at the front).
+
+  A row whose non-empty blocks are one run (every row of a built-in rule but
+  a union's) is a window of the row: all such rows are taken at once; any
+  other row is packed on its own.
+  """
+  rows, cols = values.shape
   nonzero = values != 0
-  counts = nonzero.sum(axis=1)
+  counts = np.count_nonzero(nonzero, axis=1)
+  first = nonzero.argmax(axis=1)
+  last = cols - 1 - nonzero[:, ::-1].argmax(axis=1)
   width = max(1, int(counts.max()))
-  rows, cols = np.nonzero(nonzero)
-  slot = np.cumsum(nonzero, axis=1)[rows, cols] - 1
-  kept, fetched = (np.zeros((values.shape[0], width), np.int32) for _ in range(2))
-  kept[rows, slot] = values[rows, cols]
-  fetched[rows, slot] = cols
+  dtype = _small_dtype(int(last[counts > 0].max()) if counts.any() else 0)
+  start = last + 1 - width if front else first  # where each run row's window starts
+  padded = np.pad(values, [(0, 0), (width, 0) if front else (0, width)])
+  kept = np.lib.stride_tricks.sliding_window_view(padded, width, axis=1)[
+      np.arange(rows), start + width if front else start]  # zero outside the run
+  fetched = start[:, None].astype(dtype) + np.arange(width, dtype=dtype)
+  np.multiply(fetched, kept != 0, out=fetched)
+  for r in np.flatnonzero((last - first + 1 != counts) & (counts > 0)):
+    taken = np.flatnonzero(nonzero[r])
+    at = slice(width - taken.size, width) if front else slice(0, taken.size)
+    kept[r], fetched[r] = 0, 0
+    kept[r, at], fetched[r, at] = values[r, taken], taken
   return kept, fetched
 
 
-def _shrunk_columns(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """dK/dV: each column's non-empty blocks in order, 0-padded at the front."""
-  kept, fetched = _shrunk_rows(values.T[:, ::-1])  # reversed columns: padding goes first
-  return kept[:, ::-1].T, (values.shape[0] - 1 - fetched[:, ::-1].T) * (kept[:, ::-1].T != 0)
+def _transposed(array: np.ndarray, tile: int = 256) -> np.ndarray:
+  """A C-ordered transpose, tile by tile (NumPy's own strides through memory: 4x slower)."""
+  out = np.empty(array.shape[::-1], array.dtype)
+  for i in range(0, array.shape[0], tile):
+    for j in range(0, array.shape[1], tile):
+      out[j:j + tile, i:i + tile] = array[i:i + tile, j:j + tile].T
+  return out
 
 
 def _small(array: np.ndarray) -> np.ndarray:
-  """The smallest of int8, int16, int32 that holds `array` (scalar memory is scarce)."""
-  top = int(array.max()) if array.size else 0
+  """`array` in the smallest of int8, int16, int32 that holds it (scalar memory is scarce)."""
+  return array.astype(_small_dtype(int(array.max()) if array.size else 0), copy=False)
+
+
+def _small_dtype(top: int) -> type:
   for dtype in (np.int8, np.int16):
     if top <= np.iinfo(dtype).max:
-      return array.astype(dtype)
-  return array.astype(np.int32)
+      return dtype
+  return np.int32
