@@ -196,7 +196,8 @@ class MaskFn(Mask):
 
   `fn` is static: define it once (a fresh lambda per call is a new mask and a new
   compilation). Without `ranges` its blocks are classified by evaluating it on
-  every pair, once per call (O(T * S)); `ranges(q_lo, q_hi, kv_lo, kv_hi) -> (may,
+  every pair, once per call (O(T * S), block by block: `Blocks.evaluate`);
+  `ranges(q_lo, q_hi, kv_lo, kv_hi) -> (may,
   full)` classifies them from each block's position ranges instead (O(blocks);
   [B, nq, 1] / [B, 1, nk] int arrays, the same answers' guarantees as every mask's),
   e.g. for "the first 4 tokens": `lambda q_lo, q_hi, kv_lo, kv_hi: (kv_lo < 4, kv_hi < 4)`.

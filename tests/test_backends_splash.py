@@ -244,3 +244,26 @@ def test_mask_info_equals_jax_per_block_loop(rule, padded, offset, balanced, blo
         if w is not None:
           assert np.asarray(w).dtype == g.dtype, (name, is_dkv, shrink)
           np.testing.assert_array_equal(np.asarray(w), g, err_msg=f"{name} {is_dkv} {shrink}")
+
+
+def test_horizon_plan_equals_jax_per_block_loop():
+  # Each example's traced plan for "query i sees keys [0, h_i]" (splash_horizon) against
+  # JAX's loop over the same mask given densely: block values and fetched blocks, forward
+  # and dK/dV (not shrunk: a traced plan keeps the whole grid).
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
+      splash_attention_mask as splash_mask, splash_attention_mask_info as info_lib)
+  from splash_hk.backends import splash_horizon  # pylint: disable=g-import-not-at-top
+  place = np.arange(384)
+  h = np.stack([np.maximum(place, np.where(place < 150, 149, -1)),  # a prefix over a block edge
+                np.where((place >= 100) & (place < 300), 299, place)])  # a span to the end
+  blocks = (128, 256, 128, 128)
+  fwd, _, dkv = splash_horizon.mask_infos(jnp.asarray(h, jnp.int32), (384, 512), blocks, True)
+  for example in range(2):
+    dense = np.arange(512)[None, :] <= h[example][:, None]  # [Tp, Sp]
+    for got, shape, is_dkv in ((fwd, blocks[:2], False), (dkv, blocks[2:], True)):
+      want, _ = info_lib._process_mask(  # pylint: disable=protected-access
+          splash_mask.MultiHeadMask([splash_mask.NumpyMask(dense)]), shape, is_dkv,
+          shrink_grid=False)
+      for name in ("block_mask", "data_next"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name))[example],
+                                      np.asarray(getattr(want, name)), err_msg=name)

@@ -15,6 +15,7 @@ import pytest
 
 import splash_hk as sh
 from splash_hk import masks
+from splash_hk.backends import splash_horizon
 import oracle
 
 M = sh.masks
@@ -90,10 +91,11 @@ def _inputs(seed, *, batch=2, length=T, hq=4, hkv=2, head_dim=16, padded=True):
 
 
 def _check(rule, platform, seed, *, sinks=True, soft_cap=None, explicit_positions=False,
-           tiles=TILES, **shape):
+           tiles=TILES, ids=None, **shape):
   rng, q, k, v, seg = _inputs(seed, **shape)
   batch, length = seg.shape
-  ids = None if rule.ids is None else _spans(rng, batch, length, rule.ids)
+  if ids is None and rule.ids is not None:
+    ids = _spans(rng, batch, length, rule.ids)
   pos = np.tile(np.arange(length, dtype=np.int32), (batch, 1))
   extras = {"q_segment_ids": seg}
   if explicit_positions:  # packed documents with restarting positions
@@ -102,7 +104,7 @@ def _check(rule, platform, seed, *, sinks=True, soft_cap=None, explicit_position
     extras["q_positions"] = pos
   s = rng.normal(size=(q.shape[2], 2)).astype(np.float32) if sinks else None
   config = sh.AttentionConfig(platform=platform, allow_fallback=False, block_sizes=tiles,
-                              logits_soft_cap=soft_cap)
+                              logits_soft_cap=soft_cap, interpret=platform == "splash")
   cot = rng.normal(size=(*q.shape[:3], v.shape[-1]))
 
   def loss(q, k, v, s):
@@ -183,6 +185,33 @@ def test_prefix_lm_plan_runs_the_prefix_full_and_skips_the_future():
       "#######+"])
 
 
+@pytest.mark.parametrize("rule", [r for r in RULES if r.name in ("prefix_lm", "images")],
+                         ids=lambda r: r.name)
+def test_splash_serves_causal_or_bidirectional_with_traced_ids(rule):
+  # Per-example spans (B=2), some across a 128-row block boundary; 3 query blocks with a
+  # partial last one, GQA, segments, padding, sinks.
+  ids = np.full((2, 300), -1, np.int32)
+  if rule.name == "prefix_lm":
+    ids[0, :150], ids[1, :37] = 0, 0
+  else:
+    ids[0, 10:20], ids[0, 120:140], ids[0, 250:260], ids[1, 100:131] = 0, 1, 2, 0
+  _check(rule, "splash", seed=11, tiles=sh.BlockSizes(), length=300, hq=4, hkv=2, head_dim=32,
+         ids=ids)
+
+
+def test_splash_runs_the_xla_path_where_an_id_comes_back_after_its_span():
+  ids = np.full((2, 300), -1, np.int32)
+  ids[:, :40] = 0
+  ids[1, 200:210] = 0  # row 1: id 0 again after its span: keys [0, h] are not all it sees
+  prefix = next(r for r in RULES if r.name == "prefix_lm")
+  _check(prefix, "splash", seed=12, tiles=sh.BlockSizes(), length=300, hq=2, hkv=2,
+         head_dim=32, ids=ids)
+  rule = (M.Causal() | M.Bidirectional(jnp.asarray(ids))).map_arrays(lambda _, a: a)
+  h, exact = splash_horizon.horizon(rule, 300, 300)
+  assert not exact and splash_horizon.horizon(M.Bidirectional(ids[:1]) | M.Causal(), 300, 300)[1]
+  np.testing.assert_array_equal(h[0], np.maximum(np.arange(300), np.where(np.arange(300) < 40, 39, -1)))
+
+
 def test_splash_builds_static_objects_and_names_what_it_cannot():
   spec = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32)
   ids = jax.ShapeDtypeStruct((1, 256), jnp.int32)
@@ -190,7 +219,10 @@ def test_splash_builds_static_objects_and_names_what_it_cannot():
   served = sh.explain(spec, spec, spec, config=config,
                       mask=M.SlidingWindow((8, 0)) | M.MaskFn(first_four))
   assert served.backend == "splash" and not served.fallback
-  refused = sh.explain(spec, spec, spec, config=config, mask=M.Causal() | M.Bidirectional(ids))
+  assert sh.explain(spec, spec, spec, config=config, mask=M.Causal() | M.Bidirectional(ids)
+                    ).backend == "splash"
+  refused = sh.explain(spec, spec, spec, config=config,
+                       mask=M.SlidingWindow(8) | M.Bidirectional(ids))
   assert refused.backend == "xla" and "Bidirectional part" in refused.reason
   rng, q, k, v, _ = _inputs(9, batch=1, length=256, hq=2, hkv=2, head_dim=64)
   out = sh.attention(q, k, v, config=config.replace(allow_fallback=False),

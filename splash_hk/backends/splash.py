@@ -5,7 +5,9 @@ this path serves the default (end-aligned) positions only; the selector sends
 calls with explicit positions or a dense mask elsewhere. A sharded query
 sequence gets one static mask per slice. Sequences that do not
 fill whole blocks are padded, the padding masked with segment ids, and sliced
-off. Kernels (and their MaskInfo) are built once per static shape and config.
+off. Kernels (and their MaskInfo) are built once per static shape and config,
+except for `Causal() | Bidirectional(ids)`, whose traced ids give each call its
+own plan (`splash_horizon`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from splash_hk import mask_objects
 from splash_hk import masks
 from splash_hk.backends import base
+from splash_hk.backends import splash_horizon
 from splash_hk.backends import splash_plan
 from splash_hk.backends import xla
 from splash_hk.config import AttentionConfig
@@ -56,9 +59,16 @@ def why_not(facts: Facts, hardware: str) -> str | None:
             f"{LANE}-row splash block is cheaper unpadded")
   if facts.mask_shape is not None:
     return "a dense mask was given: a traced mask cannot be proven a segment mask"
-  refusal = base.rule_refusal(facts, "the splash kernel's static mask", STATIC_PARTS)
-  if refusal is not None:
-    return refusal + " (splash masks are built from indices at trace time)"
+  if splash_horizon.serves(facts.rule):
+    if facts.load_balanced or shards > 1:
+      return ("Causal | Bidirectional runs on splash over the whole sequence in its own order "
+              "only (its plan reads each query's horizon); this call's query is sharded or "
+              "load-balanced")
+  else:
+    refusal = base.rule_refusal(facts, "the splash kernel's static mask", STATIC_PARTS)
+    if refusal is not None:
+      return refusal + (" (splash masks are built from indices at trace time; of objects with "
+                        "arrays it serves Causal() | Bidirectional(ids))")
   if not facts.default_positions:
     return ("explicit q_positions/kv_positions were given and splash masks are static "
             "(built from indices at trace time)")
@@ -139,10 +149,6 @@ def build_kernel(*, padded: tuple[int, int], offset: int, is_mqa: bool,
   """
   bq, bkv, bq_bwd, bkv_bwd = blocks
   fused = config.fused_backward
-  block_sizes = splash.BlockSizes(
-      block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq_bwd, block_kv_dkv=bkv_bwd,
-      block_kv_dkv_compute=bkv_bwd, block_q_dq=None if fused else bq_bwd,
-      block_kv_dq=None if fused else bkv_bwd, use_fused_bwd_kernel=fused)
   q_pos, kv_pos = places(np.arange(padded[0]), np.arange(padded[1]), offset, balanced)
   computed = rule is not None
 
@@ -152,20 +158,29 @@ def build_kernel(*, padded: tuple[int, int], offset: int, is_mqa: bool,
 
   @functools.cache
   def info(block_shape, is_dkv, shrink=True):
-    return splash_plan.mask_info(values(block_shape), padded[0], is_dkv=is_dkv, shrink=shrink,
+    info = splash_plan.mask_info(values(block_shape), padded[0], is_dkv=is_dkv, shrink=shrink,
                                  computed=computed)
+    with jax.ensure_compile_time_eval():  # constants, not tracers of the caller
+      return jax.tree.map(jnp.array, info)
 
-  with jax.ensure_compile_time_eval():  # MaskInfo arrays are constants, not tracers of the caller
-    as_arrays = lambda mask_info: jax.tree.map(jnp.array, mask_info)
-    return splash.SplashAttentionKernel(
-        as_arrays(info((bq, bkv), False)),
-        None if fused else as_arrays(info((bq_bwd, bkv_bwd), False)),
-        as_arrays(info((bq_bwd, bkv_bwd), True, shrink=not fused)),
-        block_sizes=block_sizes, is_mqa=is_mqa, save_residuals=False,
-        mask_value=splash.DEFAULT_MASK_VALUE, attn_logits_soft_cap=config.logits_soft_cap,
-        residual_checkpoint_name=None, interpret=config.interpret,
-        mask_function=PositionMask(padded, offset, rule, balanced).mask_function if computed
-        else None)
+  return _kernel(info((bq, bkv), False), None if fused else info((bq_bwd, bkv_bwd), False),
+                 info((bq_bwd, bkv_bwd), True, shrink=not fused), config, blocks, is_mqa,
+                 PositionMask(padded, offset, rule, balanced).mask_function if computed else None)
+
+
+def _kernel(fwd, dq, dkv, config: AttentionConfig, blocks: tuple[int, int, int, int],
+            is_mqa: bool, mask_function) -> splash.SplashAttentionKernel:
+  """JAX's splash kernel over the given (forward, dq, dK/dV) MaskInfo."""
+  bq, bkv, bq_bwd, bkv_bwd = blocks
+  fused = config.fused_backward
+  block_sizes = splash.BlockSizes(
+      block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq_bwd, block_kv_dkv=bkv_bwd,
+      block_kv_dkv_compute=bkv_bwd, block_q_dq=None if fused else bq_bwd,
+      block_kv_dq=None if fused else bkv_bwd, use_fused_bwd_kernel=fused)
+  return splash.SplashAttentionKernel(
+      fwd, dq, dkv, block_sizes=block_sizes, is_mqa=is_mqa, save_residuals=False,
+      mask_value=splash.DEFAULT_MASK_VALUE, attn_logits_soft_cap=config.logits_soft_cap,
+      residual_checkpoint_name=None, interpret=config.interpret, mask_function=mask_function)
 
 
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
@@ -178,6 +193,10 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   per shape) and `lax.switch` runs the slice's own, chosen by its first query
   position.
   """
+  if splash_horizon.serves(facts.rule):  # exact for most ids; where not, the xla path runs
+    h, exact = splash_horizon.horizon(x.rule, x.query.shape[1], x.key.shape[1])  # [B, T]
+    return jax.lax.cond(exact, lambda y: _attend_to_horizon(y, facts, h),
+                        lambda y: KernelOutput(xla.attend(y, facts).out), x)
   x = x._replace(query=base.to_bhtd(x.query), key=base.to_bhtd(x.key),
                  value=base.to_bhtd(x.value))  # [B, H, T, D]
   n = facts.query_slices
@@ -196,14 +215,38 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   return KernelOutput(base.to_bhtd(jax.lax.switch(jnp.clip(index, 0, n - 1), branches, x)))
 
 
+def _attend_to_horizon(x: KernelInputs, facts: Facts, h: jax.Array) -> KernelOutput:
+  """Splash with each example's own plan: query i sees keys [0, h[i]] (`splash_horizon`)."""
+  x = x._replace(query=base.to_bhtd(x.query), key=base.to_bhtd(x.key),
+                 value=base.to_bhtd(x.value))  # [B, H, T, D]
+  (batch, _, query_len, _), kv_len = x.query.shape, x.key.shape[2]
+  blocks, t_pad, s_pad = padded_layout(query_len, kv_len, facts.config.block_sizes)
+  rows = kv_len - query_len + jnp.arange(t_pad, dtype=jnp.int32)  # padded rows: their own place
+  h = jnp.concatenate([h, jnp.broadcast_to(rows[query_len:], (batch, t_pad - query_len))], 1)
+  fwd, dq, dkv = splash_horizon.mask_infos(h, (t_pad, s_pad), blocks,
+                                           facts.config.fused_backward)
+  kernel = _kernel(fwd, dq, dkv, facts.config, blocks, x.query.shape[1] > x.key.shape[1],
+                   splash_horizon.within_horizon)
+  return KernelOutput(base.to_bhtd(_run(x, facts, kernel, per_example=True)))
+
+
 def _run_at_offset(x: KernelInputs, facts: Facts, offset: int,
                    balanced: tuple[int, int] | None = None) -> jax.Array:
   """Splash with the static mask of queries at places offset + arange(T) (see PositionMask)."""
+  blocks, t_pad, s_pad = padded_layout(x.query.shape[2], x.key.shape[2], facts.config.block_sizes)
+  kernel = build_kernel(padded=(t_pad, s_pad), offset=offset,
+                        is_mqa=x.query.shape[1] > x.key.shape[1], config=facts.config,
+                        rule=facts.rule, blocks=blocks, balanced=balanced)
+  return _run(x, facts, kernel, per_example=False)
+
+
+def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool) -> jax.Array:
+  """A splash kernel (one for the batch, or one per example: leaves [B, ...]) on x [B, H, T, D]."""
   config = facts.config
   batch, num_heads, query_len, head_dim = x.query.shape
   num_kv_heads, kv_len = x.key.shape[1], x.key.shape[2]
   groups = num_heads // num_kv_heads
-  blocks, t_pad, s_pad = padded_layout(query_len, kv_len, config.block_sizes)
+  _, t_pad, s_pad = padded_layout(query_len, kv_len, config.block_sizes)
   q = base.pad_axis(x.query * jnp.asarray(config.scale(head_dim), x.query.dtype), 2,
                     t_pad)  # [B, Hq, Tp, D]
   k = base.pad_axis(x.key, 2, s_pad)  # [B, Hkv, Sp, D]
@@ -219,19 +262,17 @@ def _run_at_offset(x: KernelInputs, facts: Facts, offset: int,
                                     kv=base.pad_axis(kv_seg, 1, s_pad, -2))  # [B, Sp]
   sinks = (jnp.full((num_heads,), _SILENT_SINK, jnp.float32) if x.sinks is None
            else base.sink_logsumexp(x.sinks))  # [Hq]
-  kernel = build_kernel(padded=(t_pad, s_pad), offset=offset,
-                        is_mqa=groups > 1,
-                        config=config, rule=facts.rule, blocks=blocks, balanced=balanced)
   seg_axes = None if segment_ids is None else splash.SegmentIds(0, 0)
   if groups == 1:
-    per_example = lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg, sinks=sinks)
+    one = lambda kernel, q, k, v, seg: kernel(q, k, v, segment_ids=seg, sinks=sinks)
   else:
     q = q.reshape(batch, num_kv_heads, groups, t_pad, head_dim)  # [B, Hkv, G, Tp, D]
-    per_kv_head = jax.vmap(lambda q, k, v, s, seg: kernel(q, k, v, segment_ids=seg, sinks=s),
-                           in_axes=(0, 0, 0, 0, None))
+    per_kv_head = jax.vmap(lambda kern, q, k, v, s, seg: kern(q, k, v, segment_ids=seg, sinks=s),
+                           in_axes=(None, 0, 0, 0, 0, None))
     grouped_sinks = sinks.reshape(num_kv_heads, groups)  # [Hkv, G]
-    per_example = lambda q, k, v, seg: per_kv_head(q, k, v, grouped_sinks, seg)
-  out = jax.vmap(per_example, in_axes=(0, 0, 0, seg_axes))(q, k, v, segment_ids)
+    one = lambda kernel, q, k, v, seg: per_kv_head(kernel, q, k, v, grouped_sinks, seg)
+  kernel_axes = 0 if per_example else None
+  out = jax.vmap(one, in_axes=(kernel_axes, 0, 0, 0, seg_axes))(kernel, q, k, v, segment_ids)
   out = out.reshape(batch, num_heads, t_pad, -1)[:, :, :query_len]  # [B, Hq, T, Dv]
   return out.astype(x.query.dtype)
 

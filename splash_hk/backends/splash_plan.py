@@ -55,7 +55,7 @@ def mask_info(block_values: np.ndarray, q_len: int, *, is_dkv: bool, shrink: boo
   if not computed and (block_values == 1).any():
     raise ValueError("a mask without a mask function cannot have partial blocks")
   if not shrink:
-    values, data_next = block_values, _next_nonzero(block_values, is_dkv)
+    values, data_next = block_values, next_nonzero(block_values, is_dkv)
   elif is_dkv:  # each key column's non-empty query blocks, in order, 0-padded at the front
     values, data_next = (_transposed(a) for a in _packed(_transposed(block_values), front=True))
   else:  # each query row's non-empty key blocks, in order, 0-padded at the end
@@ -66,7 +66,7 @@ def mask_info(block_values: np.ndarray, q_len: int, *, is_dkv: bool, shrink: boo
       q_sequence=np.arange(q_len, dtype=np.int32) if computed else None)
 
 
-def _next_nonzero(values: np.ndarray, is_dkv: bool) -> np.ndarray:
+def next_nonzero(values: np.ndarray, is_dkv: bool) -> np.ndarray:
   """[nq, nk]: per grid step (row-major; dK/dV column-major), the index along the fetched
   axis of the first non-empty block at or after it, wrapping to the first one (0 if none)."""
   order = values.T if is_dkv else values  # grid order: rows are the outer loop
@@ -95,7 +95,7 @@ def _packed(values: np.ndarray, front: bool) -> tuple[np.ndarray, np.ndarray]:
   first = nonzero.argmax(axis=1)
   last = cols - 1 - nonzero[:, ::-1].argmax(axis=1)
   width = max(1, int(counts.max()))
-  dtype = _small_dtype(int(last[counts > 0].max()) if counts.any() else 0)
+  dtype = small_dtype(int(last[counts > 0].max()) if counts.any() else 0)
   start = last + 1 - width if front else first  # where each run row's window starts
   padded = np.pad(values, [(0, 0), (width, 0) if front else (0, width)])
   kept = np.lib.stride_tricks.sliding_window_view(padded, width, axis=1)[
@@ -121,10 +121,11 @@ def _transposed(array: np.ndarray, tile: int = 256) -> np.ndarray:
 
 def _small(array: np.ndarray) -> np.ndarray:
   """`array` in the smallest of int8, int16, int32 that holds it (scalar memory is scarce)."""
-  return array.astype(_small_dtype(int(array.max()) if array.size else 0), copy=False)
+  return array.astype(small_dtype(int(array.max()) if array.size else 0), copy=False)
 
 
-def _small_dtype(top: int) -> type:
+def small_dtype(top: int) -> type:
+  """The smallest of int8, int16, int32 that holds 0..top."""
   for dtype in (np.int8, np.int16):
     if top <= np.iinfo(dtype).max:
       return dtype
