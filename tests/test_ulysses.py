@@ -143,7 +143,8 @@ def _window_or_first_four(q_pos, kv_pos):
 
 
 @pytest.mark.parametrize("mesh_name,balanced,rules", [
-    ("dp2_sp2_tp2", True, "mask_fn"), ("sp8", False, "mask_fn"), ("dp2_sp4", False, "config")])
+    ("dp2_sp2_tp2", True, "mask_fn"), ("sp8", False, "mask_fn"), ("dp2_sp4", False, "config"),
+    ("dp2_sp4", False, "prefix_lm")])
 def test_splash_in_interpret_mode_keeps_the_kernel(mesh_name, balanced, rules):
   # MQA at sp = 8 (one kv head repeated for the devices, never for every query head); the
   # config's causal + window + chunk with Dv != D at sp = 4.
@@ -162,6 +163,11 @@ def test_splash_in_interpret_mode_keeps_the_kernel(mesh_name, balanced, rules):
   if rules == "mask_fn":
     mask = {"mask": M.MaskFn(_window_or_first_four)}
     oracle_rules = dict(mask=_window_or_first_four(pos[:, None], pos[None, :])[None, None])
+  elif rules == "prefix_lm":  # per-example prefixes gathered with the sequence (traced ids)
+    ids = np.where(pos < np.array([[150], [37]]), 0, -1).astype(np.int32)  # [B, T]
+    mask = {"mask": M.Causal() | M.Bidirectional(ids)}
+    same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
+    oracle_rules = dict(mask=((pos[None, None, :] <= pos[None, :, None]) | same)[:, None])
   else:
     mask, oracle_rules = {}, dict(causal=True, window=(40, 0), chunk=96)
   got = _run(q, k, v, cot, mesh=_mesh(mesh_name), axes=_axes(balanced), config=config,
