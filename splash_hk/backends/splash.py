@@ -158,10 +158,10 @@ def build_kernel(*, padded: tuple[int, int], offset: int, is_mqa: bool,
 
   @functools.cache
   def info(block_shape, is_dkv, shrink=True):
-    info = splash_plan.mask_info(values(block_shape), padded[0], is_dkv=is_dkv, shrink=shrink,
+    plan = splash_plan.mask_info(values(block_shape), padded[0], is_dkv=is_dkv, shrink=shrink,
                                  computed=computed)
     with jax.ensure_compile_time_eval():  # constants, not tracers of the caller
-      return jax.tree.map(jnp.array, info)
+      return jax.tree.map(jnp.array, plan)
 
   return _kernel(info((bq, bkv), False), None if fused else info((bq_bwd, bkv_bwd), False),
                  info((bq_bwd, bkv_bwd), True, shrink=not fused), config, blocks, is_mqa,
