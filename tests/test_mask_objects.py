@@ -200,16 +200,15 @@ def test_splash_serves_causal_or_bidirectional_with_traced_ids(rule):
 
 
 def test_splash_runs_the_xla_path_where_an_id_comes_back_after_its_span():
-  ids = np.full((2, 300), -1, np.int32)
+  ids = np.full((2, 256), -1, np.int32)
   ids[:, :40] = 0
   ids[1, 200:210] = 0  # row 1: id 0 again after its span: keys [0, h] are not all it sees
   prefix = next(r for r in RULES if r.name == "prefix_lm")
-  _check(prefix, "splash", seed=12, tiles=sh.BlockSizes(), length=300, hq=2, hkv=2,
-         head_dim=32, ids=ids)
-  rule = (M.Causal() | M.Bidirectional(jnp.asarray(ids))).map_arrays(lambda _, a: a)
-  h, exact = splash_horizon.horizon(rule, 300, 300)
-  assert not exact and splash_horizon.horizon(M.Bidirectional(ids[:1]) | M.Causal(), 300, 300)[1]
-  np.testing.assert_array_equal(h[0], np.maximum(np.arange(300), np.where(np.arange(300) < 40, 39, -1)))
+  _check(prefix, "splash", seed=12, tiles=sh.BlockSizes(), length=256, hq=1, hkv=1,
+         head_dim=32, ids=ids, sinks=False)
+  h, exact = splash_horizon.horizon(M.Causal() | M.Bidirectional(ids), 256, 256)
+  assert not exact and splash_horizon.horizon(M.Bidirectional(ids[:1]) | M.Causal(), 256, 256)[1]
+  np.testing.assert_array_equal(h[0], np.maximum(np.arange(256), np.where(np.arange(256) < 40, 39, -1)))
 
 
 def test_splash_builds_static_objects_and_names_what_it_cannot():
@@ -221,6 +220,10 @@ def test_splash_builds_static_objects_and_names_what_it_cannot():
   assert served.backend == "splash" and not served.fallback
   assert sh.explain(spec, spec, spec, config=config, mask=M.Causal() | M.Bidirectional(ids)
                     ).backend == "splash"
+  short = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.float32)
+  longer = sh.explain(spec, short, short, config=config, mask=M.Causal() | M.Bidirectional(
+      ids, jax.ShapeDtypeStruct((1, 128), jnp.int32)))
+  assert longer.backend == "xla" and "longer than the keys" in longer.reason
   refused = sh.explain(spec, spec, spec, config=config,
                        mask=M.SlidingWindow(8) | M.Bidirectional(ids))
   assert refused.backend == "xla" and "Bidirectional part" in refused.reason

@@ -60,10 +60,10 @@ def why_not(facts: Facts, hardware: str) -> str | None:
   if facts.mask_shape is not None:
     return "a dense mask was given: a traced mask cannot be proven a segment mask"
   if splash_horizon.serves(facts.rule):
-    if facts.load_balanced or shards > 1:
-      return ("Causal | Bidirectional runs on splash over the whole sequence in its own order "
-              "only (its plan reads each query's horizon); this call's query is sharded or "
-              "load-balanced")
+    if facts.load_balanced or shards > 1 or query_len > kv_len:
+      return ("Causal | Bidirectional runs on splash over the whole sequence in its own order, "
+              "with query_len <= kv_len, only (each query must see a prefix of the keys); "
+              "this call's query is sharded, load-balanced or longer than the keys")
   else:
     refusal = base.rule_refusal(facts, "the splash kernel's static mask", STATIC_PARTS)
     if refusal is not None:
