@@ -101,9 +101,12 @@ class Blocks:
     xp, (bq, bk) = self.xp, (self.block_q, self.block_kv)
     q = blocks(self.q_pos, bq, 0, xp)[:, :, None, :, None]  # [B, nq, 1, bq, 1]
     kv = blocks(self.kv_pos, bk, 0, xp)[:, None, :, None, :]  # [B, 1, nk, 1, bk]
-    see = xp.asarray(fn(q, kv))
-    if see.shape != xp.broadcast_shapes(q.shape, kv.shape):  # not elementwise: read it whole
-      return self.reduce(xp.asarray(fn(self.q_pos[:, None, :, None], self.kv_pos[:, None, None, :])))
+    try:
+      see = xp.broadcast_to(xp.asarray(fn(q, kv)), xp.broadcast_shapes(q.shape, kv.shape))
+    except ValueError:  # not elementwise: read it whole
+      whole = fn(self.q_pos[:, None, :, None], self.kv_pos[:, None, None, :])
+      shape = (*self.q_pos.shape[:1], 1, self.q_pos.shape[1], self.kv_pos.shape[1])
+      return self.reduce(xp.broadcast_to(xp.asarray(whole), shape))  # [B, 1, T, S]
     return any_all(see, (3, 4), self.xp)
 
 

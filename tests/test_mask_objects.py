@@ -27,6 +27,11 @@ def first_four(q_pos, kv_pos):
   return (kv_pos < 4) & (q_pos >= 0)
 
 
+def first_four_keys(q_pos, kv_pos):  # reads the keys only: [B, 1, 1, S] under validation
+  del q_pos
+  return kv_pos < 4
+
+
 def every_third(q_pos, kv_pos):
   return (q_pos - kv_pos) % 3 == 0
 
@@ -150,7 +155,9 @@ def test_blocks_are_classified_soundly(xp):
   as the static plans (NumPy) and the kernels (jnp) classify them."""
   rng = np.random.default_rng(7)
   # jnp differs from NumPy in how a MaskFn's pairs are reduced (`mask_blocks.any_all`) only.
-  rules = RULES if xp is np else [r for r in RULES if r.name in ("window_or_first4", "mask_fn")]
+  keys_only = Rule("keys_only", lambda ids: M.MaskFn(first_four_keys), lambda q, k, ids: k < 4)
+  rules = [keys_only] + (RULES if xp is np else
+                         [r for r in RULES if r.name in ("window_or_first4", "mask_fn")])
   for trial in range(40 if xp is np else 6):
     rule = rules[trial % len(rules)]
     batch, t, s, bq, bk = 2, int(rng.integers(20, 60)), int(rng.integers(20, 60)), 8, 4
