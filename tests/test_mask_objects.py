@@ -96,7 +96,7 @@ def _inputs(seed, *, batch=2, length=T, hq=4, hkv=2, head_dim=16, padded=True):
 
 
 def _check(rule, platform, seed, *, sinks=True, soft_cap=None, explicit_positions=False,
-           tiles=TILES, ids=None, **shape):
+           tiles=TILES, ids=None, fused_backward=False, **shape):
   rng, q, k, v, seg = _inputs(seed, **shape)
   batch, length = seg.shape
   if ids is None and rule.ids is not None:
@@ -109,7 +109,8 @@ def _check(rule, platform, seed, *, sinks=True, soft_cap=None, explicit_position
     extras["q_positions"] = pos
   s = rng.normal(size=(q.shape[2], 2)).astype(np.float32) if sinks else None
   config = sh.AttentionConfig(platform=platform, allow_fallback=False, block_sizes=tiles,
-                              logits_soft_cap=soft_cap, interpret=platform == "splash")
+                              logits_soft_cap=soft_cap, interpret=platform == "splash",
+                              fused_backward=fused_backward)
   cot = rng.normal(size=(*q.shape[:3], v.shape[-1]))
 
   def loss(q, k, v, s):
@@ -196,14 +197,14 @@ def test_prefix_lm_plan_runs_the_prefix_full_and_skips_the_future():
                          ids=lambda r: r.name)
 def test_splash_serves_causal_or_bidirectional_with_traced_ids(rule):
   # Per-example spans (B=2), some across a 128-row block boundary; 3 query blocks with a
-  # partial last one, GQA, segments, padding, sinks.
+  # partial last one, GQA, segments, padding, sinks; images with the fused backward.
   ids = np.full((2, 300), -1, np.int32)
   if rule.name == "prefix_lm":
     ids[0, :150], ids[1, :37] = 0, 0
   else:
     ids[0, 10:20], ids[0, 120:140], ids[0, 250:260], ids[1, 100:131] = 0, 1, 2, 0
   _check(rule, "splash", seed=11, tiles=sh.BlockSizes(), length=300, hq=4, hkv=2, head_dim=32,
-         ids=ids)
+         ids=ids, fused_backward=rule.name == "images")
 
 
 def test_splash_runs_the_xla_path_where_an_id_comes_back_after_its_span():
