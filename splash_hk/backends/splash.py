@@ -221,8 +221,8 @@ def _attend_to_horizon(x: KernelInputs, facts: Facts, h: jax.Array) -> KernelOut
                  value=base.to_bhtd(x.value))  # [B, H, T, D]
   (batch, _, query_len, _), kv_len = x.query.shape, x.key.shape[2]
   blocks, t_pad, s_pad = padded_layout(query_len, kv_len, facts.config.block_sizes)
-  rows = kv_len - query_len + jnp.arange(t_pad, dtype=jnp.int32)  # padded rows: their own place
-  h = jnp.concatenate([h, jnp.broadcast_to(rows[query_len:], (batch, t_pad - query_len))], 1)
+  padding = kv_len + jnp.arange(t_pad - query_len, dtype=jnp.int32)  # padded rows: own place
+  h = jnp.concatenate([h, jnp.broadcast_to(padding, (batch, t_pad - query_len))], 1)  # [B, Tp]
   fwd, dq, dkv = splash_horizon.mask_infos(h, (t_pad, s_pad), blocks,
                                            facts.config.fused_backward)
   kernel = _kernel(fwd, dq, dkv, facts.config, blocks, x.query.shape[1] > x.key.shape[1],

@@ -80,18 +80,6 @@ def _info(h: jax.Array, kv_len: int, block_shape: tuple[int, int], is_dkv: bool)
   may = first_key <= rows.max(axis=-1)[..., None]
   values = may.astype(jnp.int8) + full.astype(jnp.int8)
   fetched = values.shape[1 if is_dkv else 2]
-  data_next = _next_nonzero(values, is_dkv).astype(splash_plan.small_dtype(fetched - 1))
+  data_next = splash_plan.next_nonzero(values, is_dkv, jnp).astype(splash_plan.small_dtype(fetched - 1))
   return info_lib.MaskInfo(data_next=data_next[:, None], mask_next=None,
                            block_mask=values[:, None], partial_mask_blocks=None, q_sequence=h)
-
-
-def _next_nonzero(values: jax.Array, is_dkv: bool) -> jax.Array:
-  """`splash_plan.next_nonzero` of each example's [nq, nk] values [B, nq, nk], traced."""
-  order = jnp.swapaxes(values, 1, 2) if is_dkv else values  # grid order: rows outermost
-  batch, rows, cols = order.shape
-  n = rows * cols
-  steps = jnp.where(order.reshape(batch, n) != 0, jnp.arange(n), n)
-  following = jax.lax.cummin(steps, axis=1, reverse=True)
-  following = jnp.where(following == n, following[:, :1], following) % cols  # wrap to the first
-  fetched = following.reshape(batch, rows, cols)
-  return jnp.swapaxes(fetched, 1, 2) if is_dkv else fetched

@@ -20,11 +20,15 @@ vectorised in NumPy, in the format the kernel reads:
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info_lib
 
 from splash_hk import masks
 from splash_hk import mask_objects
+from splash_hk.mask_blocks import ArrayLike
 
 
 def block_mask(rule: mask_objects.Mask | None, q_positions: np.ndarray,
@@ -66,19 +70,23 @@ def mask_info(block_values: np.ndarray, q_len: int, *, is_dkv: bool, shrink: boo
       q_sequence=np.arange(q_len, dtype=np.int32) if computed else None)
 
 
-def next_nonzero(values: np.ndarray, is_dkv: bool) -> np.ndarray:
-  """[nq, nk]: per grid step (row-major; dK/dV column-major), the index along the fetched
-  axis of the first non-empty block at or after it, wrapping to the first one (0 if none)."""
-  order = values.T if is_dkv else values  # grid order: rows are the outer loop
-  flat = order.ravel() != 0
-  n = flat.size
-  steps = np.where(flat, np.arange(n), n)
-  following = np.minimum.accumulate(steps[::-1])[::-1]
-  if not flat.any():
-    return np.zeros(values.shape, np.int32)
-  following = np.where(following == n, following[0], following)
-  fetched = (following % order.shape[1]).reshape(order.shape).astype(np.int32)
-  return fetched.T if is_dkv else fetched
+def next_nonzero(values: ArrayLike, is_dkv: bool, xp: Any = np) -> ArrayLike:
+  """[..., nq, nk]: per grid step (row-major; dK/dV column-major), the index along the fetched
+  axis of the first non-empty block at or after it, wrapping to the first one (0 if none).
+
+  NumPy for static plans; jax.numpy for traced ones (`splash_horizon`).
+  """
+  order = xp.swapaxes(values, -1, -2) if is_dkv else values  # grid order: rows outermost
+  *lead, rows, cols = order.shape
+  n = rows * cols
+  steps = xp.where(order.reshape(*lead, n) != 0, xp.arange(n), n)
+  if xp is np:
+    following = np.flip(np.minimum.accumulate(np.flip(steps, -1), axis=-1), -1)
+  else:
+    following = jax.lax.cummin(steps, axis=steps.ndim - 1, reverse=True)
+  following = xp.where(following == n, following[..., :1], following) % cols  # wrap to the first
+  fetched = following.reshape(order.shape).astype(np.int32)
+  return xp.swapaxes(fetched, -1, -2) if is_dkv else fetched
 
 
 def _packed(values: np.ndarray, front: bool) -> tuple[np.ndarray, np.ndarray]:
