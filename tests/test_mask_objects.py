@@ -205,6 +205,7 @@ def test_splash_serves_causal_or_bidirectional_with_traced_ids(rule):
     ids[0, 10:20], ids[0, 120:140], ids[0, 250:260], ids[1, 100:131] = 0, 1, 2, 0
   _check(rule, "splash", seed=11, tiles=sh.BlockSizes(), length=300, hq=4, hkv=2, head_dim=32,
          ids=ids, fused_backward=rule.name == "images")
+  assert splash_horizon.horizon(rule.build(ids), 300, 300)[1]  # the kernel ran, not xla
 
 
 def test_splash_runs_the_xla_path_where_an_id_comes_back_after_its_span():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import splash_hk as sh
+from splash_hk.backends import splash_horizon
 import oracle
 
 F32 = dict(atol=1e-5, rtol=1e-5)  # f32 against float64: a few ulps of the softmax sums
@@ -144,3 +145,18 @@ def test_splash_interpret_window_256_at_t2048_gqa():
                               sliding_window=(256, 0), logits_soft_cap=20.0)
   assert sh.explain(q, k, v, config=config).backend == "splash"
   _check_against_oracle(config, q, k, v, cot, dict(window=(256, 0), soft_cap=20.0))
+
+
+def test_splash_interpret_prefix_lm_per_row_at_t1500_gqa():
+  # Causal | Bidirectional with each row's own prefix (traced ids): splash's per-example plan
+  # (backends/splash_horizon.py), default tiles, a partial last block, prefixes over block edges.
+  q, k, v, cot = _arrays(2, 1500, 4, 2, 32, seed=10)
+  pos = np.arange(1500)
+  ids = np.where(pos < np.array([[700], [131]]), 0, -1).astype(np.int32)  # [B, T]
+  mask = sh.masks.Causal() | sh.masks.Bidirectional(ids)
+  config = sh.AttentionConfig(platform="splash", interpret=True, allow_fallback=False)
+  assert sh.explain(q, k, v, config=config, mask=mask).backend == "splash"
+  assert splash_horizon.horizon(mask, 1500, 1500)[1]  # exact: the kernel runs, not the xla path
+  same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
+  dense = ((pos[None, None, :] <= pos[None, :, None]) | same)[:, None]  # [B, 1, T, T]
+  _check_against_oracle(config, q, k, v, cot, dict(causal=False, mask=dense), mask=mask)
