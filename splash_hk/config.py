@@ -7,7 +7,9 @@ import math
 import typing
 from typing import Any, Literal
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 Platform = Literal["auto", "splash", "triton", "xla", "reference"]
 PLATFORMS: tuple[str, ...] = typing.get_args(Platform)
@@ -17,10 +19,24 @@ def _is_int(x) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
 
 
+def static(name: str, value: Any, instead: str = "") -> Any:
+  """`value` of the static field `name`: a concrete 0-d array as a Python scalar; a traced value
+  is a ValueError saying to pass it static (`instead`: what else the user may do)."""
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(
+        f"`{name}` is static (kernels and block plans are built from it at trace time) and got a "
+        f"traced value ({value.aval}): pass it as a Python value, e.g. a module hyperparameter or "
+        f"through jax.jit(..., static_argnums=...) / static_argnames{instead}.")
+  if isinstance(value, (np.ndarray, np.generic, jax.Array)) and np.ndim(value) == 0:
+    return value.item()
+  return value
+
+
 def require_int(name: str, value: Any, minimum: int = 1, allow_none: bool = False) -> None:
   """Raises ValueError naming `name` unless `value` is an int >= `minimum` (or None if allowed)."""
   if value is None and allow_none:
     return
+  static(name, value)
   if not _is_int(value) or value < minimum:
     bound = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     raise ValueError(f"`{name}` must be {bound}{' or None' if allow_none else ''}, got {value!r}.")
@@ -44,7 +60,10 @@ class BlockSizes:
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
-      require_int(f"BlockSizes.{field.name}", getattr(self, field.name), allow_none=True)
+      name = f"BlockSizes.{field.name}"
+      value = static(name, getattr(self, field.name))
+      require_int(name, value, allow_none=True)
+      object.__setattr__(self, field.name, value)
 
   def resolve(self, block_q: int, block_kv: int, block_q_bwd: int | None = None,
               block_kv_bwd: int | None = None) -> tuple[int, int, int, int]:
@@ -94,9 +113,11 @@ class AttentionConfig:
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
+    for name in ("causal", "chunk_size", "logits_soft_cap", "softmax_scale"):
+      set_(name, static(name, getattr(self, name), _INSTEAD.get(name, "")))
     if not isinstance(self.causal, bool):
       raise ValueError(f"causal must be a bool, got {self.causal!r}.")
-    set_("sliding_window", _window_pair(self.sliding_window))
+    set_("sliding_window", window_pair(self.sliding_window))
     require_int("chunk_size", self.chunk_size, allow_none=True)
     for name in ("logits_soft_cap", "softmax_scale"):
       value = getattr(self, name)
@@ -134,12 +155,22 @@ class AttentionConfig:
     return dataclasses.replace(self, **changes)
 
 
-def _window_pair(window: Any) -> tuple[int, int] | None:
-  """`w` -> (w, w); (left, right) -> (left, right); None -> None. Equal windows compare equal."""
-  if window is None:
+_INSTEAD = {"softmax_scale": "; for a learnable temperature, multiply the query by it and "
+                             "keep softmax_scale fixed"}
+
+
+def window_pair(window: Any, name: str = "sliding_window",
+                allow_none: bool = True) -> tuple[int, int] | None:
+  """`w` -> (w, w); (left, right) -> (left, right); None -> None (where allowed). Equal windows
+  compare equal."""
+  if window is None and allow_none:
     return None
+  if isinstance(window, (tuple, list)):
+    window = tuple(static(name, w) for w in window)
+  else:
+    window = static(name, window)
   pair = (window, window) if _is_int(window) else tuple(window) if isinstance(window, (tuple, list)) else ()
   if len(pair) != 2 or not all(_is_int(w) and w >= 0 for w in pair):
-    raise ValueError("sliding_window must be None, an int >= 0 or a pair (left, right) "
-                     f"of ints >= 0, got {window!r}.")
+    raise ValueError(f"`{name}` must be {'None, ' if allow_none else ''}an int >= 0 or a pair "
+                     f"(left, right) of ints >= 0, got {window!r}.")
   return int(pair[0]), int(pair[1])

@@ -10,15 +10,21 @@ time, so such a row writes nothing, keeps its length and outputs NaN (see
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 
-class KVCache(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("key", "value", "length"),
+                   meta_fields=("owner",))
+@dataclasses.dataclass(frozen=True, eq=False)
+class KVCache:
   """A fixed-capacity key/value cache for one attention layer (a pytree).
 
   Attributes:
@@ -27,21 +33,68 @@ class KVCache(NamedTuple):
     value: [B, S_max, Hkv, Dv] projected values.
     length: [B] int32, how many slots of each row hold tokens (a scalar, as in
       a cache built by hand, means the same length for every row).
+    owner: the layer that first wrote this cache (its module name), or None for
+      a cache no layer has written yet. Static metadata (part of the pytree's
+      structure, so the check costs nothing under `jit`): any other layer given
+      this cache raises a ValueError naming both.
   """
 
   key: jax.Array
   value: jax.Array
   length: jax.Array
+  owner: str | None = None
 
   @classmethod
   def zeros(cls, batch: int, max_len: int, num_kv_heads: int, key_size: int,
-            value_size: int | None = None, dtype=jnp.float32) -> "KVCache":
-    """An empty cache (length 0 in every row), built outside any transform."""
+            value_size: int | None = None, dtype: Any = jnp.float32) -> KVCache:
+    """An empty cache (length 0 in every row, no owner yet), built outside any transform."""
     return cls(
         key=jnp.zeros((batch, max_len, num_kv_heads, key_size), dtype),
         value=jnp.zeros((batch, max_len, num_kv_heads, value_size or key_size), dtype),
         length=jnp.zeros((batch,), jnp.int32),
     )
+
+  @property
+  def max_len(self) -> int:
+    """S_max: the slots each row holds."""
+    return self.key.shape[1]
+
+  def lengths(self) -> jax.Array:
+    """[B] int32: each row's filled length (a scalar `length` broadcast)."""
+    return jnp.broadcast_to(jnp.asarray(self.length, jnp.int32), self.key.shape[:1])
+
+  def room(self) -> jax.Array:
+    """[B] int32: the slots each row has left, `max_len - length`."""
+    return self.max_len - self.lengths()
+
+  def reset(self, rows: ArrayLike) -> KVCache:
+    """This cache with `rows` back to length 0 (their slots become unused); owner kept.
+
+    Args:
+      rows: row indices (an int or [n] ints, negative from the end) or a [B]
+        bool mask; traced values work under `jit`.
+    """
+    lengths, batch = self.lengths(), self.key.shape[0]
+    rows = jnp.asarray(rows)
+    if rows.dtype == jnp.bool_:
+      if rows.shape != (batch,):
+        raise ValueError(f"`rows` as a mask must be bool [{batch}] (one per row), got "
+                         f"{list(rows.shape)}.")
+      return self.replace(length=jnp.where(rows, 0, lengths))
+    if not jnp.issubdtype(rows.dtype, jnp.integer) or rows.ndim > 1:
+      raise ValueError(f"`rows` must be row indices (an int or [n] ints) or a bool mask "
+                       f"[{batch}], got {rows.dtype}{list(rows.shape)}.")
+    known = _concrete(rows)
+    if known is not None and known.size and (known.min() < -batch or known.max() >= batch):
+      raise ValueError(f"`rows` must be indices in [-{batch}, {batch}) of this cache's {batch} "
+                       f"rows, got {known.tolist()}.")
+    return self.replace(length=lengths.at[rows].set(0, mode="drop"))
+
+  def replace(self, **changes: Any) -> KVCache:
+    """This cache with the given fields replaced."""
+    return dataclasses.replace(self, **changes)
+
+  _replace = replace  # the NamedTuple spelling of earlier releases
 
 
 class Append(NamedTuple):
@@ -70,14 +123,16 @@ def row_lengths(lengths: Any, lead: tuple[int, ...], query_len: int) -> jax.Arra
   return jnp.broadcast_to(lengths.astype(jnp.int32), tuple(lead)).reshape(batch)
 
 
-def append(cache: Any, k: jax.Array, v: jax.Array, lengths: jax.Array) -> Append:
+def append(cache: Any, k: jax.Array, v: jax.Array, lengths: jax.Array, layer: str) -> Append:
   """Writes row b's first `lengths[b]` keys/values [T, Hkv, *] at `cache.length[b]`.
 
   Row b's queries get positions `length[b] + arange(T)`; its query rows past
   `lengths[b]` are padding, and so are its slots past the new length. Slots
-  past the capacity are never written (never wrapped).
+  past the capacity are never written (never wrapped). `layer` names the
+  writer: a cache another layer wrote first is a ValueError; the new cache is
+  `layer`'s.
   """
-  start = _check_cache(cache, k, v)  # [B]
+  start = _check_cache(cache, k, v, layer)  # [B]
   batch, query_len = k.shape[:2]
   max_len = cache.key.shape[1]
   _check_room(start, lengths, max_len)
@@ -96,14 +151,20 @@ def append(cache: Any, k: jax.Array, v: jax.Array, lengths: jax.Array) -> Append
       q_segment_ids=jnp.where(live, 0, -1),  # [B, T]
       kv_segment_ids=jnp.where(slots < end[:, None], 0, -1),  # [B, S_max]
   )
-  return Append(keys, values, extras, KVCache(keys, values, end), failed)
+  return Append(keys, values, extras, KVCache(keys, values, end, layer), failed)
 
 
-def _check_cache(cache: Any, k: jax.Array, v: jax.Array) -> jax.Array:
-  """Static checks of `kv_cache` against this call's keys/values; returns lengths as [B]."""
+def _check_cache(cache: Any, k: jax.Array, v: jax.Array, layer: str) -> jax.Array:
+  """Static checks of `kv_cache` against this call's layer and keys/values; returns lengths [B]."""
   if not isinstance(cache, KVCache):
     raise ValueError(f"`kv_cache` must be a splash_hk.KVCache, got {type(cache).__name__}; build "
                      "one with KVCache.zeros(batch, max_len, num_kv_heads, key_size, value_size).")
+  if cache.owner is not None and cache.owner != layer:
+    raise ValueError(
+        f"`kv_cache` belongs to layer {cache.owner!r} (it wrote it first) and was given to layer "
+        f"{layer!r}: every attention layer needs a cache of its own (one KVCache per layer, e.g. "
+        "a list with one per layer); a cache chained through layers, or two layers' caches "
+        "swapped, would attend to the wrong keys.")
   batch, _, heads, key_size = k.shape
   want = dict(key=(batch, None, heads, key_size), value=(batch, None, heads, v.shape[-1]))
   for name, shape in want.items():

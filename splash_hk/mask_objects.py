@@ -19,11 +19,19 @@ with the queries), "kv" ([B, S], with the keys) or "qk" ([B|1, 1|H, T, S]).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Iterator
+import functools
+from typing import Any, Callable, Iterator
 
 import jax
+import jax.numpy as jnp
+from jax._src.interpreters import ad
 
+from splash_hk import config
 from splash_hk.mask_blocks import ArrayLike, Blocks, blocks, ranges
+
+# Tracers of a value being differentiated (jax.grad, jvp, linearize): a mask's fn may not
+# close over one (it is static, and a mask has no gradient).
+DIFFERENTIATED = (ad.JVPTracer, ad.LinearizeTracer)
 
 Window = tuple[int, int]
 
@@ -36,10 +44,29 @@ def _kv_side(a):  # per key block [B, nk] -> [B, 1, nk]
   return a[:, None, :]
 
 
-class Mask:
-  """The base of every mask object: `&`, `|`, and the walks over leaves and parts."""
+def array_field(side: str, default: Any = dataclasses.MISSING) -> Any:
+  """A mask object's array field, a pytree leaf of `side`: "q" ([B, T], with the queries),
+  "kv" ([B, S], with the keys) or "qk" ([B|1, 1|Hq, T, S], with both)."""
+  return dataclasses.field(default=default, metadata={"side": side})
 
-  sides: ClassVar[tuple[str, ...]] = ()  # the side of each array field, in field order
+
+def part_field() -> Any:
+  """A field holding another mask object (of `&` and `|`): a pytree child."""
+  return dataclasses.field(metadata={"part": True})
+
+
+@dataclasses.dataclass(frozen=True)
+class Mask:
+  """The base of every mask object: `&`, `|`, and the walks over array leaves and parts.
+
+  A subclass is a frozen dataclass; its fields are static (the pytree's structure:
+  hashable, compared by value) unless declared with `array_field` (leaves) or
+  `part_field` (mask objects it combines). Subclasses register as pytrees themselves.
+  """
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    jax.tree_util.register_pytree_node(cls, _flatten, functools.partial(_unflatten, cls))
 
   def __and__(self, other: Mask) -> Mask:
     return And(self, _as_mask(other, "&"))
@@ -48,36 +75,68 @@ class Mask:
     return Or(self, _as_mask(other, "|"))
 
   def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:
+    """[B, 1|H, T, S] bool from positions q [B, 1, T, 1] and kv [B, 1, 1, S] (and own arrays)."""
     raise NotImplementedError
 
   def classify(self, blocks: Blocks) -> tuple[ArrayLike, ArrayLike]:
+    """(may, full) [B|1, nq, nk] of every block pair (see the module docstring)."""
     raise NotImplementedError
 
-  def arrays(self) -> tuple:
-    fields = dataclasses.fields(self)
-    return tuple(getattr(self, f.name) for f in fields[:len(self.sides)])
+  def is_static(self) -> bool:
+    """Whether the rule is known at trace time: a function of positions alone (no arrays, no
+    traced values), which NumPy can evaluate when a kernel or plan is built."""
+    return not _fields(self, "side") and all(p.is_static() for p in self._children())
+
+  def config_rules(self) -> dict[str, Any] | None:
+    """This object as AttentionConfig rule keywords ({"causal": True}, {"window": (l, r)},
+    {"chunk_size": c}, merged over `&`), or None when the config cannot say it."""
+    return None
+
+  def _children(self) -> tuple[Mask, ...]:
+    return tuple(getattr(self, f.name) for f in _fields(self, "part"))
 
   def map_arrays(self, f: Callable[[str, Any], Any]) -> Mask:
     """This mask with each array leaf `a` of side `side` replaced by `f(side, a)`."""
-    names = [field.name for field in dataclasses.fields(self)][:len(self.sides)]
-    return dataclasses.replace(self, **{n: f(s, getattr(self, n))
-                                        for n, s in zip(names, self.sides)})
+    changes = {field.name: f(field.metadata["side"], getattr(self, field.name))
+               for field in _fields(self, "side") if getattr(self, field.name) is not None}
+    changes.update({field.name: getattr(self, field.name).map_arrays(f)
+                    for field in _fields(self, "part")})
+    return dataclasses.replace(self, **changes)
 
   def parts(self) -> Iterator[Mask]:
     """The objects this mask combines (itself for a leaf object)."""
-    yield self
+    children = self._children()
+    if not children:
+      yield self
+    for child in children:
+      yield from child.parts()
 
   def map_parts(self, f: Callable[[Mask], Mask]) -> Mask:
     """This mask with each object it combines replaced by `f(object)`."""
-    return f(self)
+    if not _fields(self, "part"):
+      return f(self)
+    return dataclasses.replace(self, **{field.name: getattr(self, field.name).map_parts(f)
+                                        for field in _fields(self, "part")})
 
-  def tree_flatten(self):
-    statics = tuple(getattr(self, f.name) for f in dataclasses.fields(self)[len(self.sides):])
-    return self.arrays(), statics
 
-  @classmethod
-  def tree_unflatten(cls, statics, arrays):
-    return cls(*arrays, *statics)
+def _fields(mask: Mask | type[Mask], kind: str) -> tuple[dataclasses.Field, ...]:
+  """The dataclass fields of `mask` whose metadata has `kind` ("side" or "part")."""
+  return tuple(f for f in dataclasses.fields(mask) if kind in f.metadata)
+
+
+def _flatten(mask: Mask) -> tuple[tuple, tuple]:
+  dynamic = [f.name for f in dataclasses.fields(mask) if f.metadata]
+  static = tuple((f.name, getattr(mask, f.name)) for f in dataclasses.fields(mask)
+                 if not f.metadata)
+  return tuple(getattr(mask, n) for n in dynamic), (tuple(dynamic), static)
+
+
+def _unflatten(cls: type[Mask], aux: tuple, children: tuple) -> Mask:
+  names, static = aux
+  mask = object.__new__(cls)  # no __post_init__: the fields were checked when first built
+  for name, value in (*zip(names, children), *static):
+    object.__setattr__(mask, name, value)
+  return mask
 
 
 def _as_mask(x: Any, op: str) -> Mask:
@@ -87,34 +146,33 @@ def _as_mask(x: Any, op: str) -> Mask:
   return x
 
 
-def _register(cls):
-  return jax.tree_util.register_pytree_node_class(dataclasses.dataclass(frozen=True)(cls))
-
-
-@_register
+@dataclasses.dataclass(frozen=True)
 class Causal(Mask):
   """Key j is visible to query i when kv_pos[j] <= q_pos[i]."""
 
   def visible(self, q_pos, kv_pos):
     return kv_pos <= q_pos
 
+  def config_rules(self):
+    return {"causal": True}
+
   def classify(self, b):
     return (_kv_side(b.kv.pos_min) <= _q_side(b.q.pos_max),
             _kv_side(b.kv.pos_max) <= _q_side(b.q.pos_min))
 
 
-@_register
+@dataclasses.dataclass(frozen=True)
 class SlidingWindow(Mask):
   """q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right; an int w means (w, w)."""
 
   window: Any  # int or (left, right)
 
   def __post_init__(self):
-    pair = (self.window,) * 2 if isinstance(self.window, int) else tuple(self.window)
-    if len(pair) != 2 or not all(isinstance(w, int) and w >= 0 for w in pair):
-      raise ValueError(f"SlidingWindow(window) takes an int w >= 0 or (left, right), "
-                       f"got {self.window!r}.")
+    pair = config.window_pair(self.window, "SlidingWindow.window", allow_none=False)
     object.__setattr__(self, "window", pair)
+
+  def config_rules(self):
+    return {"window": self.window}
 
   def visible(self, q_pos, kv_pos):
     left, right = self.window
@@ -129,18 +187,22 @@ class SlidingWindow(Mask):
     return may, full
 
 
-@_register
+@dataclasses.dataclass(frozen=True)
 class Chunked(Mask):
   """Chunked attention (Llama-4): q_pos[i] // size == kv_pos[j] // size."""
 
   size: int
 
   def __post_init__(self):
-    if not isinstance(self.size, int) or self.size < 1:
-      raise ValueError(f"Chunked(size) takes a positive int, got {self.size!r}.")
+    size = config.static("Chunked.size", self.size)
+    config.require_int("Chunked.size", size)
+    object.__setattr__(self, "size", size)
 
   def visible(self, q_pos, kv_pos):
     return q_pos // self.size == kv_pos // self.size
+
+  def config_rules(self):
+    return {"chunk_size": self.size}
 
   def classify(self, b):
     c, q, kv = self.size, b.q, b.kv
@@ -152,16 +214,15 @@ class Chunked(Mask):
     return may, full
 
 
-@_register
+@dataclasses.dataclass(frozen=True)
 class Bidirectional(Mask):
   """Query i and key j see each other when q_ids[i] == kv_ids[j] >= 0 (a prefix, an image, a span).
 
   q_ids [B, T], kv_ids [B, S] int; kv_ids defaults to q_ids when S == T.
   """
 
-  q_ids: Any
-  kv_ids: Any = None
-  sides: ClassVar[tuple[str, ...]] = ("q", "kv")
+  q_ids: Any = array_field("q")
+  kv_ids: Any = array_field("kv", None)
 
   @property
   def keys(self) -> Any:
@@ -190,7 +251,7 @@ class Bidirectional(Mask):
     return may, full
 
 
-@_register
+@dataclasses.dataclass(frozen=True)
 class MaskFn(Mask):
   """Any elementwise rule fn(q_pos, kv_pos) -> bool over broadcast int arrays (jnp-traceable).
 
@@ -209,6 +270,14 @@ class MaskFn(Mask):
   def visible(self, q_pos, kv_pos):
     return self.fn(q_pos, kv_pos)
 
+  def is_static(self):
+    return not traced_constants(self.fn)
+
+  @property
+  def name(self) -> str:
+    """`MaskFn(fn's name)`, as messages name it."""
+    return f"MaskFn({getattr(self.fn, '__name__', 'fn')})"
+
   def classify(self, b):
     if self.ranges is not None:
       q, kv = b.q, b.kv
@@ -217,12 +286,21 @@ class MaskFn(Mask):
     return b.evaluate(self.fn)
 
 
-@_register
+def traced_constants(fn: Callable[[Any, Any], Any]) -> list[jax.core.Tracer]:
+  """The traced values (under jit, vmap, grad, ...) that `fn(q_pos, kv_pos)` closes over."""
+  position = jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.int32)
+  try:
+    closed = jax.make_jaxpr(fn)(position, position)
+  except Exception:  # pylint: disable=broad-except  (validation reports fn's own failures)
+    return []
+  return [c for c in closed.consts if isinstance(c, jax.core.Tracer)]
+
+
+@dataclasses.dataclass(frozen=True)
 class Dense(Mask):
   """The dense mask as an object: [B|1, 1|Hq, T, S] bool, True = may attend."""
 
-  mask: Any
-  sides: ClassVar[tuple[str, ...]] = ("qk",)
+  mask: Any = array_field("qk")
 
   def visible(self, q_pos, kv_pos):
     return self.mask
@@ -231,51 +309,31 @@ class Dense(Mask):
     return b.reduce(self.mask)
 
 
-class _Combined(Mask):
-  """A pair of masks (`&` or `|`); its leaves are its operands' leaves."""
-
-  def arrays(self):
-    return (self.a, self.b)
-
-  def map_arrays(self, f):
-    return type(self)(self.a.map_arrays(f), self.b.map_arrays(f))
-
-  def parts(self):
-    yield from self.a.parts()
-    yield from self.b.parts()
-
-  def map_parts(self, f):
-    return type(self)(self.a.map_parts(f), self.b.map_parts(f))
-
-  def tree_flatten(self):
-    return (self.a, self.b), None
-
-  @classmethod
-  def tree_unflatten(cls, _, children):
-    return cls(*children)
-
-
-@_register
-class And(_Combined):
+@dataclasses.dataclass(frozen=True)
+class And(Mask):
   """Visible when both are: `a & b`."""
 
-  a: Mask
-  b: Mask
+  a: Mask = part_field()
+  b: Mask = part_field()
 
   def visible(self, q_pos, kv_pos):
     return self.a.visible(q_pos, kv_pos) & self.b.visible(q_pos, kv_pos)
+
+  def config_rules(self):
+    a, b = self.a.config_rules(), self.b.config_rules()
+    return None if a is None or b is None or set(a) & set(b) else {**a, **b}
 
   def classify(self, blocks):
     (may_a, full_a), (may_b, full_b) = self.a.classify(blocks), self.b.classify(blocks)
     return may_a & may_b, full_a & full_b
 
 
-@_register
-class Or(_Combined):
+@dataclasses.dataclass(frozen=True)
+class Or(Mask):
   """Visible when either is: `a | b`."""
 
-  a: Mask
-  b: Mask
+  a: Mask = part_field()
+  b: Mask = part_field()
 
   def visible(self, q_pos, kv_pos):
     return self.a.visible(q_pos, kv_pos) | self.b.visible(q_pos, kv_pos)
@@ -287,35 +345,20 @@ class Or(_Combined):
 
 def from_rules(causal: bool, window: Window | None, chunk_size: int | None) -> Mask | None:
   """The config's rules as one object (their AND), or None when there is none."""
-  parts = ([Causal()] if causal else []) + ([SlidingWindow(window)] if window else [])
+  parts: list[Mask] = ([Causal()] if causal else []) + ([SlidingWindow(window)] if window else [])
   parts += [Chunked(chunk_size)] if chunk_size else []
-  rule = None
+  rule: Mask | None = None
   for part in parts:
     rule = part if rule is None else rule & part
   return rule
 
 
 def as_rules(rule: Mask | None) -> dict[str, Any] | None:
-  """The rules of `rule` as config keywords when it is an AND of at most one Causal,
-  SlidingWindow and Chunked each (what a static kernel can build), else None."""
-  rules = dict(causal=False, window=None, chunk_size=None)
-  if rule is None:
-    return rules
-  if any(isinstance(p, Or) for p in _nodes(rule)):
-    return None
-  for part in rule.parts():
-    key = {Causal: "causal", SlidingWindow: "window", Chunked: "chunk_size"}.get(type(part))
-    if key is None or rules[key]:
-      return None
-    rules[key] = True if key == "causal" else getattr(part, "window", getattr(part, "size", None))
-  return rules
-
-
-def _nodes(rule: Mask) -> Iterator[Mask]:
-  yield rule
-  if isinstance(rule, _Combined):
-    yield from _nodes(rule.a)
-    yield from _nodes(rule.b)
+  """The rules of `rule` as config keywords (causal, window, chunk_size) when config can say it
+  (an AND of at most one Causal, SlidingWindow and Chunked: what a static kernel builds), else None."""
+  rules: dict[str, Any] = dict(causal=False, window=None, chunk_size=None)
+  said = {} if rule is None else rule.config_rules()
+  return None if said is None else {**rules, **said}
 
 
 def skeleton(rule: Mask | None) -> Mask | None:

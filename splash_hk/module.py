@@ -7,6 +7,7 @@ import math
 import haiku as hk
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from splash_hk import masks
 from splash_hk.attention import attention
@@ -56,7 +57,7 @@ class SplashAttention(hk.Module):
       key: jax.Array,
       value: jax.Array,
       *,
-      mask: jax.Array | None = None,
+      mask: ArrayLike | masks.Mask | None = None,
       q_segment_ids: jax.Array | None = None,
       kv_segment_ids: jax.Array | None = None,
       q_positions: jax.Array | None = None,
@@ -156,7 +157,7 @@ class MultiHeadAttention(hk.Module):
       query: jax.Array,
       key: jax.Array | None = None,
       value: jax.Array | None = None,
-      mask: jax.Array | None = None,
+      mask: ArrayLike | masks.Mask | None = None,
       *,
       q_segment_ids: jax.Array | None = None,
       kv_segment_ids: jax.Array | None = None,
@@ -208,7 +209,7 @@ class MultiHeadAttention(hk.Module):
       if any(x is not None for x in extras.values()):
         raise ValueError("`kv_cache` derives positions and padding itself: do not pass "
                          "q_segment_ids, kv_segment_ids, q_positions or kv_positions with it.")
-      step = append(kv_cache, k, v, row_lengths(lengths, tuple(lead), query_len))
+      step = append(kv_cache, k, v, row_lengths(lengths, tuple(lead), query_len), self.module_name)
       k, v, extras, kv_len = step.key, step.value, step.extras, step.key.shape[1]
     elif lengths is not None:
       raise ValueError("`lengths` says how many tokens each row appends to `kv_cache`; pass "

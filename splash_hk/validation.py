@@ -6,7 +6,7 @@ All checks read only `.shape` and `.dtype`, so they run at trace time (and on
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import chex
 import jax
@@ -30,10 +30,18 @@ def _array(x: Any, name: str, layout: str) -> None:
           f"{type(x).__name__}; wrap it with jnp.asarray.")
 
 
+def _chex(check: Callable[[], None], message: str) -> None:
+  """Runs a chex assertion; a failure is a ValueError that starts with `message` (chex's after)."""
+  try:
+    check()
+  except AssertionError as e:
+    raise ValueError(f"{message} ({e})") from None
+
+
 def _rank(x: Shaped, rank: int, name: str, layout: str) -> None:
   _array(x, name, layout)
-  chex.assert_rank(x, rank, exception_type=ValueError,
-                   custom_message=f"`{name}` must be {layout}, got shape {tuple(x.shape)}.")
+  _chex(lambda: chex.assert_rank(x, rank),
+        f"`{name}` must be {layout}, got shape {tuple(x.shape)}.")
 
 
 def _integer(x: Shaped, name: str) -> None:
@@ -86,8 +94,8 @@ def validate_extras(query: Shaped, key: Shaped, extras: Extras) -> None:
     if x is not None:
       layout = f"[batch, {axis}] = {(batch, length)}"
       _rank(x, 2, name, layout)
-      chex.assert_shape(x, (batch, length), exception_type=ValueError,
-                        custom_message=f"`{name}` must be {layout}, got {tuple(x.shape)}.")
+      _chex(lambda: chex.assert_shape(x, (batch, length)),
+            f"`{name}` must be {layout}, got {tuple(x.shape)}.")
       _integer(x, name)
   if query_len != kv_len and (extras.q_segment_ids is None) != (extras.kv_segment_ids is None):
     missing = "kv_segment_ids" if extras.kv_segment_ids is None else "q_segment_ids"
@@ -167,14 +175,21 @@ def _validate_mask_fn(part: mask_objects.MaskFn, batch: int, query_len: int, kv_
   want = (batch, 1, query_len, kv_len)
   q = jax.ShapeDtypeStruct((batch, 1, query_len, 1), jnp.int32)
   kv = jax.ShapeDtypeStruct((batch, 1, 1, kv_len), jnp.int32)
-  name = getattr(part.fn, "__name__", repr(part.fn))
+  name = part.name
   try:
-    out = jax.eval_shape(part.fn, q, kv)
+    traced = jax.make_jaxpr(part.fn, return_shape=True)(q, kv)
   except Exception as e:  # pylint: disable=broad-except
-    _fail(f"MaskFn({name}) failed on int positions q [B, 1, T, 1], kv [B, 1, 1, S]: {e}")
+    _fail(f"{name} failed on int positions q [B, 1, T, 1], kv [B, 1, 1, S]: {e}")
+  closed, out = traced
+  differentiated = [c for c in closed.consts if isinstance(c, mask_objects.DIFFERENTIATED)]
+  if differentiated:
+    _fail(f"{name} closes over a value being differentiated "
+          f"({', '.join(str(c.aval) for c in differentiated)}): a mask has no gradient, and its fn "
+          "is static. Close over jax.lax.stop_gradient(value) instead, or pass the value static "
+          "(a Python number: a module hyperparameter, or jax.jit(..., static_argnums=...)).")
   shape = tuple(getattr(out, "shape", ()))
   fits = len(shape) <= 4 and all(n in (1, w) for n, w in zip(shape[::-1], want[::-1]))
   if not (getattr(out, "dtype", None) == jnp.bool_ and fits):
-    _fail(f"MaskFn({name}) must return bool of the broadcast shape {want} (elementwise over "
+    _fail(f"{name} must return bool of the broadcast shape {want} (elementwise over "
           f"q_pos [B, 1, T, 1] and kv_pos [B, 1, 1, S]), got "
           f"{getattr(out, 'dtype', type(out).__name__)} {shape}.")

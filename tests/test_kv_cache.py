@@ -117,3 +117,63 @@ def test_hand_built_cache_with_scalar_length():
     np.testing.assert_allclose(out[row], _oracle_row(params, x[row, :8], 3), atol=1e-5)
   with pytest.raises(ValueError, match=r"`kv_cache.length` must lie in \[0, max_len\]"):
     CALLS["eager"](params, x[:, :1], sh.KVCache(full.key, full.value, jnp.asarray(9)))
+
+
+def _two_layers(x, caches, chain=False):
+  """Two attention layers, each with its cache, or (chain) one cache through both in turn."""
+  new = []
+  for i, cache in enumerate(caches):
+    layer = sh.MultiHeadAttention(HEADS, KEY_SIZE, num_kv_heads=KV_HEADS, w_init=W_INIT,
+                                  model_size=MODEL, name=f"layer_{i}")
+    x, cache = layer(x, kv_cache=new[-1] if chain and new else cache)
+    new.append(cache)
+  return x, new
+
+
+TWO_LAYERS = hk.without_apply_rng(hk.transform(_two_layers))
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+def test_a_cache_of_another_layer_is_named_even_with_the_same_shape(how):
+  x = np.random.default_rng(1).normal(size=(2, 8, MODEL)).astype(np.float32)
+  params = TWO_LAYERS.init(jax.random.PRNGKey(0), x, [_empty(2, 16), _empty(2, 16)])
+  call = TWO_LAYERS.apply if how == "eager" else jax.jit(TWO_LAYERS.apply, static_argnums=3)
+  _, caches = call(params, x, [_empty(2, 16), _empty(2, 16)])
+  assert [c.owner for c in caches] == ["layer_0", "layer_1"]
+  with pytest.raises(ValueError, match="`kv_cache` belongs to layer 'layer_0'.*layer 'layer_1'"):
+    call(params, x, [_empty(2, 16), None], True)  # one cache chained through both layers
+  with pytest.raises(ValueError, match="`kv_cache` belongs to layer 'layer_1'.*layer 'layer_0'"):
+    call(params, x[:, :1], caches[::-1])  # two layers' caches swapped
+  _, again = call(params, x[:, :1], caches)  # each its own: fine, owners kept
+  assert [c.owner for c in again] == ["layer_0", "layer_1"]
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+def test_reset_rows_and_room(how):
+  params, x = _setup(max_len=10)
+  call = CALLS[how]
+  _, cache = call(params, x[:, :6], _empty(2, 10), jnp.asarray([6, 3]))
+  np.testing.assert_array_equal(cache.room(), [4, 7])
+  reset = jax.jit(lambda c, rows: c.reset(rows)) if how == "jit" else (lambda c, r: c.reset(r))
+  fresh = reset(cache, jnp.asarray([True, False]))
+  np.testing.assert_array_equal(fresh.length, [0, 3])
+  np.testing.assert_array_equal(fresh.room(), [10, 7])
+  assert fresh.owner == cache.owner == "multi_head_attention"
+  np.testing.assert_array_equal(reset(cache, -1).length, [6, 0])
+  np.testing.assert_array_equal(reset(cache, jnp.asarray([0, 1])).length, [0, 0])
+  # Row 0 starts a new prompt over its old slots (stale keys there are invisible); row 1 goes on.
+  prompt = x[0, 6:10]
+  out, after = call(params, np.stack([prompt, x[1, 3:7]]), fresh, jnp.asarray([4, 4]))
+  np.testing.assert_array_equal(after.length, [4, 7])
+  np.testing.assert_allclose(out[0], _oracle_row(params, prompt, 4), atol=1e-5)
+  np.testing.assert_allclose(out[1], _oracle_row(params, x[1, :7], 4), atol=1e-5)
+
+
+def test_reset_rows_that_are_not_rows():
+  cache = _empty(2, 4)
+  with pytest.raises(ValueError, match=r"`rows` must be indices in \[-2, 2\)"):
+    cache.reset(2)
+  with pytest.raises(ValueError, match=r"`rows` as a mask must be bool \[2\]"):
+    cache.reset(np.array([True, False, True]))
+  with pytest.raises(ValueError, match="`rows` must be row indices"):
+    cache.reset(np.array([0.5]))

@@ -321,3 +321,37 @@ def test_bad_objects_say_what_to_change():
 
 def as_int(q_pos, kv_pos):
   return q_pos - kv_pos
+
+
+def test_mask_fn_closing_over_traced_values():
+  """A differentiated value in a MaskFn's closure: a ValueError that says stop_gradient, which
+  then gives the oracle's gradients (and none for the value); splash names a traced closure."""
+  rng, q, k, v, seg = _inputs(7, padded=False)
+  cot = rng.normal(size=q.shape)
+  config = sh.AttentionConfig(block_sizes=TILES)
+
+  def loss(q, k, v, width, stop):
+    width = jax.lax.stop_gradient(width) if stop else width
+    window = M.MaskFn(lambda q_pos, kv_pos: kv_pos > q_pos - width) & M.Causal()
+    return jnp.sum(sh.attention(q, k, v, config=config, mask=window).attention_outputs * cot)
+
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+  with pytest.raises(ValueError, match=r"MaskFn\(<lambda>\) closes over a value being "
+                                       r"differentiated.*jax.lax.stop_gradient"):
+    grad(q, k, v, 5.0, False)
+  *grads, d_width = jax.jit(grad, static_argnums=4)(q, k, v, 5.0, True)
+  _, want = oracle.out_and_vjp(q, k, v, cot, window=(4, 0))
+  for g, w in zip(grads, want):
+    np.testing.assert_allclose(np.asarray(g), w, atol=5e-5, rtol=5e-5)
+  assert d_width == 0
+
+  splash = sh.AttentionConfig(platform="splash", interpret=True)
+  big = jnp.zeros((1, 128, 2, 128))
+
+  @jax.jit
+  def explained(n):
+    decision = sh.explain(big, big, big, config=splash, mask=M.MaskFn(lambda q, k: k < n))
+    assert decision.fallback and "closes over traced values" in decision.reason, decision
+    return n
+
+  explained(3)

@@ -114,3 +114,32 @@ def test_one_segment_side_defaults_to_the_other_when_lengths_match(given):
   out = sh.attention(q, k, v, **{given: seg}).attention_outputs
   expected, _ = oracle.attention(q, k, v, q_seg=seg, kv_seg=seg)
   np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("build,value,needle", [
+    (lambda w: sh.AttentionConfig(sliding_window=w), 4, "`sliding_window` is static"),
+    (lambda w: sh.AttentionConfig(sliding_window=(w, 0)), 4, "`sliding_window` is static"),
+    (lambda c: sh.AttentionConfig(chunk_size=c), 4, "`chunk_size` is static"),
+    (lambda c: sh.AttentionConfig(logits_soft_cap=c), 4.0, "`logits_soft_cap` is static"),
+    (lambda s: sh.AttentionConfig(softmax_scale=s), 0.5,
+     "`softmax_scale` is static.*static_argnums.*learnable temperature, multiply the query"),
+    (lambda b: sh.BlockSizes(block_q=b), 64, "`BlockSizes.block_q` is static"),
+    (lambda w: sh.masks.SlidingWindow(w), 4, "`SlidingWindow.window` is static"),
+    (lambda c: sh.masks.Chunked(c), 4, "`Chunked.size` is static"),
+], ids=["window", "window_pair", "chunk", "soft_cap", "scale", "block", "SlidingWindow", "Chunked"])
+def test_a_traced_static_field_says_to_pass_it_static(build, value, needle):
+  with pytest.raises(ValueError, match=needle + ".*" if "static_argnums" in needle else needle):
+    jax.jit(build)(value)
+  build(jnp.asarray(value))  # a concrete scalar array is a Python value
+
+
+def test_messages_start_with_the_sentence_that_helps():
+  q, k, v = _qkv(q=(B, T, HQ))
+  with pytest.raises(ValueError) as e:
+    sh.attention(q, k, v)
+  assert str(e.value).startswith("`query` must be [batch, query_len, num_heads, head_dim], got "
+                                 "shape (2, 8, 4).")
+  q, k, v = _qkv()
+  with pytest.raises(ValueError) as e:
+    sh.attention(q, k, v, q_positions=I32(B, T + 1))
+  assert str(e.value).startswith("`q_positions` must be [batch, query_len] = (2, 8), got (2, 9).")

@@ -66,6 +66,10 @@ def why_not(facts: Facts, hardware: str) -> str | None:
               "this call's query is sharded, load-balanced or longer than the keys")
   else:
     refusal = base.rule_refusal(facts, "the splash kernel's static mask", STATIC_PARTS)
+    if refusal is None and facts.rule is not None and not facts.rule.is_static():
+      traced = [p.name for p in facts.rule.parts() if isinstance(p, mask_objects.MaskFn)
+                and not p.is_static()]
+      refusal = f"{', '.join(traced)} closes over traced values (its rule changes per call)"
     if refusal is not None:
       return refusal + (" (splash masks are built from indices at trace time; of objects with "
                         "arrays it serves Causal() | Bidirectional(ids))")

@@ -131,10 +131,10 @@ def count_pairs(rule: masks.Mask | None, q_positions, kv_positions, block_q: int
 def reads_per_kv_block(facts: Facts, grid: Grid) -> float:
   """How many query blocks read a key block on average, in the plan of default positions.
 
-  A rule with arrays of its own (ids, a dense mask) is not known here: every query
-  block is taken to read every key block.
+  A rule not known at trace time (ids, a dense mask, traced values) is not known here:
+  every query block is taken to read every key block.
   """
-  if grid.num_q_blocks <= 2 or jax.tree.leaves(facts.rule):
+  if grid.num_q_blocks <= 2 or not (facts.rule is None or facts.rule.is_static()):
     return float(grid.num_q_blocks)
   q_pos, kv_pos = masks.end_aligned_positions(1, grid.query_len, grid.kv_len, np)
   return count_pairs(facts.rule, q_pos, kv_pos, grid.block_q, grid.block_kv) / grid.num_kv_blocks

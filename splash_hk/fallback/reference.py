@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import jax
+from jax.typing import ArrayLike
 
 from splash_hk import inputs
+from splash_hk import masks
 from splash_hk.backends import reference
 from splash_hk.config import AttentionConfig
 from splash_hk.types import AttentionOutput, Extras
@@ -20,7 +22,7 @@ def reference_attention(
     kv_segment_ids: jax.Array | None = None,
     q_positions: jax.Array | None = None,
     kv_positions: jax.Array | None = None,
-    mask: jax.Array | None = None,
+    mask: ArrayLike | masks.Mask | None = None,
     softmax_aux: jax.Array | None = None,
     return_weights: bool = False,
     **config_overrides,

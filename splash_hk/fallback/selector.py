@@ -78,11 +78,10 @@ def _plan_note(facts: Facts) -> str:
   """What the block plan reads whole: MaskFn parts without a range rule, in words (or "")."""
   if facts.rule is None:
     return ""
-  names = [getattr(p.fn, "__name__", "fn") for p in facts.rule.parts()
-           if isinstance(p, MaskFn) and p.ranges is None]
+  names = [p.name for p in facts.rule.parts() if isinstance(p, MaskFn) and p.ranges is None]
   if not names:
     return ""
-  return (f"; MaskFn({', '.join(names)}) has no range rule: its blocks are classified by "
+  return (f"; {', '.join(names)} has no range rule: its blocks are classified by "
           "evaluating it on every (query, key) pair, once per call")
 
 
