@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test wheel-check bazel-install bazel-test bazel-smoke demo multihost-demo bench quickcheck clean gpu-wheels gpu-check
+.PHONY: setup test typecheck wheel-check bazel-install bazel-test bazel-smoke demo multihost-demo bench quickcheck clean gpu-wheels gpu-check
 
 LOCK := requirements-lock.txt
 
@@ -20,6 +20,10 @@ setup: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 tests
+
+# mypy over splash_hk/ (mypy.ini): every public signature typed as what it takes.
+typecheck: $(STAMP)
+	$(PY) -m mypy
 
 # The built wheel (not an editable install) in a fresh venv, against the lock:
 # it installs, ships py.typed and the library alone (no example or bench module),
@@ -41,12 +45,14 @@ bazel-install:
 bazel-test: $(STAMP) bazel-install
 	bazel test //...
 
-# CI's Bazel stage: every target builds, the test rule runs (runner, sharding,
-# runfiles imports, the skipped GPU target) and a binary runs. The tests' content
-# already ran once under `make test`; running all of it twice does not fit CI.
+# CI's Bazel stage: every target builds, every test target collects its tests in
+# its own sandbox (its imports and data resolve), the test rule runs (runner,
+# sharding, runfiles imports, the skipped GPU target) and a binary runs. The tests'
+# content already ran once under `make test`; running all of it twice does not fit CI.
 BAZEL_SMOKE := //:test_build //:test_masks //:test_inputs //:test_package //:test_gpu
 bazel-smoke: $(STAMP) bazel-install
 	bazel build //...
+	bazel test //... --test_arg=--collect-only
 	bazel test $(BAZEL_SMOKE)
 	bazel run //examples/train:train -- --steps=20 --log_every=20
 

@@ -22,10 +22,11 @@ setuptools.setup(
         "chex>=0.1.92",
         "absl-py>=2.5.1",
         "numpy>=2.4.6",
+        "typing_extensions>=4.16.0",  # TypeVar defaults (the kernel-boundary pytrees' leaves)
     ],
     extras_require={
         "gpu": ["ejkernel>=0.0.80.3"],
-        "test": ["pytest>=9.2.0", "pytest-xdist>=3.8.0", "hypothesis>=6.170.17"],
+        "test": ["pytest>=9.2.0", "pytest-xdist>=3.8.0", "hypothesis>=6.170.17", "mypy>=2.4.1"],
         "examples": ["optax>=0.2.8", "tqdm>=4.70.1", "matplotlib>=3.11.2"],
     },
 )

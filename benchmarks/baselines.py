@@ -6,7 +6,7 @@
 - `ejkernel_xla`: ejkernel's XLA block-sparse attention, adapted to our
   semantics. Its dense core aligns causal masks top-left whatever the
   positions and ignores `chunk_size`, so it gets the whole mask, built by
-  `splash_hk.masks.full_mask` from end-aligned positions, with `causal=False`;
+  `splash_hk.backends.base.full_mask` from end-aligned positions, with `causal=False`;
   sinks go in as one logsumexp sink per query head. It reads only head 0 of a
   dense mask, so per-head masks are refused.
 """
@@ -19,7 +19,6 @@ import numpy as np
 
 import splash_hk as sh
 from splash_hk import inputs
-from splash_hk import masks
 from splash_hk.backends import _ejkernel
 from splash_hk.backends import base
 from splash_hk.types import Extras
@@ -29,7 +28,7 @@ def ejkernel_xla(q: jax.Array, k: jax.Array, v: jax.Array, config: sh.AttentionC
                  **extras) -> jax.Array:
   """ejkernel's XLA block-sparse path: q [B, T, Hq, D], k, v -> [B, T, Hq, Dv]."""
   x, facts = inputs.normalise(q, k, v, config=config, extras=Extras(**extras))
-  mask = masks.full_mask(x)  # [B|1, 1|Hq, T, S]
+  mask = base.full_mask(x)  # [B|1, 1|Hq, T, S]
   if mask.shape[1] > 1:
     raise ValueError("ejkernel's XLA block-sparse path reads only head 0 of a dense mask.")
   mask = jnp.broadcast_to(mask, (q.shape[0], *mask.shape[1:]))  # [B, 1, T, S]

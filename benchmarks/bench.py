@@ -171,7 +171,7 @@ def work_ratio(impl: str, workload: bench_workloads.Workload) -> float:
                                                  (workload.query_len, workload.kv_len)))
   e = workload.extras(1)
   q_seg = e.get("q_segment_ids")
-  pairs = kernel.BACKENDS["xla"].count_pairs(facts, *workload.positions(1), q_seg,
+  pairs = kernel.backend("xla").count_pairs(facts, *workload.positions(1), q_seg,
                                              e.get("kv_segment_ids", q_seg), workload.mask(1))
   return pairs * block_q * block_kv / workload.useful_pairs
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 import splash_hk as sh
-from splash_hk import masks
+from splash_hk.masks import _rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Workload:
 
   def positions(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """(q_positions [B, T], kv_positions [B, S]): the explicit ones, else the defaults."""
-    q_pos, kv_pos = masks.end_aligned_positions(batch, self.query_len, self.kv_len, np)
+    q_pos, kv_pos = _rules.end_aligned_positions(batch, self.query_len, self.kv_len, np)
     e = self.extras(batch)
     return e.get("q_positions", q_pos), e.get("kv_positions", kv_pos)
 
@@ -89,13 +89,13 @@ class Workload:
     """The visibility of query rows `rows` only: [B, 1, len(rows), S] bool."""
     e = self.extras(batch)
     q_pos, kv_pos = self.positions(batch)
-    rule = self.mask(batch) or masks.from_rules(**self.config.rules)
+    rule = self.mask(batch) or _rules.call_rule(**self.config.rules)
     if rule is not None:
       rule = rule.map_arrays(lambda side, a: a[:, rows] if side == "q" else a)
     mask = np.ones((batch, len(rows), self.kv_len), bool) if rule is None else np.asarray(
         rule.visible(q_pos[:, None, rows, None], kv_pos[:, None, None, :]))[:, 0]
     if "q_segment_ids" in e:
-      mask = mask & masks.segment_mask(e["q_segment_ids"][:, rows],
+      mask = mask & _rules.segment_mask(e["q_segment_ids"][:, rows],
                                        e.get("kv_segment_ids", e["q_segment_ids"]))
     return mask[:, None]
 
@@ -171,8 +171,34 @@ def _mask_workload(mask: str, length: str) -> Workload:
     doc = length // n
     return Workload(f"{mask}@{length}", length, length, config, n * doc * (doc + 1) // 2,
                     "packed", documents=n)
-  pairs = masks.visible_pairs(length, length, **config.rules)
+  pairs = visible_pairs(length, length, **config.rules)
   return Workload(f"{mask}@{length}", length, length, config, pairs)
+
+
+def visible_interval(q_pos: np.ndarray, kv_len: int, *, causal: bool,
+                     window: tuple[int, int] | None, chunk_size: int | None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+  """The keys each query may see under the config's rules when `kv_positions = arange(kv_len)`:
+  one interval of key positions per row, clipped to the keys (lo > hi: none), inclusive, [T]."""
+  q_pos = np.asarray(q_pos, np.int64)
+  lo = np.zeros_like(q_pos)
+  hi = np.full_like(q_pos, kv_len - 1)
+  if causal:
+    hi = np.minimum(hi, q_pos)
+  if window is not None:
+    lo, hi = np.maximum(lo, q_pos - window[0]), np.minimum(hi, q_pos + window[1])
+  if chunk_size is not None:
+    first = (q_pos // chunk_size) * chunk_size
+    lo, hi = np.maximum(lo, first), np.minimum(hi, first + chunk_size - 1)
+  return lo, hi
+
+
+def visible_pairs(query_len: int, kv_len: int, **rules) -> int:
+  """How many (query, key) pairs the config's rules let through at default positions: the
+  useful work a workload's speed is measured by (O(T), for lengths no dense mask fits)."""
+  q_pos = _rules.end_aligned_positions(1, query_len, kv_len, np)[0][0]
+  lo, hi = visible_interval(q_pos, kv_len, **rules)
+  return int(np.maximum(hi - lo + 1, 0).sum())
 
 
 def jax_nn_kwargs(workload: Workload, batch: int) -> dict[str, Any]:

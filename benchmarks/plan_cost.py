@@ -30,7 +30,7 @@ def plan_seconds(workload: bench_workloads.Workload, repeats: int) -> float:
   config = workload.config.replace(platform="xla")
   x, facts = inputs.normalise(zeros, keys, keys, config=config,
                               extras=Extras(**workload.extras(1)))
-  plan = jax.jit(lambda x: kernel.BACKENDS["xla"].plan(x, facts))
+  plan = jax.jit(lambda x: kernel.backend("xla").plan(x, facts))
   return timing.median_seconds(plan, x, repeats=repeats)
 
 

@@ -1,34 +1,41 @@
-"""`attention` and `explain`: normalise -> select -> (shard) -> kernel."""
+"""`attention` and `explain`: normalise -> select -> (shard) -> kernel.
+
+The public functions name every per-call argument; below them one `Extras` value
+carries the call's arrays (`attend`, `decide`: what the modules call).
+"""
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 
 from splash_hk import inputs
 from splash_hk import kernel
-from splash_hk import masks
 from splash_hk import ring
 from splash_hk import sharding
 from splash_hk import ulysses
 from splash_hk.config import AttentionConfig
 from splash_hk.fallback import selector
-from splash_hk.types import AttentionOutput, Decision, Extras
+from splash_hk.masks import Mask
+from splash_hk.sharding.axes import AxisEntry
+from splash_hk.types import Array, AttentionOutput, Decision, Extras, KernelInputs, KernelOutput
+from splash_hk.types import Shaped
 
 
 def explain(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
+    query: Shaped,
+    key: Shaped,
+    value: Shaped,
     *,
     config: AttentionConfig = AttentionConfig(),
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    q_positions: jax.Array | None = None,
-    kv_positions: jax.Array | None = None,
-    mask: jax.Array | masks.Mask | None = None,
-    softmax_aux: jax.Array | None = None,
+    q_segment_ids: Shaped | None = None,
+    kv_segment_ids: Shaped | None = None,
+    q_positions: Shaped | None = None,
+    kv_positions: Shaped | None = None,
+    mask: Shaped | Mask | None = None,
+    softmax_aux: Shaped | None = None,
     mesh: jax.sharding.Mesh | None = None,
     axes: sharding.MeshAxes = sharding.MeshAxes(),
     return_weights: bool = False,
@@ -38,24 +45,34 @@ def explain(
   Takes the same arguments as `attention`; arrays may be `jax.ShapeDtypeStruct`s.
   Validates the inputs; with `allow_fallback=False` a fallback raises ValueError.
   """
-  extras = Extras(q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask, softmax_aux)
+  extras = Extras(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                  q_positions=q_positions, kv_positions=kv_positions, mask=mask,
+                  softmax_aux=softmax_aux)
+  return decide(query, key, value, extras, config=config, mesh=mesh, axes=axes,
+                return_weights=return_weights)
+
+
+def decide(query: Shaped, key: Shaped, value: Shaped, extras: Extras, *, config: AttentionConfig,
+           mesh: jax.sharding.Mesh | None = None, axes: sharding.MeshAxes = sharding.MeshAxes(),
+           return_weights: bool = False) -> Decision:
+  """`explain` with the call's arrays as one `Extras`."""
   facts = inputs.facts(query, key, value, config=config, extras=extras, mesh=mesh, axes=axes,
                        return_weights=return_weights)
   return selector.select(facts)
 
 
 def attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
+    query: Array,
+    key: Array,
+    value: Array,
     *,
     config: AttentionConfig = AttentionConfig(),
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    q_positions: jax.Array | None = None,
-    kv_positions: jax.Array | None = None,
-    mask: jax.Array | masks.Mask | None = None,
-    softmax_aux: jax.Array | None = None,
+    q_segment_ids: Array | None = None,
+    kv_segment_ids: Array | None = None,
+    q_positions: Array | None = None,
+    kv_positions: Array | None = None,
+    mask: Array | Mask | None = None,
+    softmax_aux: Array | None = None,
     mesh: jax.sharding.Mesh | None = None,
     axes: sharding.MeshAxes = sharding.MeshAxes(),
     return_weights: bool = False,
@@ -100,7 +117,18 @@ def attention(
     AttentionOutput with `attention_outputs` [B, T, Hq, Dv] in the input (or
     runtime) dtype and `attention_weights` (None unless asked for).
   """
-  extras = Extras(q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask, softmax_aux)
+  extras = Extras(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                  q_positions=q_positions, kv_positions=kv_positions, mask=mask,
+                  softmax_aux=softmax_aux)
+  return attend(query, key, value, extras, config=config, mesh=mesh, axes=axes,
+                return_weights=return_weights)
+
+
+def attend(query: Array, key: Array, value: Array, extras: Extras, *,
+           config: AttentionConfig, mesh: jax.sharding.Mesh | None = None,
+           axes: sharding.MeshAxes = sharding.MeshAxes(),
+           return_weights: bool = False) -> AttentionOutput:
+  """`attention` with the call's arrays as one `Extras`."""
   x, facts = inputs.normalise(query, key, value, config=config, extras=extras, mesh=mesh,
                               axes=axes, return_weights=return_weights)
   decision = selector.select(facts)
@@ -108,6 +136,7 @@ def attention(
   if mesh is None:
     result = kernel.run(decision.backend, x, facts)
   else:
+    body: Callable[[KernelInputs, AxisEntry], KernelOutput]
     if decision.ring:
       body = functools.partial(ring.attend, decision.backend, facts=facts)
     elif decision.ulysses:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import typing
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-Platform = Literal["auto", "splash", "triton", "xla", "reference"]
-PLATFORMS: tuple[str, ...] = typing.get_args(Platform)
+from splash_hk import platforms
+
+Platform = str  # "auto" or a registered backend's name (`platforms.names()`)
 
 
 def _is_int(x) -> bool:
@@ -47,7 +47,7 @@ class BlockSizes:
   """Tile sizes of the block-sparse kernels; None lets each backend use its tuned default.
 
   `block_q`/`block_kv` tile the forward pass, `*_bwd` the backward pass. The
-  defaults: XLA path, measured on CPU (see `splash_hk.backends.xla.default_tiles`);
+  defaults: XLA path, `splash_hk.tiles.default_tiles` (why: README, Performance);
   splash, 128 up to 2048 blocks per sequence, then doubled (512 at 2^20 tokens:
   `splash_hk.backends.splash.default_block`; multiples of 128, clamped to the
   padded sequence); Triton, ejkernel's GPU heuristics (64 forward, 32 backward).
@@ -93,7 +93,8 @@ class AttentionConfig:
     softmax_scale: logits are `softmax_scale * q.k`; default `D ** -0.5`.
     runtime_dtype: if set, query/key/value are cast to it and the output has it.
     block_sizes: kernel tiles.
-    platform: "auto", "splash", "triton", "xla" or "reference".
+    platform: "auto" (the best backend for the hardware) or a backend's name:
+      "splash", "triton", "xla", "reference" (`splash_hk.platforms`).
     allow_fallback: if False, any fallback raises ValueError with its reason.
     interpret: run the Pallas splash kernel in interpret mode (CPU).
     fused_backward: ask kernels that have one for their fused backward pass.
@@ -134,13 +135,14 @@ class AttentionConfig:
     if not isinstance(self.block_sizes, BlockSizes):
       raise ValueError(
           f"block_sizes must be a splash_hk.BlockSizes, got {type(self.block_sizes).__name__}.")
-    if self.platform not in PLATFORMS:
-      raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}.")
+    if self.platform not in platforms.names():
+      raise ValueError(f"platform must be one of {platforms.names()}, got {self.platform!r}.")
 
   @property
   def window(self) -> tuple[int, int] | None:
     """The sliding window as (left, right), or None (`sliding_window` is stored normalised)."""
-    return self.sliding_window
+    window = self.sliding_window
+    return (window, window) if isinstance(window, int) else window
 
   def scale(self, head_dim: int) -> float:
     """The logit scale: `softmax_scale`, or `head_dim ** -0.5` when unset."""
@@ -148,7 +150,8 @@ class AttentionConfig:
 
   @property
   def rules(self) -> dict[str, Any]:
-    """The positional mask rules, as keywords of `splash_hk.masks.position_rules`."""
+    """The positional mask rules (causal, window, chunk_size), as keywords of
+    `splash_hk.masks._objects.from_rules`, which makes them one mask object."""
     return dict(causal=self.causal, window=self.window, chunk_size=self.chunk_size)
 
   def replace(self, **changes) -> "AttentionConfig":

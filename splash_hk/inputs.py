@@ -9,28 +9,28 @@ segment ids for both sides or neither, sinks as [Hq, n] float32.
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from splash_hk import masks
 from splash_hk import validation
 from splash_hk.config import AttentionConfig
 from splash_hk.sharding import specs
 from splash_hk.sharding.axes import MeshAxes
-from splash_hk.types import Extras, Facts, KernelInputs
+from splash_hk.masks import _objects
+from splash_hk.masks import _rules
+from splash_hk.types import Extras, Facts, KernelInputs, Shaped
 
 __all__ = ("Extras", "facts", "normalise")
 
 
-def facts(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: Extras,
+def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig, extras: Extras,
           mesh: jax.sharding.Mesh | None = None, axes: MeshAxes = MeshAxes(),
           return_weights: bool = False) -> Facts:
   """Validates the public arguments (shapes and dtypes only); returns the call's Facts."""
   validation.validate_qkv(query, key, value, config)
   validation.validate_extras(query, key, extras)
-  if isinstance(extras.mask, masks.Mask):
+  if isinstance(extras.mask, _objects.Mask):
     validation.validate_rule(extras.mask, query, key, config)
   sequence_shards = head_shards = 1
   if mesh is not None:
@@ -42,29 +42,19 @@ def facts(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: 
   return Facts.from_shapes(
       config, query.shape, key.shape, value.shape[-1],
       default_positions=extras.q_positions is None and extras.kv_positions is None,
-      mask_shape=None if extras.mask is None else getattr(extras.mask, "shape", None),
-      return_weights=return_weights, sequence_shards=sequence_shards,
+      mask=extras.mask, return_weights=return_weights, sequence_shards=sequence_shards,
       load_balanced=axes.load_balanced, sequence_strategy=axes.sequence_strategy,
-      head_shards=head_shards, rule=_rule(extras, config))
+      head_shards=head_shards)
 
 
-def _rule(extras: Extras, config: AttentionConfig) -> masks.Mask | None:
-  """The call's position rule: the mask object given, or the config's rules AND a dense array."""
-  if isinstance(extras.mask, masks.Mask):
-    return extras.mask
-  rule = masks.from_rules(**config.rules)
-  if extras.mask is not None:
-    dense = masks.Dense(extras.mask)
-    rule = dense if rule is None else rule & dense
-  return rule
+def _rule(extras: Extras, config: AttentionConfig) -> _objects.Mask | None:
+  """The call's position rule with its arrays in normal form: bool for a dense mask, else int32."""
+  rule = _rules.call_rule(**config.rules, mask=extras.mask)
+  as_normal = lambda side, a: jnp.asarray(a, jnp.bool_ if side == "qk" else jnp.int32)
+  return None if rule is None else rule.map_parts(lambda part: part.normal()).map_arrays(as_normal)
 
 
-def _rule_arrays(side: str, a: Any) -> jax.Array:
-  """An array of a mask object in normal form: bool for a dense mask, else int32."""
-  return jnp.asarray(a, jnp.bool_ if side == "qk" else jnp.int32)
-
-
-def normalise(query: Any, key: Any, value: Any, *, config: AttentionConfig, extras: Extras,
+def normalise(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig, extras: Extras,
               mesh: jax.sharding.Mesh | None = None, axes: MeshAxes = MeshAxes(),
               return_weights: bool = False) -> tuple[KernelInputs, Facts]:
   """Validated public arguments -> (KernelInputs with defaults filled in, Facts)."""
@@ -79,9 +69,10 @@ def normalise(query: Any, key: Any, value: Any, *, config: AttentionConfig, extr
   if config.runtime_dtype is not None:
     query, key, value = (a.astype(config.runtime_dtype) for a in (query, key, value))
   batch = call.query_shape[0]
-  q_pos, kv_pos = masks.end_aligned_positions(batch, call.query_len, call.kv_len)
+  q_pos, kv_pos = _rules.end_aligned_positions(batch, call.query_len, call.kv_len)
   if call.load_balanced:  # default positions are the tokens' original ones
-    order = jnp.asarray(masks.load_balanced_order(call.query_len, call.sequence_shards), jnp.int32)
+    order = jnp.asarray(_rules.load_balanced_order(call.query_len, call.sequence_shards),
+                        jnp.int32)
     q_pos = kv_pos = jnp.broadcast_to(order, (batch, call.query_len))
   as_int = lambda a, default=None: default if a is None else jnp.asarray(a, jnp.int32)
   q_seg = as_int(extras.q_segment_ids, as_int(extras.kv_segment_ids))  # only when T == S
@@ -96,7 +87,7 @@ def normalise(query: Any, key: Any, value: Any, *, config: AttentionConfig, extr
       kv_positions=as_int(extras.kv_positions, kv_pos),  # [B, S]
       q_segment_ids=q_seg,  # [B, T] or None
       kv_segment_ids=kv_seg,  # [B, S] or None
-      rule=None if call.rule is None else _rule(extras, config).map_arrays(_rule_arrays),
+      rule=_rule(extras, config),
       sinks=sinks,  # [Hq, n] or None
   )
   return x, call

@@ -13,12 +13,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+import typing
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
+
+from splash_hk.types import Extras
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("key", "value", "length"),
@@ -90,6 +93,10 @@ class KVCache:
                        f"rows, got {known.tolist()}.")
     return self.replace(length=lengths.at[rows].set(0, mode="drop"))
 
+  def append(self, key: jax.Array, value: jax.Array, lengths: jax.Array, layer: str) -> Append:
+    """Row b's first `lengths[b]` keys/values written at `length[b]` (see `Cache.append`)."""
+    return _append(self, key, value, lengths, layer)
+
   def replace(self, **changes: Any) -> KVCache:
     """This cache with the given fields replaced."""
     return dataclasses.replace(self, **changes)
@@ -102,9 +109,30 @@ class Append(NamedTuple):
 
   key: jax.Array  # [B, S_max, Hkv, D] with the new keys written
   value: jax.Array  # [B, S_max, Hkv, Dv]
-  extras: dict[str, jax.Array]  # positions and segment ids of queries and slots
-  cache: KVCache  # the cache after this call
+  extras: Extras  # positions and segment ids of queries [B, T] and slots [B, S_max]
+  cache: Any  # the cache after this call (of the kind given)
   failed: jax.Array  # [B] bool: rows that wrote nothing; their outputs must be NaN
+
+
+@typing.runtime_checkable
+class Cache(Protocol):
+  """What an attention layer needs of a KV cache (a pytree): append a call's keys and values,
+  and say what the call attends to (`Append`). `KVCache` is one kind."""
+
+  def append(self, key: jax.Array, value: jax.Array, lengths: jax.Array, layer: str) -> Append:
+    """Writes row b's first `lengths[b]` of key [B, T, Hkv, D] / value [B, T, Hkv, Dv] for
+    `layer` (a cache another layer wrote is a ValueError naming `kv_cache` and both)."""
+    ...
+
+
+def append_to(cache: Any, key: jax.Array, value: jax.Array, lengths: jax.Array,
+              layer: str) -> Append:
+  """`cache.append(...)` for anything that is a `Cache`; anything else is a ValueError naming
+  `kv_cache`."""
+  if not isinstance(cache, Cache):
+    raise ValueError(f"`kv_cache` must be a splash_hk.KVCache, got {type(cache).__name__}; build "
+                     "one with KVCache.zeros(batch, max_len, num_kv_heads, key_size, value_size).")
+  return cache.append(key, value, lengths, layer)
 
 
 def row_lengths(lengths: Any, lead: tuple[int, ...], query_len: int) -> jax.Array:
@@ -123,7 +151,8 @@ def row_lengths(lengths: Any, lead: tuple[int, ...], query_len: int) -> jax.Arra
   return jnp.broadcast_to(lengths.astype(jnp.int32), tuple(lead)).reshape(batch)
 
 
-def append(cache: Any, k: jax.Array, v: jax.Array, lengths: jax.Array, layer: str) -> Append:
+def _append(cache: KVCache, k: jax.Array, v: jax.Array, lengths: jax.Array,
+            layer: str) -> Append:
   """Writes row b's first `lengths[b]` keys/values [T, Hkv, *] at `cache.length[b]`.
 
   Row b's queries get positions `length[b] + arange(T)`; its query rows past
@@ -145,7 +174,7 @@ def append(cache: Any, k: jax.Array, v: jax.Array, lengths: jax.Array, layer: st
   end = jnp.where(failed, start, start + lengths)  # [B]
   slots = jnp.arange(max_len, dtype=jnp.int32)  # [S_max]
   live = (jnp.arange(query_len) < lengths[:, None]) & ~failed[:, None]  # [B, T]
-  extras = dict(
+  extras = Extras(
       q_positions=new,
       kv_positions=jnp.broadcast_to(slots, (batch, max_len)),
       q_segment_ids=jnp.where(live, 0, -1),  # [B, T]
@@ -154,11 +183,8 @@ def append(cache: Any, k: jax.Array, v: jax.Array, lengths: jax.Array, layer: st
   return Append(keys, values, extras, KVCache(keys, values, end, layer), failed)
 
 
-def _check_cache(cache: Any, k: jax.Array, v: jax.Array, layer: str) -> jax.Array:
+def _check_cache(cache: KVCache, k: jax.Array, v: jax.Array, layer: str) -> jax.Array:
   """Static checks of `kv_cache` against this call's layer and keys/values; returns lengths [B]."""
-  if not isinstance(cache, KVCache):
-    raise ValueError(f"`kv_cache` must be a splash_hk.KVCache, got {type(cache).__name__}; build "
-                     "one with KVCache.zeros(batch, max_len, num_kv_heads, key_size, value_size).")
   if cache.owner is not None and cache.owner != layer:
     raise ValueError(
         f"`kv_cache` belongs to layer {cache.owner!r} (it wrote it first) and was given to layer "

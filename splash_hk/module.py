@@ -9,11 +9,13 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from splash_hk import masks
-from splash_hk.attention import attention
+from splash_hk import kv_cache as kv_cache_lib
+from splash_hk.attention import attend
 from splash_hk.config import AttentionConfig, require_int
-from splash_hk.kv_cache import Append, KVCache, append, row_lengths
+from splash_hk.kv_cache import KVCache, row_lengths
+from splash_hk.masks import Mask
 from splash_hk.sharding.axes import MeshAxes
+from splash_hk.types import Array, Extras
 
 
 class SplashAttention(hk.Module):
@@ -57,21 +59,29 @@ class SplashAttention(hk.Module):
       key: jax.Array,
       value: jax.Array,
       *,
-      mask: ArrayLike | masks.Mask | None = None,
-      q_segment_ids: jax.Array | None = None,
-      kv_segment_ids: jax.Array | None = None,
-      q_positions: jax.Array | None = None,
-      kv_positions: jax.Array | None = None,
+      mask: Array | Mask | None = None,
+      q_segment_ids: Array | None = None,
+      kv_segment_ids: Array | None = None,
+      q_positions: Array | None = None,
+      kv_positions: Array | None = None,
   ) -> jax.Array:
-    """query [B, T, Hq, D], key [B, S, Hkv, D], value [B, S, Hkv, Dv] -> [B, T, Hq, Dv]."""
-    sinks = None
+    """query [B, T, Hq, D], key [B, S, Hkv, D], value [B, S, Hkv, Dv] -> [B, T, Hq, Dv].
+
+    The arrays are those of `splash_hk.attention`; the sinks are this module's.
+    """
+    extras = Extras(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                    q_positions=q_positions, kv_positions=kv_positions, mask=mask)
+    return self.attend(query, key, value, extras)
+
+  def attend(self, query: jax.Array, key: jax.Array, value: jax.Array,
+             extras: Extras) -> jax.Array:
+    """As `__call__`, with the call's arrays as one `Extras` (its sinks are this module's)."""
     if self.num_sinks:
       sinks = hk.get_parameter("sinks", (query.shape[-2], self.num_sinks), jnp.float32,
                                init=jnp.zeros)  # [Hq, n]
-    return attention(query, key, value, config=self.config, q_segment_ids=q_segment_ids,
-                     kv_segment_ids=kv_segment_ids, q_positions=q_positions,
-                     kv_positions=kv_positions, mask=mask, softmax_aux=sinks, mesh=self.mesh,
-                     axes=self.axes).attention_outputs
+      extras = extras._replace(softmax_aux=sinks)
+    return attend(query, key, value, extras, config=self.config, mesh=self.mesh,
+                  axes=self.axes).attention_outputs  # [B, T, Hq, Dv]
 
 
 class MultiHeadAttention(hk.Module):
@@ -145,7 +155,7 @@ class MultiHeadAttention(hk.Module):
     self.w_init = w_init
     self.with_bias = with_bias
     self.b_init = b_init
-    self.attend = SplashAttention(config=config, mesh=mesh, axes=axes, num_sinks=num_sinks,
+    self.splash = SplashAttention(config=config, mesh=mesh, axes=axes, num_sinks=num_sinks,
                                   name="splash_attention")
 
   def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
@@ -157,14 +167,14 @@ class MultiHeadAttention(hk.Module):
       query: jax.Array,
       key: jax.Array | None = None,
       value: jax.Array | None = None,
-      mask: ArrayLike | masks.Mask | None = None,
+      mask: ArrayLike | Mask | None = None,
       *,
-      q_segment_ids: jax.Array | None = None,
-      kv_segment_ids: jax.Array | None = None,
-      q_positions: jax.Array | None = None,
-      kv_positions: jax.Array | None = None,
-      kv_cache: KVCache | None = None,
-      lengths: jax.Array | None = None,
+      q_segment_ids: Array | None = None,
+      kv_segment_ids: Array | None = None,
+      q_positions: Array | None = None,
+      kv_positions: Array | None = None,
+      kv_cache: kv_cache_lib.Cache | None = None,
+      lengths: ArrayLike | None = None,
   ) -> jax.Array | tuple[jax.Array, KVCache]:
     """Attends `query` to `key`/`value` (default: self-attention).
 
@@ -202,23 +212,24 @@ class MultiHeadAttention(hk.Module):
     k = self._projection(flat(key), self.num_kv_heads, self.key_size, "key")  # [B, S, Hkv, K]
     v = self._projection(flat(value), self.num_kv_heads, self.value_size, "value")  # [B, S, Hkv, V]
     rows = lambda x: None if x is None else flat(jnp.broadcast_to(x, (*lead, x.shape[-1])))
-    extras = dict(q_segment_ids=rows(q_segment_ids), kv_segment_ids=rows(kv_segment_ids),
-                  q_positions=rows(q_positions), kv_positions=rows(kv_positions))
+    extras = Extras(q_segment_ids=rows(q_segment_ids), kv_segment_ids=rows(kv_segment_ids),
+                    q_positions=rows(q_positions), kv_positions=rows(kv_positions))
     step = None
     if kv_cache is not None:
-      if any(x is not None for x in extras.values()):
+      if any(x is not None for x in extras):
         raise ValueError("`kv_cache` derives positions and padding itself: do not pass "
                          "q_segment_ids, kv_segment_ids, q_positions or kv_positions with it.")
-      step = append(kv_cache, k, v, row_lengths(lengths, tuple(lead), query_len), self.module_name)
+      step = kv_cache_lib.append_to(kv_cache, k, v, row_lengths(lengths, tuple(lead), query_len),
+                                    self.module_name)
       k, v, extras, kv_len = step.key, step.value, step.extras, step.key.shape[1]
     elif lengths is not None:
       raise ValueError("`lengths` says how many tokens each row appends to `kv_cache`; pass "
                        "it with a kv_cache (or use q_segment_ids to mark padding).")
-    if isinstance(mask, masks.Mask):
+    if isinstance(mask, Mask):
       mask = _flat_mask_object(mask, lead, self.num_heads, query_len, kv_len, step)
     elif mask is not None:
       mask = _haiku_mask(mask, lead, self.num_heads, query_len, kv_len)  # [B, 1|H, T, S]
-    out = self.attend(q, k, v, mask=mask, **extras)  # [B, T, H, V]
+    out = self.splash.attend(q, k, v, extras._replace(mask=mask))  # [B, T, H, V]
     if step is not None:  # a row that could not append says so: NaN, never a finite wrong answer
       out = jnp.where(step.failed[:, None, None, None], jnp.nan, out)  # [B, T, H, V]
     out = out.reshape(*lead, query_len, self.num_heads * self.value_size)  # [..., T, H*V]
@@ -233,32 +244,24 @@ class MultiHeadAttention(hk.Module):
     return y.reshape(*x.shape[:-1], heads, head_size)  # [B, T, heads, head_size]
 
 
-def _flat_mask_object(mask: masks.Mask, lead: list[int], num_heads: int, query_len: int,
-                      kv_len: int, step: Append | None) -> masks.Mask:
-  """A mask object's arrays with the leading dims flattened ([..., T] -> [B, T]).
-
-  With a cache, a Bidirectional without kv_ids gets them over the cache's slots:
-  each new token's id where it is written, -1 (no span) at every other slot.
-  """
+def _flat_mask_object(mask: Mask, lead: list[int], num_heads: int, query_len: int,
+                      kv_len: int, step: kv_cache_lib.Append | None) -> Mask:
+  """A mask object's arrays with the leading dims flattened ([..., T] -> [B, T]); with a cache,
+  over its slots (`Mask.over_slots`: where the new tokens are written)."""
   def flat(side: str, a: jax.Array) -> jax.Array:
     if side == "qk":
       return _haiku_mask(a, lead, num_heads, query_len, kv_len)  # [B, 1|H, T, S]
     a = jnp.asarray(a)
     return jnp.broadcast_to(a, (*lead, a.shape[-1])).reshape(-1, a.shape[-1])  # [B, T|S]
 
-  def flat_part(part: masks.Mask) -> masks.Mask:
-    if not (isinstance(part, masks.Bidirectional) and part.kv_ids is None and step is not None):
-      return part.map_arrays(flat)
-    q_ids = flat("q", part.q_ids)  # [B, T]
-    slots = step.extras["q_positions"]  # [B, T]: where each new token is written
-    kv_ids = jnp.full((q_ids.shape[0], kv_len), -1, q_ids.dtype)  # [B, S_max]
-    rows = jnp.arange(q_ids.shape[0])[:, None]
-    return masks.Bidirectional(q_ids, kv_ids.at[rows, slots].set(q_ids, mode="drop"))
-
-  return mask.map_parts(flat_part)
+  mask = mask.map_arrays(flat)
+  if step is None:
+    return mask
+  slots = step.extras.q_positions  # [B, T]: where each new token is written
+  return mask.map_parts(lambda part: part.over_slots(slots, kv_len))
 
 
-def _haiku_mask(mask: jax.Array, lead: list[int], num_heads: int, query_len: int,
+def _haiku_mask(mask: ArrayLike, lead: list[int], num_heads: int, query_len: int,
                 kv_len: int) -> jax.Array:
   """A Haiku-style mask (any dtype, nonzero = attend, broadcastable to [..., H, T, S])
   -> bool [B, 1 or H, T, S] with the leading dims flattened into B."""

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import splash_hk as sh
-from splash_hk.config import PLATFORMS
+from splash_hk import platforms
 
-_PLATFORM = flags.DEFINE_enum("platform", "auto", list(PLATFORMS),
+_PLATFORM = flags.DEFINE_enum("platform", "auto", list(platforms.names()),
                               "Platform to ask for.")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed of the inputs.")
 

@@ -34,7 +34,7 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
     facts: the whole call's facts (`sequence_shards` is the ring's length).
     axis: the mesh axis (or axes) the sequence is sharded over.
   """
-  halves = kernel.BACKENDS[backend]
+  halves = kernel.backend(backend)
   n = facts.sequence_shards
 
   @jax.custom_vjp

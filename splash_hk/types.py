@@ -1,15 +1,24 @@
-"""Result, decision and kernel-boundary types (no logic beyond derived shapes)."""
+"""The values that cross layers: a call's arrays (`Extras`), its static facts (`Facts`), the
+kernel boundary (`KernelInputs`, `KernelOutput`) and what `attention` / `explain` return."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Generic, NamedTuple, Sequence
 
 import jax
+import numpy as np
+from typing_extensions import TypeVar
 
-from splash_hk import mask_objects
 from splash_hk.config import AttentionConfig
+from splash_hk.masks import _objects
+from splash_hk.masks import _rules
+
+Array = jax.Array | np.ndarray  # what the public functions take as an array
+Shaped = Array | jax.ShapeDtypeStruct  # an array, or its shape and dtype (for `explain`)
+# The leaves of a kernel-boundary pytree: arrays, or (for `sharding.attention_specs`) their specs.
+Leaf = TypeVar("Leaf", default=jax.Array)
 
 
 class Mode(enum.Enum):
@@ -61,40 +70,46 @@ class AttentionOutput(NamedTuple):
 
 
 class Extras(NamedTuple):
-  """The optional per-call arrays of `attention`, as the caller passed them (see there)."""
+  """The optional per-call arrays of `attention` (see there), as the caller passed them.
 
-  q_segment_ids: Any = None
-  kv_segment_ids: Any = None
-  q_positions: Any = None
-  kv_positions: Any = None
-  mask: Any = None
-  softmax_aux: Any = None
+  The one per-call structure below the public signatures: `attention`, `explain`,
+  `reference_attention`, the modules and the KV cache build it (by keyword) and
+  pass it on whole; `splash_hk.inputs` turns it into `KernelInputs`. A new
+  per-call input is a field here.
+  """
+
+  q_segment_ids: Shaped | None = None  # [B, T] int, negative = padding
+  kv_segment_ids: Shaped | None = None  # [B, S] int
+  q_positions: Shaped | None = None  # [B, T] int
+  kv_positions: Shaped | None = None  # [B, S] int
+  mask: Shaped | _objects.Mask | None = None  # [B|1, 1|Hq, T, S] bool, or a mask object
+  softmax_aux: Shaped | None = None  # sinks: [Hq], [Hq, n] or [Hkv, n]
 
 
-class KernelInputs(NamedTuple):
+class KernelInputs(NamedTuple, Generic[Leaf]):
   """One call's (or one shard's) arrays in normal form. A pytree; None fields are absent.
 
   The layout stays the public BTHD one: a backend transposes what it computes
   on, so nothing proportional to S is copied before it decides what it reads.
   """
 
-  query: jax.Array  # [B, T, Hq, D]
-  key: jax.Array  # [B, S, Hkv, D]
-  value: jax.Array  # [B, S, Hkv, Dv]
-  q_positions: jax.Array  # [B, T] int32
-  kv_positions: jax.Array  # [B, S] int32
-  q_segment_ids: jax.Array | None = None  # [B, T] int32, negative = padding
-  kv_segment_ids: jax.Array | None = None  # [B, S] int32, negative = padding
-  rule: Any = None  # a `splash_hk.masks.Mask` (arrays [B, T], [B, S], [B|1, 1|Hq, T, S]) or None
-  sinks: jax.Array | None = None  # [Hq, n] float32
+  query: Leaf  # [B, T, Hq, D]
+  key: Leaf  # [B, S, Hkv, D]
+  value: Leaf  # [B, S, Hkv, Dv]
+  q_positions: Leaf  # [B, T] int32
+  kv_positions: Leaf  # [B, S] int32
+  q_segment_ids: Leaf | None = None  # [B, T] int32, negative = padding
+  kv_segment_ids: Leaf | None = None  # [B, S] int32, negative = padding
+  rule: _objects.Mask | None = None  # arrays [B, T], [B, S] and [B|1, 1|Hq, T, S]; None: all visible
+  sinks: Leaf | None = None  # [Hq, n] float32
 
 
-class KernelOutput(NamedTuple):
+class KernelOutput(NamedTuple, Generic[Leaf]):
   """What a backend returns for one call or shard. A pytree; None fields are absent."""
 
-  out: jax.Array  # [B, T, Hq, Dv]
-  lse: jax.Array | None = None  # [B, T, Hq] float32, `splash_hk.backends.base`'s lse convention
-  weights: jax.Array | None = None  # [B, Hq, T, S] float32 (reference, when asked for)
+  out: Leaf  # [B, T, Hq, Dv]
+  lse: Leaf | None = None  # [B, T, Hq] float32, `splash_hk.backends.base`'s lse convention
+  weights: Leaf | None = None  # [B, Hq, T, S] float32 (reference, when asked for)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,41 +121,33 @@ class Facts:
   """
 
   config: AttentionConfig
-  query_shape: tuple[int, int, int, int]  # [B, T, Hq, D] of the whole call
-  key_shape: tuple[int, int, int, int]  # [B, S, Hkv, D]
+  query_shape: tuple[int, ...]  # [B, T, Hq, D] of the whole call
+  key_shape: tuple[int, ...]  # [B, S, Hkv, D]
   value_dim: int
   mode: Mode
   default_positions: bool  # positions are the end-aligned defaults: masks follow from indices
-  mask_shape: tuple[int, ...] | None = None  # the dense mask's shape, if one is given
   return_weights: bool = False
   sequence_shards: int = 1  # the query sequence is split over this many devices
   load_balanced: bool = False  # the sequence is in dual-chunk (load-balanced) order
   sequence_strategy: str = "all_gather"  # asked for (see Decision.ring, Decision.ulysses)
   head_shards: int = 1  # the query heads are split over this many devices (the head axis)
   whole_sequence: bool = False  # a sharded sequence, but the kernel sees all of it (Ulysses)
-  rule: Any = None  # the position rule's skeleton (`mask_objects.skeleton`): static, hashable
+  rule: _objects.Mask | None = None  # the position rule's skeleton: static, hashable
 
   @classmethod
   def from_shapes(cls, config: AttentionConfig, query_shape: Sequence[int],
                   key_shape: Sequence[int], value_dim: int | None = None, *,
-                  default_positions: bool = True, mask_shape: Sequence[int] | None = None,
-                  **sharding: Any) -> Facts:
+                  default_positions: bool = True, mask: Any = None, **sharding: Any) -> Facts:
     """Facts of a call from its (already validated) shapes; `sharding`: the fields below.
 
-    `rule` (in `sharding`): a mask object given as `mask`; by default the config's
-    rules, ANDed with a dense mask of `mask_shape` when one is given.
+    `mask`: the call's `mask` argument, an array (or its shape and dtype) or a mask object:
+    with the config's rules it makes the position rule (`masks._rules.call_rule`).
     """
-    rule = sharding.pop("rule", None)
-    if rule is None:
-      rule = mask_objects.from_rules(**config.rules)
-      if mask_shape is not None:
-        dense = mask_objects.Dense(jax.ShapeDtypeStruct(tuple(mask_shape), bool))
-        rule = dense if rule is None else rule & dense
+    rule = _rules.call_rule(**config.rules, mask=mask)
     return cls(config=config, query_shape=tuple(query_shape), key_shape=tuple(key_shape),
                value_dim=query_shape[-1] if value_dim is None else value_dim,
                mode=Mode.of(query_shape[1], key_shape[1]), default_positions=default_positions,
-               mask_shape=None if mask_shape is None else tuple(mask_shape),
-               rule=mask_objects.skeleton(rule), **sharding)
+               rule=_objects.skeleton(rule), **sharding)
 
   def on_whole_sequence(self) -> Facts:
     """These facts as a Ulysses kernel sees them: the whole sequence, a share of the heads."""
@@ -176,7 +183,7 @@ class Facts:
     return self.config.scale(self.head_dim)
 
   @property
-  def static_rules(self) -> dict | None:
-    """The rule as config keywords (causal, window, chunk_size) when it is an AND of
-    at most one Causal, SlidingWindow and Chunked (what a static kernel builds), else None."""
-    return mask_objects.as_rules(self.rule)
+  def static_rules(self) -> dict[str, Any] | None:
+    """The rule as config keywords (causal, window, chunk_size) when the config can say it
+    (what a static kernel builds), else None."""
+    return _objects.as_rules(self.rule)

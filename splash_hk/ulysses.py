@@ -38,12 +38,12 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
                                          facts.sequence_shards))
   to_heads = lambda a: jax.lax.all_to_all(a, axis, 2, 1, tiled=True)
   gather = lambda a: None if a is None else _gather(a, axis, 1)
-  whole = x._replace(
+  whole: KernelInputs = x._replace(
       query=to_heads(x.query),  # [B, T, Hq/n, D]
       key=to_heads(x.key),  # [B, S, Hkv * r / n, D]
       value=to_heads(x.value),  # [B, S, Hkv * r / n, Dv]
-      q_positions=gather(x.q_positions),  # [B, T]
-      kv_positions=gather(x.kv_positions),  # [B, S]
+      q_positions=_gather(x.q_positions, axis, 1),  # [B, T]
+      kv_positions=_gather(x.kv_positions, axis, 1),  # [B, S]
       q_segment_ids=gather(x.q_segment_ids),  # [B, T]
       kv_segment_ids=gather(x.kv_segment_ids),  # [B, S]
       rule=None if x.rule is None else x.rule.map_arrays(

@@ -12,7 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from splash_hk import mask_objects
+from splash_hk.masks import _objects
 from splash_hk.config import AttentionConfig
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Extras
@@ -92,29 +92,26 @@ def validate_extras(query: Shaped, key: Shaped, extras: Extras) -> None:
                              ("kv_positions", kv_len, "kv_len")):
     x = getattr(extras, name)
     if x is not None:
-      layout = f"[batch, {axis}] = {(batch, length)}"
-      _rank(x, 2, name, layout)
-      _chex(lambda: chex.assert_shape(x, (batch, length)),
-            f"`{name}` must be {layout}, got {tuple(x.shape)}.")
-      _integer(x, name)
+      _validate_rows(x, name, batch, length, axis)
   if query_len != kv_len and (extras.q_segment_ids is None) != (extras.kv_segment_ids is None):
     missing = "kv_segment_ids" if extras.kv_segment_ids is None else "q_segment_ids"
     _fail(f"`{missing}` is required when query_len ({query_len}) != kv_len ({kv_len}) and "
           "the other segment ids are given: ids of one length cannot default to the other.")
-  if extras.mask is not None and not isinstance(extras.mask, mask_objects.Mask):
+  if extras.mask is not None and not isinstance(extras.mask, _objects.Mask):
     _validate_mask(extras.mask, batch, query.shape[2], query_len, kv_len)
   if extras.softmax_aux is not None:
     _validate_sinks(extras.softmax_aux, query.shape[2], key.shape[2])
 
 
-def _validate_mask(mask: Shaped, batch: int, num_heads: int, query_len: int, kv_len: int) -> None:
-  _rank(mask, 4, "mask", "[batch, 1 or num_heads, query_len, kv_len]")
+def _validate_mask(mask: Shaped, batch: int, num_heads: int, query_len: int, kv_len: int,
+                   name: str = "mask") -> None:
+  _rank(mask, 4, name, "[batch, 1 or num_heads, query_len, kv_len]")
   if (mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, num_heads)
       or tuple(mask.shape[2:]) != (query_len, kv_len)):
-    _fail(f"`mask` must be [batch or 1, 1 or num_heads, query_len, kv_len] = "
+    _fail(f"`{name}` must be [batch or 1, 1 or num_heads, query_len, kv_len] = "
           f"[{batch}, 1 or {num_heads}, {query_len}, {kv_len}], got {tuple(mask.shape)}.")
   if mask.dtype != jnp.bool_:
-    _fail(f"`mask` must be bool (True = may attend), got {mask.dtype}; pass mask != 0.")
+    _fail(f"`{name}` must be bool (True = may attend), got {mask.dtype}; pass {name} != 0.")
 
 
 def _validate_sinks(softmax_aux: Shaped, num_heads: int, num_kv_heads: int) -> None:
@@ -136,9 +133,10 @@ def validate_mesh(mesh: Any, axes: MeshAxes) -> None:
     _fail(f"`axes` must be a splash_hk.sharding.MeshAxes, got {type(axes).__name__}.")
 
 
-def validate_rule(rule: mask_objects.Mask, query: Shaped, key: Shaped,
+def validate_rule(rule: _objects.Mask, query: Shaped, key: Shaped,
                   config: AttentionConfig) -> None:
-  """A mask object given as `mask`: the whole position rule, with arrays of the call's shapes."""
+  """A mask object given as `mask`: the whole position rule, with arrays of the call's shapes
+  (by their side) and each object's own rules (`Mask.check`)."""
   stated = [f"{name}={value!r}" for name, value, default in (
       ("causal", config.causal, True), ("sliding_window", config.sliding_window, None),
       ("chunk_size", config.chunk_size, None)) if value != default]
@@ -149,47 +147,20 @@ def validate_rule(rule: mask_objects.Mask, query: Shaped, key: Shaped,
   batch, query_len, num_heads = query.shape[:3]
   kv_len = key.shape[1]
   for part in rule.parts():
-    if isinstance(part, mask_objects.Bidirectional):
-      _validate_ids(part, batch, query_len, kv_len)
-    elif isinstance(part, mask_objects.Dense):
-      _validate_mask(part.mask, batch, num_heads, query_len, kv_len)
-    elif isinstance(part, mask_objects.MaskFn):
-      _validate_mask_fn(part, batch, query_len, kv_len)
+    for field, side, array in part.array_fields():
+      name = f"{part.name}.{field}"
+      if side == "qk":
+        _validate_mask(array, batch, num_heads, query_len, kv_len, name)
+      else:
+        length, axis = (query_len, "query_len") if side == "q" else (kv_len, "kv_len")
+        _validate_rows(array, name, batch, length, axis)
+    part.check(batch, query_len, kv_len)
 
 
-def _validate_ids(part: mask_objects.Bidirectional, batch: int, query_len: int,
-                  kv_len: int) -> None:
-  if part.kv_ids is None and query_len != kv_len:
-    _fail(f"Bidirectional(q_ids) needs kv_ids when query_len ({query_len}) != kv_len "
-          f"({kv_len}): ids of one length cannot default to the other.")
-  for name, ids, length in (("q_ids", part.q_ids, query_len), ("kv_ids", part.kv_ids, kv_len)):
-    if ids is not None:
-      layout = f"[batch, {'query_len' if name == 'q_ids' else 'kv_len'}] = {(batch, length)}"
-      _rank(ids, 2, f"Bidirectional.{name}", layout)
-      if tuple(ids.shape) != (batch, length):
-        _fail(f"`Bidirectional.{name}` must be {layout}, got {tuple(ids.shape)}.")
-      _integer(ids, f"Bidirectional.{name}")
-
-
-def _validate_mask_fn(part: mask_objects.MaskFn, batch: int, query_len: int, kv_len: int) -> None:
-  want = (batch, 1, query_len, kv_len)
-  q = jax.ShapeDtypeStruct((batch, 1, query_len, 1), jnp.int32)
-  kv = jax.ShapeDtypeStruct((batch, 1, 1, kv_len), jnp.int32)
-  name = part.name
-  try:
-    traced = jax.make_jaxpr(part.fn, return_shape=True)(q, kv)
-  except Exception as e:  # pylint: disable=broad-except
-    _fail(f"{name} failed on int positions q [B, 1, T, 1], kv [B, 1, 1, S]: {e}")
-  closed, out = traced
-  differentiated = [c for c in closed.consts if isinstance(c, mask_objects.DIFFERENTIATED)]
-  if differentiated:
-    _fail(f"{name} closes over a value being differentiated "
-          f"({', '.join(str(c.aval) for c in differentiated)}): a mask has no gradient, and its fn "
-          "is static. Close over jax.lax.stop_gradient(value) instead, or pass the value static "
-          "(a Python number: a module hyperparameter, or jax.jit(..., static_argnums=...)).")
-  shape = tuple(getattr(out, "shape", ()))
-  fits = len(shape) <= 4 and all(n in (1, w) for n, w in zip(shape[::-1], want[::-1]))
-  if not (getattr(out, "dtype", None) == jnp.bool_ and fits):
-    _fail(f"{name} must return bool of the broadcast shape {want} (elementwise over "
-          f"q_pos [B, 1, T, 1] and kv_pos [B, 1, 1, S]), got "
-          f"{getattr(out, 'dtype', type(out).__name__)} {shape}.")
+def _validate_rows(x: Shaped, name: str, batch: int, length: int, axis: str) -> None:
+  """An int array with one entry per token of one side: [batch, length]."""
+  layout = f"[batch, {axis}] = {(batch, length)}"
+  _rank(x, 2, name, layout)
+  _chex(lambda: chex.assert_shape(x, (batch, length)), f"`{name}` must be {layout}, got "
+        f"{tuple(x.shape)}.")
+  _integer(x, name)

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 import splash_hk as sh
+import harness
 import oracle
 
 
@@ -73,12 +74,9 @@ class Case:
     return q, k, v, extras
 
   def oracle(self, q, k, v, extras, xp=np):
-    return oracle.attention(
-        q, k, v, causal=self.causal, window=self.window, chunk=self.chunk,
-        soft_cap=self.soft_cap, scale=self.scale, q_seg=extras.get("q_segment_ids"),
-        kv_seg=extras.get("kv_segment_ids"), q_pos=extras.get("q_positions"),
-        kv_pos=extras.get("kv_positions"), mask=extras.get("mask"),
-        sinks=extras.get("softmax_aux"), xp=xp)
+    """The float64 oracle's (out, weights) for this case's config and `extras`."""
+    rules = harness.oracle_rules(self.config, **extras)
+    return oracle.attention(q, k, v, sinks=extras.get("softmax_aux"), xp=xp, **rules)
 
 
 CASES = [

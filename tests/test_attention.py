@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import splash_hk as sh
+import harness
 import oracle
 from cases import CASES, CASES_BY_NAME
 
@@ -27,7 +28,7 @@ def test_f32_matches_oracle(case, platform):
   out = _run(case, platform, q, k, v, extras)
   expected, _ = case.oracle(q, k, v, extras)
   assert out.shape == expected.shape and out.dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(out), expected, **harness.tol())
 
 
 def _naive_bf16(case, q, k, v, extras):
@@ -95,7 +96,7 @@ def test_gradients_match_float64_oracle(name, platform):
     want = jax.grad(theirs, argnums=argnums)(f64(q), f64(k), f64(v), f64(sinks))
   for name_, g, w in zip("qkvs", got, want):
     assert np.all(np.isfinite(np.asarray(g))), name_
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4, err_msg=name_)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), **harness.tol("grad"), err_msg=name_)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -129,7 +130,7 @@ def test_fully_masked_rows_are_zero_without_nan(platform):
     assert np.all(np.isfinite(np.asarray(g)))
   expected, _ = oracle.attention(q, k, v, causal=True, window=(0, 0), q_seg=seg, kv_seg=kv_seg,
                                  q_pos=q_pos, kv_pos=kv_pos, sinks=sinks)
-  np.testing.assert_allclose(out, expected, atol=1e-5)
+  np.testing.assert_allclose(out, expected, **harness.tol())
 
 
 def test_reference_weights_match_oracle():
@@ -138,7 +139,7 @@ def test_reference_weights_match_oracle():
   got = sh.attention(q, k, v, config=case.config, return_weights=True, **extras)
   out, weights = case.oracle(q, k, v, extras)
   np.testing.assert_allclose(np.asarray(got.attention_weights), weights, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(got.attention_outputs), out, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got.attention_outputs), out, **harness.tol())
   public = sh.fallback.reference_attention(q, k, v, case.config, return_weights=True, **extras)
   np.testing.assert_allclose(np.asarray(public.attention_weights), weights, atol=1e-6)
   assert sh.attention(q, k, v, config=case.config, **extras).attention_weights is None
@@ -148,7 +149,7 @@ def test_reference_attention_takes_config_overrides():
   case = CASES_BY_NAME["full"]
   q, k, v, extras = case.arrays()
   out = sh.fallback.reference_attention(q, k, v, causal=False).attention_outputs
-  np.testing.assert_allclose(np.asarray(out), case.oracle(q, k, v, extras)[0], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out), case.oracle(q, k, v, extras)[0], **harness.tol())
 
 
 def test_runtime_dtype_casts_inputs_and_output():
@@ -176,7 +177,7 @@ def test_positions_given_alone_serve_both_sides(platform, given):
   out = jax.jit(lambda q, k, v, p: sh.attention(q, k, v, config=config, q_segment_ids=seg,
                                                 **{given: p}).attention_outputs)(q, k, v, pos)
   expected, _ = oracle.attention(q, k, v, q_seg=seg, q_pos=pos, kv_pos=pos)
-  np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(out), expected, **harness.tol())
 
 
 def test_positions_of_one_side_keep_the_other_default_when_lengths_differ():
@@ -187,4 +188,4 @@ def test_positions_of_one_side_keep_the_other_default_when_lengths_differ():
   q_pos = np.array([[2, 5, 6, 7], [8, 9, 10, 11]], np.int32)
   out = sh.attention(q, k, v, q_positions=q_pos).attention_outputs
   expected, _ = oracle.attention(q, k, v, q_pos=q_pos, kv_pos=np.arange(12)[None])
-  np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(out), expected, **harness.tol())

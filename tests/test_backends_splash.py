@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import splash_hk as sh
+from splash_hk.masks import _rules
 from splash_hk.backends import splash as splash_tpu
+import harness
 from cases import Case
 
 SPLASH = dict(platform="splash", interpret=True, allow_fallback=False)
@@ -62,7 +64,7 @@ def _grads_vs_oracle(case, config, q, k, v, extras, mesh=None, axes=sh.MeshAxes(
     f64 = lambda a: None if a is None else jnp.asarray(a, jnp.float64)
     want = jax.grad(theirs, argnums=argnums)(f64(q), f64(k), f64(v), f64(sinks))
   for name, g, w in zip("qkvs", got, want):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=5e-5, rtol=5e-5, err_msg=name)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), **harness.tol("grad"), err_msg=name)
 
 
 @pytest.mark.parametrize("case", SPLASH_CASES, ids=lambda c: c.name)
@@ -72,7 +74,7 @@ def test_splash_interpret_matches_oracle(case):
   assert sh.explain(q, k, v, config=config, **extras).backend == "splash"
   out = jax.jit(functools.partial(sh.attention, config=config))(q, k, v, **extras)
   expected, _ = case.oracle(q, k, v, extras)
-  np.testing.assert_allclose(np.asarray(out.attention_outputs), expected, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(out.attention_outputs), expected, **harness.tol())
   if case.name in GRAD_CASES:
     _grads_vs_oracle(case, config, q, k, v, extras)
 
@@ -81,12 +83,12 @@ def test_splash_under_a_2x4_mesh():
   case = Case("mesh", batch=2, query_len=200, kv_len=200, num_heads=8, num_kv_heads=2,
               head_dim=32, window=(64, 0), sinks="heads_n", segments="packed")
   config = case.config.replace(**SPLASH)
-  mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+  mesh = harness.mesh("2x4", explicit=True)
   q, k, v, extras = case.arrays(seed=4)
   assert sh.explain(q, k, v, config=config, mesh=mesh, **extras).backend == "splash"
   out = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config, mesh=mesh, **extras))(q, k, v)
   np.testing.assert_allclose(np.asarray(out.attention_outputs), case.oracle(q, k, v, extras)[0],
-                             atol=1e-5, rtol=1e-5)
+                             **harness.tol())
   _grads_vs_oracle(case, config, q, k, v, extras, mesh=mesh)
 
 
@@ -104,7 +106,7 @@ def test_fully_masked_rows_are_zero():
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(query_len=1), "decode"),
     (dict(query_len=64, kv_len=64), "shorter than one 128-row"),
-    (dict(mask=True), "dense mask"),
+    (dict(mask=True), "Dense part"),
     (dict(positions=True), "explicit q_positions"),
 ])
 def test_splash_falls_back_with_a_reason(kwargs, needle):
@@ -148,20 +150,20 @@ SEQUENCE_AXES = sh.MeshAxes(batch="dp", heads="tp", sequence="sp")
 def test_splash_with_a_sharded_query_sequence(case, grads):
   # Each query slice has its own static mask (row 0 of slice 1 sits at T/2 + S - T).
   config = case.config.replace(**SPLASH)
-  mesh = jax.make_mesh((2, 2, 2), ("dp", "sp", "tp"))
+  mesh = harness.mesh("dp2_sp2_tp2", explicit=True)
   q, k, v, extras = case.arrays(seed=6)
   assert sh.explain(q, k, v, config=config, mesh=mesh, axes=SEQUENCE_AXES, **extras
                     ).backend == "splash"
   out = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config, mesh=mesh,
                                              axes=SEQUENCE_AXES, **extras))(q, k, v)
   np.testing.assert_allclose(np.asarray(out.attention_outputs), case.oracle(q, k, v, extras)[0],
-                             atol=1e-5, rtol=1e-5)
+                             **harness.tol())
   if grads:
     _grads_vs_oracle(case, config, q, k, v, extras, mesh=mesh, axes=SEQUENCE_AXES)
 
 
 def test_splash_sequence_shards_shorter_than_a_block_fall_back():
-  mesh = jax.make_mesh((2, 2, 2), ("dp", "sp", "tp"))
+  mesh = harness.mesh("dp2_sp2_tp2", explicit=True)
   q = jax.ShapeDtypeStruct((2, 200, 4, 32), jnp.float32)
   d = sh.explain(q, q, q, config=sh.AttentionConfig(platform="splash", interpret=True), mesh=mesh,
                  axes=SEQUENCE_AXES)
@@ -230,7 +232,7 @@ def test_mask_info_equals_jax_per_block_loop(rule, padded, offset, balanced, blo
   from splash_hk.backends import splash_plan  # pylint: disable=g-import-not-at-top
   head = splash_tpu.PositionMask(padded, offset, rule, balanced)
   place = (lambda i: i) if balanced is None else (
-      lambda i: sh.masks.load_balanced_position(i, *balanced))
+      lambda i: _rules.load_balanced_position(i, *balanced))
   values = splash_plan.block_mask(rule, place(np.arange(padded[0]) + offset),
                                   place(np.arange(padded[1])), blocks)
   for is_dkv in (False, True):

@@ -68,7 +68,7 @@ def test_triton_gets_end_aligned_positions_disjoint_padding_and_explicit_config(
     (dict(query_len=1), "decode"),
     (dict(head_dim=40), "multiples of 16"),
     (dict(value_dim=24), "multiples of 16"),
-    (dict(mask=True), "dense mask"),
+    (dict(mask=True), "Dense part"),
     (dict(chunk=64), "chunk_size"),
 ])
 def test_triton_limits_fall_back_with_reason(kwargs, needle):

@@ -10,10 +10,11 @@ import pytest
 
 import splash_hk as sh
 from splash_hk import inputs
-from splash_hk.backends import xla
+from splash_hk import tiles
 from splash_hk.backends import xla_blocks
 from splash_hk.backends import xla_plan
 from splash_hk.types import Extras
+import harness
 from cases import CASES, Case
 
 TILES = [sh.BlockSizes(4, 8, 8, 4), sh.BlockSizes(5, 3, 3, 7)]
@@ -32,7 +33,7 @@ def test_many_tiles_match_oracle(case, tiles):
   config = case.config.replace(platform="xla", block_sizes=tiles, allow_fallback=False)
   out = jax.jit(functools.partial(sh.attention, config=config))(q, k, v, **extras)
   np.testing.assert_allclose(np.asarray(out.attention_outputs), case.oracle(q, k, v, extras)[0],
-                             atol=1e-5, rtol=0)
+                             **harness.tol())
 
 
 @pytest.mark.parametrize("name", ["long_window_sinks_segments", "long_chunk_prefill",
@@ -53,7 +54,7 @@ def test_many_tiles_gradients_match_oracle(name):
         *a[:3], dict(extras, softmax_aux=a[3]) if sinks is not None else extras, xp=jnp)[0] * cot),
         argnums=argnums)(f64(q), f64(k), f64(v), f64(sinks))
   for g, w in zip(got, want):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), **harness.tol("grad"))
 
 
 def _assert_value_and_grads_match(case, config, q, k, v, extras, cot):
@@ -64,7 +65,7 @@ def _assert_value_and_grads_match(case, config, q, k, v, extras, cot):
     want = jax.value_and_grad(lambda q, k, v: jnp.sum(case.oracle(q, k, v, extras, xp=jnp)[0] * cot),
                               argnums=(0, 1, 2))(*(jnp.asarray(a, jnp.float64) for a in (q, k, v)))
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), **harness.tol("grad"))
 
 
 def test_narrow_window_reads_kv_in_place_and_matches_oracle():
@@ -168,10 +169,10 @@ def test_skipping_is_exact_on_adversarial_layouts(name):
 
 
 def test_default_tiles_follow_the_mask():
-  assert xla.default_tiles(sh.AttentionConfig()) == (512, 256, 512, 256)
-  assert xla.default_tiles(sh.AttentionConfig(sliding_window=(512, 0))) == (512, 256, 512, 256)
-  assert xla.default_tiles(sh.AttentionConfig(sliding_window=(100, 100)))[:3] == (128, 256, 128)
-  assert xla.default_tiles(sh.AttentionConfig(sliding_window=(20, 0)))[0] == 128
+  assert tiles.default_tiles(sh.AttentionConfig()) == (512, 256, 512, 256)
+  assert tiles.default_tiles(sh.AttentionConfig(sliding_window=(512, 0))) == (512, 256, 512, 256)
+  assert tiles.default_tiles(sh.AttentionConfig(sliding_window=(100, 100)))[:3] == (128, 256, 128)
+  assert tiles.default_tiles(sh.AttentionConfig(sliding_window=(20, 0)))[0] == 128
 
 
 def test_causal_16k_forward_and_backward_memory_is_linear():

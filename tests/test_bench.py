@@ -1,5 +1,6 @@
 """The benchmark binary runs, measures every column, and writes its JSON and plot."""
 
+import itertools
 import json
 import math
 import os
@@ -8,12 +9,14 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 
 from benchmarks import bench
 from benchmarks import bench_report
 from benchmarks import bench_workloads
 from examples.train import paths
+import oracle
 
 
 def test_bench_writes_table_json_and_plot(tmp_path):
@@ -116,3 +119,20 @@ def test_ratios_without_backward_timings_name_only_the_forward(tmp_path):
     warnings.simplefilter("error")  # e.g. an empty forward+backward panel's legend
     bench_report.plot(rows[:1], tmp_path / "forward_only.png")
   assert (tmp_path / "forward_only.png").stat().st_size > 5_000
+
+
+RULES = [dict(causal=c, window=w, chunk_size=k) for c, w, k in itertools.product(
+    [True, False], [None, (0, 0), (3, 1), (2, 9)], [None, 1, 4])]
+
+
+@pytest.mark.parametrize("rules", RULES, ids=str)
+@pytest.mark.parametrize("query_len,kv_len", [(9, 9), (3, 12), (1, 5)])
+def test_visible_interval_is_exactly_the_visible_keys(rules, query_len, kv_len):
+  q_pos = np.arange(query_len) + kv_len - query_len
+  lo, hi = bench_workloads.visible_interval(q_pos, kv_len, **rules)
+  want = oracle.visible(1, query_len, kv_len, 1, causal=rules["causal"], window=rules["window"],
+                        chunk=rules["chunk_size"])[0, 0]
+  keys = np.arange(kv_len)
+  got = (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])
+  np.testing.assert_array_equal(got, want)
+  assert bench_workloads.visible_pairs(query_len, kv_len, **rules) == want.sum()

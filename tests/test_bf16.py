@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import splash_hk as sh
+import harness
 import oracle
 
 B, T, HQ, HKV, D = 2, 512, 8, 2, 64
@@ -33,7 +34,7 @@ CASES = {  # name: (AttentionConfig fields, jax.nn keywords, our keywords, oracl
 PLATFORMS = {  # name: (config fields, mesh)
     "xla": (dict(platform="xla"), None),
     "splash": (dict(platform="splash", interpret=True, allow_fallback=False), None),
-    "xla_mesh": (dict(platform="xla"), ((2, 4), ("dp", "tp"))),
+    "xla_mesh": (dict(platform="xla"), "2x4"),
 }
 
 
@@ -48,26 +49,25 @@ def _keywords(name):
 
 
 def _out_and_grads(f, q, k, v, cot):
-  out, vjp = jax.vjp(f, q, k, v)
-  return (out, *vjp(cot.astype(out.dtype)))
+  out, grads = harness.values_and_grads(f, (q, k, v), cot)
+  return (out, *grads)
 
 
 @pytest.mark.parametrize("platform", list(PLATFORMS))
 @pytest.mark.parametrize("name", list(CASES))
 def test_bf16_forward_and_gradients_at_most_twice_jax_nn(name, platform):
   fields, nn, ours, rules = _keywords(name)
-  changes, mesh_shape = PLATFORMS[platform]
-  mesh = None if mesh_shape is None else jax.make_mesh(*mesh_shape)
+  changes, mesh_name = PLATFORMS[platform]
+  mesh = None if mesh_name is None else harness.mesh(mesh_name, explicit=True)
   config = sh.AttentionConfig(**fields, **changes)
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.normal(size=(B, T, h, D)), jnp.bfloat16) for h in (HQ, HKV, HKV))
   cot = rng.normal(size=(B, T, HQ, D))
   if "q_seg" in rules:
     cot = np.where(rules["q_seg"][:, :, None, None] >= 0, cot, 0)  # jax.nn gives padding mean(v)
-  ours_f = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config, mesh=mesh,
-                                                **ours).attention_outputs)
-  theirs_f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla",
-                                                                  **nn))
+  ours_f = lambda q, k, v: sh.attention(q, k, v, config=config, mesh=mesh,
+                                        **ours).attention_outputs
+  theirs_f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla", **nn)
   got = _out_and_grads(ours_f, q, k, v, cot)
   plain = _out_and_grads(theirs_f, q, k, v, cot)
   f64 = lambda a: np.asarray(a, np.float64)

@@ -8,9 +8,8 @@ import pytest
 
 import splash_hk as sh
 from cases import Case
+import harness
 
-MESHES = {"sp2": ((2,), ("sp",)), "sp4": ((4,), ("sp",)), "sp8": ((8,), ("sp",)),
-          "dp2_sp2_tp2": ((2, 2, 2), ("dp", "sp", "tp"))}
 CASE = Case("cp", batch=2, query_len=32, kv_len=32, num_heads=4, num_kv_heads=2, head_dim=8,
             window=(9, 0), chunk=12, soft_cap=5.0, segments="packed", sinks="heads_n")
 
@@ -27,8 +26,8 @@ def _axes(strategy: str, balanced: bool) -> sh.MeshAxes:
     ("sp4", "ring", False), ("sp8", "all_gather", False), ("sp8", "ring", True),
     ("dp2_sp2_tp2", "all_gather", True), ("dp2_sp2_tp2", "ring", False)])
 def test_sharded_sequence_matches_oracle_forward_and_gradients(mesh_name, strategy, balanced):
-  mesh = jax.make_mesh(*MESHES[mesh_name])
-  n = dict(zip(MESHES[mesh_name][1], MESHES[mesh_name][0]))["sp"]
+  mesh = harness.mesh(mesh_name, explicit=True)
+  n = harness.axis_size(mesh_name, "sp")
   axes = _axes(strategy, balanced)
   q, k, v, extras = CASE.arrays(seed=3)
   sinks = extras.pop("softmax_aux")
@@ -39,28 +38,17 @@ def test_sharded_sequence_matches_oracle_forward_and_gradients(mesh_name, strate
                         q_segment_ids=seg, softmax_aux=sinks)
   assert decision.ring == (strategy == "ring") and not decision.fallback, decision
 
-  def loss(q, k, v, sinks):
-    out = sh.attention(q, k, v, config=CASE.config, mesh=mesh, axes=axes, q_segment_ids=seg,
-                       softmax_aux=sinks).attention_outputs
-    return jnp.sum(out * order(cot)), out
-
-  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-      order(q), order(k), order(v), sinks)
-  back = (lambda a: sh.sharding.restore_order(np.asarray(a), n)) if balanced else np.asarray
-  with jax.enable_x64(True):
-    f64 = lambda a: jnp.asarray(a, jnp.float64)
-    want_out, _ = CASE.oracle(q, k, v, dict(extras, softmax_aux=sinks))
-    want = jax.grad(lambda q, k, v, s: jnp.sum(CASE.oracle(
-        q, k, v, dict(extras, softmax_aux=s), xp=jnp)[0] * cot), argnums=(0, 1, 2, 3))(
-            f64(q), f64(k), f64(v), f64(sinks))
-  np.testing.assert_allclose(back(out), want_out, atol=1e-5)
-  for name, g, w in zip("qkv", grads[:3], want[:3]):
-    np.testing.assert_allclose(back(g), np.asarray(w), atol=1e-4, rtol=1e-4, err_msg=name)
-  np.testing.assert_allclose(np.asarray(grads[3]), np.asarray(want[3]), atol=1e-4, rtol=1e-4)
+  f = lambda q, k, v, sinks: sh.attention(q, k, v, config=CASE.config, mesh=mesh, axes=axes,
+                                          q_segment_ids=seg, softmax_aux=sinks).attention_outputs
+  out, grads = harness.values_and_grads(f, (order(q), order(k), order(v), sinks), order(cot))
+  back = (lambda a: sh.sharding.restore_order(a, n)) if balanced else (lambda a: a)
+  want = harness.oracle_values_and_grads(q, k, v, cot, sinks=sinks, **harness.oracle_rules(
+      CASE.config, **extras))
+  harness.assert_close((back(out), [*map(back, grads[:3]), grads[3]]), want, grad="sharded_grad")
 
 
 def test_ring_keeps_keys_sharded_and_falls_back_with_reasons():
-  mesh = jax.make_mesh((4,), ("sp",))
+  mesh = harness.mesh("sp4", explicit=True)
   axes = sh.MeshAxes(batch=None, heads=None, sequence="sp", sequence_strategy="ring")
   spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   q = spec(1, 64, 2, 8)
@@ -83,7 +71,7 @@ def test_ring_memory_per_device_falls_with_the_ring():
   # inputs arrive sharded over sp, as a model's activations do.
   sizes = {}
   for n in (1, 8):
-    mesh = jax.make_mesh((n,), ("sp",), devices=jax.devices()[:n])
+    mesh = harness.mesh(f"sp{n}", explicit=True)
     x = jax.ShapeDtypeStruct((1, 32768, 8, 64), jnp.float32,
                              sharding=NamedSharding(mesh, P(None, "sp", None, None)))
     axes = sh.MeshAxes(batch=None, heads=None, sequence="sp", sequence_strategy="ring")
@@ -108,7 +96,7 @@ def test_load_balance_is_the_dual_chunk_swap_and_restore_order_undoes_it():
 
 
 def test_load_balanced_needs_self_attention_and_a_splitting_mesh():
-  mesh = jax.make_mesh((4,), ("sp",))
+  mesh = harness.mesh("sp4", explicit=True)
   axes = sh.MeshAxes(batch=None, heads=None, sequence="sp", load_balanced=True)
   x = jnp.ones((1, 64, 2, 8))
   for kwargs, needle in [(dict(query=x[:, :32]), "self-attention"),
@@ -127,7 +115,7 @@ def test_load_balanced_needs_self_attention_and_a_splitting_mesh():
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
 def test_shard_work_balances_causal_work(strategy):
-  mesh = jax.make_mesh((8,), ("sp",))
+  mesh = harness.mesh("sp8", explicit=True)
   counts = {}
   for balanced in (False, True):
     axes = sh.MeshAxes(batch=None, heads=None, sequence="sp", sequence_strategy=strategy,
@@ -144,7 +132,7 @@ def test_splash_serves_load_balanced_shards():
   case = Case("splash_lb", batch=2, query_len=512, kv_len=512, num_heads=4, num_kv_heads=2,
               head_dim=32, window=(100, 0), segments="packed")
   q, k, v, extras = case.arrays(seed=5)
-  mesh = jax.make_mesh((2, 2, 2), ("dp", "sp", "tp"))
+  mesh = harness.mesh("dp2_sp2_tp2", explicit=True)
   axes = _axes("all_gather", True)
   order = lambda a: sh.sharding.load_balance(a, 2)
   seg = order(extras["q_segment_ids"])
@@ -153,4 +141,4 @@ def test_splash_serves_load_balanced_shards():
                                              q_segment_ids=seg).attention_outputs)(
       order(q), order(k), order(v))
   np.testing.assert_allclose(sh.sharding.restore_order(np.asarray(out), 2),
-                             case.oracle(q, k, v, extras)[0], atol=1e-5, rtol=1e-5)
+                             case.oracle(q, k, v, extras)[0], **harness.tol())

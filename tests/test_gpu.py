@@ -1,7 +1,7 @@
 """ejkernel's Triton kernel on a real GPU against the float64 oracle (skipped without a GPU).
 
 Run by `make gpu-check` on a machine with a GPU; CPU CI covers everything up to
-the kernel call in tests/test_triton.py.
+the kernel call in tests/test_backends_triton.py.
 """
 
 import functools

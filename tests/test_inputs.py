@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import splash_hk as sh
+import harness
 from splash_hk import inputs
 from splash_hk.types import Extras
 
@@ -52,7 +53,7 @@ def test_runtime_dtype_casts_and_config_scale():
 
 def test_facts_read_only_shapes_and_count_sequence_shards():
   spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-  mesh = jax.make_mesh((2, 2, 2), ("dp", "sp", "tp"))
+  mesh = harness.mesh("dp2_sp2_tp2", explicit=True)
   axes = sh.MeshAxes(batch="dp", heads="tp", sequence="sp")
   facts = inputs.facts(spec(2, 16, 4, 8), spec(2, 16, 2, 8), spec(2, 16, 2, 8),
                        config=sh.AttentionConfig(), extras=Extras(), mesh=mesh, axes=axes)

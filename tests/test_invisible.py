@@ -16,6 +16,7 @@ import pytest
 
 import splash_hk as sh
 from cases import Case
+import harness
 import oracle
 
 SPLASH = dict(platform="splash", interpret=True, allow_fallback=False)
@@ -40,27 +41,24 @@ def _with_garbage(q, k, v, extras, fill):
 
 
 def _out_and_grads(config, q, k, v, extras, mesh=None):
-  sinks = extras["softmax_aux"]
+  """[out, dq, dk, dv, dsinks] of sum(out * cot), jitted."""
   rest = {n: a for n, a in extras.items() if n != "softmax_aux"}
-  cot = np.random.default_rng(1).normal(size=q.shape).astype(np.float32)
-
-  def loss(q, k, v, sinks):
-    out = sh.attention(q, k, v, config=config, softmax_aux=sinks, mesh=mesh, **rest)
-    return jnp.sum(out.attention_outputs * cot), out.attention_outputs
-
-  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-      q, k, v, sinks)
-  return [np.asarray(a) for a in (out, *grads)]
+  f = lambda q, k, v, sinks: sh.attention(q, k, v, config=config, softmax_aux=sinks, mesh=mesh,
+                                          **rest).attention_outputs
+  out, grads = harness.values_and_grads(f, (q, k, v, extras["softmax_aux"]), _cot(q))
+  return [out, *grads]
 
 
 def _oracle_out_and_grads(case, q, k, v, extras):
   """What `_out_and_grads` must give, from the float64 oracle (same cotangent)."""
-  cot = np.random.default_rng(1).normal(size=q.shape).astype(np.float32)
-  out, grads = oracle.out_and_vjp(
-      q, k, v, cot, sinks=extras["softmax_aux"], causal=case.causal, window=case.window,
-      chunk=case.chunk, soft_cap=case.soft_cap, scale=case.scale,
-      q_seg=extras.get("q_segment_ids"), kv_seg=extras.get("kv_segment_ids"))
+  rest = {n: a for n, a in extras.items() if n != "softmax_aux"}
+  out, grads = harness.oracle_values_and_grads(q, k, v, _cot(q), sinks=extras["softmax_aux"],
+                                               **harness.oracle_rules(case.config, **rest))
   return [out, *grads]
+
+
+def _cot(q):
+  return np.random.default_rng(1).normal(size=q.shape).astype(np.float32)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -76,8 +74,7 @@ def test_garbage_at_padding_changes_no_output_and_no_gradient(backend, fill):
     assert np.all(np.isfinite(d)), name
     if name in ("out", "dq", "dk", "dv"):
       assert np.all(d[pad] == 0), name  # padded rows output 0 and get no gradient
-    tol = 1e-5 if name == "out" else 5e-5
-    np.testing.assert_allclose(d, w, atol=tol, rtol=tol, err_msg=name)
+    np.testing.assert_allclose(d, w, err_msg=name, **harness.tol("out" if name == "out" else "grad"))
 
 
 def _nan_rows(case, q, k, v, extras, config):
@@ -86,7 +83,7 @@ def _nan_rows(case, q, k, v, extras, config):
   expected, _ = case.oracle(q, k, v, extras)
   np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
   finite = ~np.isnan(expected)
-  np.testing.assert_allclose(out[finite], expected[finite], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(out[finite], expected[finite], **harness.tol())
   return np.isnan(out).any(axis=(2, 3))  # [B, T]: which rows are NaN
 
 
@@ -113,11 +110,11 @@ def test_garbage_at_padding_under_a_mesh():
   case = Case("mesh", batch=2, query_len=16, kv_len=16, num_heads=8, num_kv_heads=2, head_dim=16,
               window=(8, 0), segments="packed", sinks="heads_n")
   q, k, v, extras = case.arrays(seed=13)
-  mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+  mesh = harness.mesh("2x4", explicit=True)
   want = _oracle_out_and_grads(case, *_with_garbage(q, k, v, extras, 0.0), extras)
   dirty = _out_and_grads(case.config, *_with_garbage(q, k, v, extras, np.nan), extras, mesh=mesh)
   for name, w, d in zip(("out", "dq", "dk", "dv", "dsinks"), want, dirty):
-    np.testing.assert_allclose(d, w, atol=5e-5, rtol=5e-5, err_msg=name)
+    np.testing.assert_allclose(d, w, **harness.tol("grad"), err_msg=name)
 
 
 def test_unused_cache_slots_holding_garbage_change_nothing():
@@ -133,4 +130,4 @@ def test_unused_cache_slots_holding_garbage_change_nothing():
     prefill, cache = step(params, x[:, :4], cache)  # prefill 4 tokens into 12 slots
     decode, cache = step(params, x[:, 4:], cache)  # decode the 5th
     got = np.concatenate([np.asarray(prefill), np.asarray(decode)], axis=1)
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"fill {fill}")
+    np.testing.assert_allclose(got, want, **harness.tol(), err_msg=f"fill {fill}")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import splash_hk as sh
+import harness
 import oracle
 
 W_INIT = hk.initializers.VarianceScaling(1.0)
@@ -40,7 +41,7 @@ def test_cache_filled_to_capacity_then_one_more_fails(how):
   out, cache = call(params, x[:, :6], _empty(2, 8))
   for i in (6, 7):  # fills the 8 slots exactly
     out, cache = call(params, x[:, i:i + 1], cache)
-  np.testing.assert_allclose(out[0], _oracle_row(params, x[0, :8], 1), atol=1e-5)
+  np.testing.assert_allclose(out[0], _oracle_row(params, x[0, :8], 1), **harness.tol())
   np.testing.assert_array_equal(cache.length, [8, 8])
   if how == "eager":
     with pytest.raises(ValueError, match=r"`kv_cache` is full: rows \[0, 1\]"):
@@ -76,10 +77,10 @@ def test_under_jit_only_the_overflowing_row_fails():
   assert np.isnan(out[0]).all()
   np.testing.assert_array_equal(after.length, [6, 5])
   np.testing.assert_array_equal(after.key[0], cache.key[0])
-  np.testing.assert_allclose(out[1], _oracle_row(params, x[1, :5], 3), atol=1e-5)
+  np.testing.assert_allclose(out[1], _oracle_row(params, x[1, :5], 3), **harness.tol())
   # The failed row is still usable with a step that fits: it kept its 6 tokens.
   out, _ = call(params, x[:, 6:8], after, jnp.asarray([2, 0]))
-  np.testing.assert_allclose(out[0], _oracle_row(params, x[0, :8], 2), atol=1e-5)
+  np.testing.assert_allclose(out[0], _oracle_row(params, x[0, :8], 2), **harness.tol())
 
 
 @pytest.mark.parametrize("lengths", [[9, 3], [-1, 3]])
@@ -90,7 +91,7 @@ def test_lengths_outside_zero_to_t(lengths):
   out, cache = CALLS["jit"](params, x[:, :6], _empty(2, 8), jnp.asarray(lengths))
   assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
   np.testing.assert_array_equal(cache.length, [0, 3])
-  np.testing.assert_allclose(out[1, :3], _oracle_row(params, x[1, :3], 3), atol=1e-5)
+  np.testing.assert_allclose(out[1, :3], _oracle_row(params, x[1, :3], 3), **harness.tol())
 
 
 @pytest.mark.parametrize("how", ["eager", "jit"])
@@ -114,7 +115,7 @@ def test_hand_built_cache_with_scalar_length():
   out, cache = CALLS["eager"](params, x[:, 5:8], by_hand)
   np.testing.assert_array_equal(cache.length, [8, 8])
   for row in range(2):
-    np.testing.assert_allclose(out[row], _oracle_row(params, x[row, :8], 3), atol=1e-5)
+    np.testing.assert_allclose(out[row], _oracle_row(params, x[row, :8], 3), **harness.tol())
   with pytest.raises(ValueError, match=r"`kv_cache.length` must lie in \[0, max_len\]"):
     CALLS["eager"](params, x[:, :1], sh.KVCache(full.key, full.value, jnp.asarray(9)))
 
@@ -165,8 +166,8 @@ def test_reset_rows_and_room(how):
   prompt = x[0, 6:10]
   out, after = call(params, np.stack([prompt, x[1, 3:7]]), fresh, jnp.asarray([4, 4]))
   np.testing.assert_array_equal(after.length, [4, 7])
-  np.testing.assert_allclose(out[0], _oracle_row(params, prompt, 4), atol=1e-5)
-  np.testing.assert_allclose(out[1], _oracle_row(params, x[1, :7], 4), atol=1e-5)
+  np.testing.assert_allclose(out[0], _oracle_row(params, prompt, 4), **harness.tol())
+  np.testing.assert_allclose(out[1], _oracle_row(params, x[1, :7], 4), **harness.tol())
 
 
 def test_reset_rows_that_are_not_rows():

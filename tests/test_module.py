@@ -11,6 +11,7 @@ from absl.testing import parameterized
 
 import splash_hk as sh
 from splash_hk.fallback import selector
+import harness
 import oracle
 from cases import CASES_BY_NAME
 
@@ -36,14 +37,14 @@ class AttentionVariantsTest(chex.TestCase, parameterized.TestCase):
     fn = self.variant(jax.grad(loss, argnums=argnums, has_aux=True))
     grads, out = fn(q, k, v, sinks)
     with_sinks = dict(extras, softmax_aux=sinks) if sinks is not None else extras
-    np.testing.assert_allclose(np.asarray(out), case.oracle(q, k, v, with_sinks)[0], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), case.oracle(q, k, v, with_sinks)[0], **harness.tol())
     with jax.enable_x64(True):
       f64 = lambda a: None if a is None else jnp.asarray(a, jnp.float64)
       want = jax.grad(lambda *a: jnp.sum(case.oracle(
           *a[:3], dict(extras, softmax_aux=a[3]) if sinks is not None else extras,
           xp=jnp)[0] * cot), argnums=argnums)(f64(q), f64(k), f64(v), f64(sinks))
     for g, w in zip(grads, want):
-      np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), **harness.tol("grad"))
 
   @chex.variants(with_jit=True, without_jit=True, with_pmap=True)
   @parameterized.parameters((4, 4, 0), (4, 2, 0), (4, 1, 2))
@@ -64,7 +65,7 @@ class AttentionVariantsTest(chex.TestCase, parameterized.TestCase):
     sinks = params[sink_name]["sinks"] if num_sinks else None
     want = oracle.mha(params, x, num_heads=num_heads, num_kv_heads=num_kv_heads,
                        key_size=key_size, value_size=value_size, window=(5, 0), sinks=sinks)
-    np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
     grads = self.variant(jax.grad(lambda p, x: jnp.sum(f.apply(p, None, x) ** 2)))(params, x)
     with jax.enable_x64(True):
       p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), hk.data_structures.to_mutable_dict(params))
@@ -81,7 +82,7 @@ class AttentionVariantsTest(chex.TestCase, parameterized.TestCase):
 
       want_grads = jax.grad(oracle_loss)(p64)
     for g, w in zip(jax.tree.leaves(hk.data_structures.to_mutable_dict(grads)), jax.tree.leaves(want_grads)):
-      np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), **harness.tol("grad"))
 
 
 @pytest.mark.parametrize("with_mask", [False, True])
@@ -100,7 +101,7 @@ def test_loads_haiku_mha_params(with_mask, lead):
   assert jax.tree.map(jnp.shape, ours.init(jax.random.PRNGKey(1), x, mask)) == \
       jax.tree.map(jnp.shape, params)
   np.testing.assert_allclose(np.asarray(ours.apply(params, None, x, mask)),
-                             np.asarray(theirs.apply(params, None, x, mask)), atol=1e-5)
+                             np.asarray(theirs.apply(params, None, x, mask)), **harness.tol())
 
 
 def _toy_model(vocab, num_layers, num_heads, num_kv_heads, key_size, window):
@@ -206,10 +207,10 @@ def test_transform_with_state_remat_layer_stack_and_vmap():
   np.testing.assert_allclose(remat.apply(params, None, x), want, atol=1e-6)
   g1 = jax.grad(lambda p: remat.apply(p, None, x).sum())(params)
   g2 = jax.grad(lambda p: plain.apply(p, None, x).sum())(params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g1, g2)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **harness.tol()), g1, g2)
 
   vmapped = hk.transform(lambda x: hk.vmap(lambda y: mha()(y), split_rng=False)(x))
-  np.testing.assert_allclose(vmapped.apply(params, None, x), want, atol=1e-5)
+  np.testing.assert_allclose(vmapped.apply(params, None, x), want, **harness.tol())
 
   def stacked(x):
     layer = lambda h: h + sh.MultiHeadAttention(2, 4, model_size=8, w_init=W_INIT)(h)
@@ -225,7 +226,7 @@ def test_transform_with_state_remat_layer_stack_and_vmap():
     layer_params = {k.removeprefix(prefix): jax.tree.map(lambda a: a[i], v) for k, v in sp.items()}
     single = hk.transform(lambda h: sh.MultiHeadAttention(2, 4, model_size=8, w_init=W_INIT)(h))
     unrolled = unrolled + single.apply(layer_params, None, unrolled)
-  np.testing.assert_allclose(out, unrolled, atol=1e-5)
+  np.testing.assert_allclose(out, unrolled, **harness.tol())
 
 
 def test_learnable_sinks_get_gradients_and_change_output():
@@ -241,13 +242,13 @@ def test_learnable_sinks_get_gradients_and_change_output():
 
 
 def test_mha_with_mesh_equals_without():
-  mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+  mesh = harness.mesh("2x4", explicit=True)
   x = np.random.default_rng(11).normal(size=(4, 8, 16)).astype(np.float32)
   make = lambda mesh: hk.transform(lambda x: sh.MultiHeadAttention(
       8, 4, num_kv_heads=2, w_init=W_INIT, mesh=mesh, num_sinks=1)(x))
   params = make(None).init(jax.random.PRNGKey(5), x)
   sharded = jax.jit(make(mesh).apply)(params, None, x)
-  np.testing.assert_allclose(sharded, make(None).apply(params, None, x), atol=1e-5)
+  np.testing.assert_allclose(sharded, make(None).apply(params, None, x), **harness.tol())
 
 
 BAD_CONSTRUCTORS = [

@@ -2,11 +2,17 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from absl import logging as absl_logging
 
 import splash_hk as sh
+from splash_hk import platforms
+from splash_hk.backends import base
+from splash_hk.backends import reference
 from splash_hk.fallback import selector
+import harness
+import oracle
 
 Q = (2, 256, 8, 64)
 K = (2, 256, 2, 64)
@@ -103,3 +109,40 @@ def test_each_fallback_reason_is_logged_once(monkeypatch):
   sh.attention(q, q, q)  # no fallback, nothing logged
   sh.attention(q, q, q, return_weights=True)
   assert len(seen) == 2 and "needs a GPU" in seen[0] and "weights" in seen[1]
+
+
+def test_a_backend_is_one_file_and_one_line():
+  """A toy backend, registered here as `splash_hk.kernel` registers the library's, is chosen on
+  its hardware, explained, and refused in its own words; it serves calls through the same
+  interface (here: the reference backend's computation, counted)."""
+  calls = []
+
+  def why_not(facts, hardware):
+    del hardware
+    return "the toy kernel does not decode" if facts.mode is sh.Mode.DECODE else None
+
+  def attend(x, facts):
+    calls.append(x.query.shape)
+    return reference.attend(x, facts)
+
+  toy = base.Backend(name="toy", why_not=why_not, attend=attend, hardware=("cpu",), rank=-1)
+  platforms.register(toy)
+  try:
+    assert selector.candidates("auto", "cpu") == ("toy", "xla", "reference")
+    q = np.random.default_rng(0).normal(size=(2, 16, 4, 8)).astype(np.float32)
+    decision = sh.explain(q, q, q)
+    assert decision == sh.Decision("toy", "toy is the first choice on cpu (train mode)")
+    out = sh.attention(q, q, q).attention_outputs
+    np.testing.assert_allclose(np.asarray(out), oracle.attention(q, q, q)[0], **harness.tol())
+    assert calls == [(2, 16, 4, 8)]
+    decode = sh.explain(q[:, :1], q, q)
+    assert decode.backend == "xla" and decode.fallback
+    assert "toy: the toy kernel does not decode" in decode.reason
+    assert sh.AttentionConfig(platform="toy").platform == "toy"
+    with pytest.raises(ValueError, match="toy: the toy kernel does not decode"):
+      sh.explain(q[:, :1], q, q, config=sh.AttentionConfig(platform="toy", allow_fallback=False))
+  finally:
+    platforms.unregister("toy")
+  with pytest.raises(ValueError, match="platform must be one of"):
+    sh.AttentionConfig(platform="toy")
+  assert sh.explain(q, q, q).backend == "xla"

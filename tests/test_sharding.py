@@ -5,29 +5,22 @@ import itertools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
 import splash_hk as sh
 from splash_hk import kernel
+from splash_hk import platforms
 from splash_hk.sharding import stable_spec, kv_head_repeats
+import harness
 import oracle
 
-MESHES = {
-    "1x8": ((1, 8), ("dp", "tp")),
-    "2x4": ((2, 4), ("dp", "tp")),
-    "4x2": ((4, 2), ("dp", "tp")),
-    "8x1": ((8, 1), ("dp", "tp")),
-    "2x2x2": ((2, 2, 2), ("dp", "fsdp", "tp")),
-}
+MESHES = ("1x8", "2x4", "4x2", "8x1", "2x2x2")  # batch over dp (and fsdp), heads over tp
 
 
 def _mesh(name, explicit=True):
-  shape, names = MESHES[name]
-  if explicit:
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
-  return Mesh(np.array(jax.devices()).reshape(shape), names)
+  return harness.mesh(name, explicit)
 
 
 def _inputs(batch, query_len, kv_len, num_kv_heads, seed=0, num_heads=8, head_dim=16):
@@ -43,32 +36,11 @@ def _inputs(batch, query_len, kv_len, num_kv_heads, seed=0, num_heads=8, head_di
   return q, k, v, sinks, seg, cot
 
 
-def _out_and_grads(config, mesh, q, k, v, sinks, cot, axes=sh.MeshAxes(), **extras):
-  def f(q, k, v, sinks):
-    return sh.attention(q, k, v, config=config, softmax_aux=sinks, mesh=mesh, axes=axes,
-                        **extras).attention_outputs
-
-  @jax.jit
-  def run(q, k, v, sinks):
-    out, vjp = jax.vjp(f, q, k, v, sinks)
-    return out, vjp(cot.astype(out.dtype))
-
-  return run(q, k, v, sinks)
-
-
-def _oracle(config, q, k, v, sinks, cot, axes=None, **extras):
-  """The float64 oracle's output and gradients for what `config` and `extras` say."""
-  del axes
-  return oracle.out_and_vjp(
-      q, k, v, cot, sinks=sinks, causal=config.causal, window=config.window,
-      chunk=config.chunk_size, soft_cap=config.logits_soft_cap, scale=config.softmax_scale,
-      q_seg=extras.get("q_segment_ids"), kv_seg=extras.get("kv_segment_ids"),
-      q_pos=extras.get("q_positions"), kv_pos=extras.get("kv_positions"), mask=extras.get("mask"))
-
-
-def _assert_close(got, want):
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-5)
+def _check(config, mesh, q, k, v, sinks, cot, axes=sh.MeshAxes(), **extras):
+  """Sharded attention's values and gradients (q, k, v, sinks) against the float64 oracle."""
+  f = lambda q, k, v, sinks: sh.attention(q, k, v, config=config, softmax_aux=sinks, mesh=mesh,
+                                          axes=axes, **extras).attention_outputs
+  harness.check_against_oracle(f, q, k, v, cot, sinks=sinks, **harness.oracle_rules(config, **extras))
 
 
 EVERYTHING = sh.AttentionConfig(causal=True, sliding_window=(5, 0), logits_soft_cap=4.0)
@@ -84,9 +56,7 @@ COVER = [(mesh, hkv, batch) for n, mesh in enumerate(MESHES) for m, hkv in enume
 def test_sharded_equals_unsharded_train_forward_and_grads(mesh_name, num_kv_heads, batch):
   q, k, v, sinks, seg, cot = _inputs(batch, 16, 16, num_kv_heads)
   mesh = _mesh(mesh_name)
-  got = _out_and_grads(EVERYTHING, mesh, q, k, v, sinks, cot, q_segment_ids=seg)
-  want = _oracle(EVERYTHING, q, k, v, sinks, cot, q_segment_ids=seg)
-  _assert_close(got, want)
+  _check(EVERYTHING, mesh, q, k, v, sinks, cot, q_segment_ids=seg)
 
 
 @pytest.mark.parametrize("mesh_name,num_kv_heads,batch", COVER)
@@ -94,9 +64,7 @@ def test_sharded_equals_unsharded_decode(mesh_name, num_kv_heads, batch):
   q, k, v, sinks, seg, cot = _inputs(batch, 1, 16, num_kv_heads)
   mesh = _mesh(mesh_name, explicit=False)
   extras = dict(q_segment_ids=np.zeros((batch, 1), np.int32), kv_segment_ids=seg)
-  got = _out_and_grads(EVERYTHING, mesh, q, k, v, sinks, cot, **extras)
-  want = _oracle(EVERYTHING, q, k, v, sinks, cot, **extras)
-  _assert_close(got, want)
+  _check(EVERYTHING, mesh, q, k, v, sinks, cot, **extras)
 
 
 FEATURES = {
@@ -112,39 +80,32 @@ FEATURES = {
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_each_feature_on_2x4(feature):
   q, k, v, sinks, seg, cot = _inputs(2, 16, 16, 2)
-  got = _out_and_grads(FEATURES[feature], _mesh("2x4"), q, k, v, sinks, cot)
-  want = _oracle(FEATURES[feature], q, k, v, sinks, cot)
-  _assert_close(got, want)
+  _check(FEATURES[feature], _mesh("2x4"), q, k, v, sinks, cot)
 
 
 @pytest.mark.parametrize("heads", [1, 8])
 def test_dense_mask_with_mesh_is_exact(heads):
   q, k, v, sinks, _, cot = _inputs(2, 16, 16, 2)
   mask = np.random.default_rng(1).random((2, heads, 16, 16)) < 0.6
-  got = _out_and_grads(sh.AttentionConfig(), _mesh("2x4"), q, k, v, sinks, cot, mask=mask)
-  want = _oracle(sh.AttentionConfig(), q, k, v, sinks, cot,
-                        mask=mask)
-  _assert_close(got, want)
+  _check(sh.AttentionConfig(), _mesh("2x4"), q, k, v, sinks, cot, mask=mask)
 
 
 @pytest.mark.parametrize("query_len", [16, 6])
 def test_query_sequence_sharding_uses_global_positions(query_len):
-  mesh = jax.make_mesh((2, 2, 2), ("dp", "sp", "tp"), axis_types=(AxisType.Explicit,) * 3)
+  mesh = harness.mesh("dp2_sp2_tp2", explicit=True)
   axes = sh.MeshAxes(batch="dp", heads="tp", sequence="sp")
   q, k, v, sinks, seg, cot = _inputs(2, query_len, 16, 2)
   config = sh.AttentionConfig(sliding_window=(4, 0))
-  got = _out_and_grads(config, mesh, q, k, v, sinks, cot, axes=axes)
-  want = _oracle(config, q, k, v, sinks, cot)
-  _assert_close(got, want)
+  _check(config, mesh, q, k, v, sinks, cot, axes=axes)
   out = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config, mesh=mesh, axes=axes))(
       q, k, v).attention_outputs
   assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", "sp", "tp", None)), 4)
 
 
 def _spy_on_xla(monkeypatch, record):
-  real = kernel.BACKENDS["xla"]
+  real = kernel.backend("xla")
   spy = lambda x, facts: record(x) or real.attend(x, facts)
-  monkeypatch.setitem(kernel.BACKENDS, "xla", dataclasses.replace(real, attend=spy))
+  monkeypatch.setitem(platforms._TABLE, "xla", dataclasses.replace(real, attend=spy))  # pylint: disable=protected-access
 
 
 def test_shard_map_really_shards(monkeypatch):
@@ -181,7 +142,7 @@ def test_mesh_kinds_and_input_shardings(explicit, jit, presharded):
   f = lambda q, k, v: sh.attention(q, k, v, mesh=mesh, softmax_aux=sinks).attention_outputs
   out = (jax.jit(f) if jit else f)(q, k, v)
   want, _ = oracle.attention(np.asarray(q), np.asarray(k), np.asarray(v), sinks=sinks)
-  np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
   assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", None, "tp", None)), 4)
 
 

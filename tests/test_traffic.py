@@ -6,6 +6,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import pytest
 
 import splash_hk as sh
+import harness
 from splash_hk.sharding import traffic
 
 HLO = """HloModule m
@@ -58,7 +59,7 @@ def test_each_strategy_sends_what_its_algorithm_says(strategy, fraction):
   # receives the other (n-1)/n of K and V, the ring sends its K/V shard n - 1 times, Ulysses
   # (n-1)/n of its q, k, v and output shards. Positions add T ints (under 1%).
   n, shape = 4, (1, 1024, 4, 64)
-  mesh = jax.make_mesh((n,), ("sp",), devices=jax.devices()[:n])
+  mesh = harness.mesh(f"sp{n}", explicit=True)
   x = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P(None, "sp")))
   axes = sh.MeshAxes(batch=None, heads=None, sequence="sp", sequence_strategy=strategy)
   attend = jax.jit(lambda q, k, v: sh.attention(q, k, v, mesh=mesh, axes=axes,

@@ -15,11 +15,10 @@ import pytest
 
 import splash_hk as sh
 from cases import Case
+import harness
 import oracle
 
 M = sh.masks
-MESHES = {"dp2_sp2_tp2": ((2, 2, 2), ("dp", "sp", "tp")), "dp2_sp4": ((2, 4), ("dp", "sp")),
-          "sp8": ((8,), ("sp",)), "sp2_tp4": ((2, 4), ("sp", "tp"))}
 # GQA with Dv != D: the kv heads (2) do not divide over sp = 4 or 8, nor over tp = 4.
 CASE = Case("ulysses", batch=2, query_len=32, kv_len=32, num_heads=8, num_kv_heads=2, head_dim=8,
             value_dim=16, window=(9, 0), chunk=12, soft_cap=5.0, segments="packed",
@@ -27,8 +26,7 @@ CASE = Case("ulysses", batch=2, query_len=32, kv_len=32, num_heads=8, num_kv_hea
 
 
 def _mesh(name: str):
-  shape, names = MESHES[name]
-  return jax.make_mesh(shape, names, devices=jax.devices()[:int(np.prod(shape))])
+  return harness.mesh(name, explicit=True)
 
 
 def _axes(balanced: bool = False) -> sh.MeshAxes:
@@ -37,7 +35,7 @@ def _axes(balanced: bool = False) -> sh.MeshAxes:
 
 
 def _sp(name: str) -> int:
-  return dict(zip(MESHES[name][1], MESHES[name][0]))["sp"]
+  return harness.axis_size(name, "sp")
 
 
 def _run(q, k, v, cot, *, mesh, axes, config, order=lambda a: a, restore=lambda a: a, **kwargs):
@@ -59,13 +57,8 @@ def _run(q, k, v, cot, *, mesh, axes, config, order=lambda a: a, restore=lambda 
   return np.asarray(out), [np.asarray(g) for g in grads]
 
 
-def _check(got, want, atol=1e-5, grad_tol=1e-4):
-  out, grads = got
-  want_out, want_grads = want
-  np.testing.assert_allclose(out, want_out, atol=atol, rtol=atol)
-  assert len(grads) == len(want_grads)
-  for name, g, w in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
-    np.testing.assert_allclose(g, w, atol=grad_tol, rtol=grad_tol, err_msg=name)
+def _check(got, want):
+  harness.assert_close(got, want, grad="sharded_grad")
 
 
 @pytest.mark.parametrize("mesh_name,balanced", [
@@ -261,5 +254,4 @@ def test_real_size_with_default_tiles_and_a_partial_last_block():
   assert sh.explain(q, k, v, config=config, mesh=mesh, axes=_axes(), **extras).ulysses
   out = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config, mesh=mesh, axes=_axes(),
                                              **extras).attention_outputs)(q, k, v)
-  np.testing.assert_allclose(np.asarray(out), case.oracle(q, k, v, extras)[0], atol=2e-5,
-                             rtol=2e-5)
+  np.testing.assert_allclose(np.asarray(out), case.oracle(q, k, v, extras)[0], **harness.tol())

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import splash_hk as sh
+import harness
 import oracle
 
 B, T, S, HQ, HKV, D = 2, 8, 8, 4, 2, 16
@@ -113,7 +114,7 @@ def test_one_segment_side_defaults_to_the_other_when_lengths_match(given):
   seg = np.array([[0] * 4 + [1] * 4, [2] * 3 + [-1] + [2] * 4], np.int32)
   out = sh.attention(q, k, v, **{given: seg}).attention_outputs
   expected, _ = oracle.attention(q, k, v, q_seg=seg, kv_seg=seg)
-  np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(out), expected, **harness.tol())
 
 
 @pytest.mark.parametrize("build,value,needle", [
@@ -143,3 +144,15 @@ def test_messages_start_with_the_sentence_that_helps():
   with pytest.raises(ValueError) as e:
     sh.attention(q, k, v, q_positions=I32(B, T + 1))
   assert str(e.value).startswith("`q_positions` must be [batch, query_len] = (2, 8), got (2, 9).")
+
+
+@pytest.mark.parametrize("build,needle", [
+    (lambda: sh.masks.SlidingWindow(True), "SlidingWindow.window"),  # the config's own rule
+    (lambda: sh.masks.SlidingWindow(None), "SlidingWindow.window"),
+    (lambda: sh.masks.SlidingWindow((1, -2)), "SlidingWindow.window"),
+    (lambda: sh.masks.Chunked(0), "Chunked.size"),
+    (lambda: sh.masks.Chunked(2.5), "Chunked.size"),
+], ids=["window_bool", "window_none", "window_negative", "chunk_zero", "chunk_float"])
+def test_mask_objects_check_their_fields_as_the_config_does(build, needle):
+  with pytest.raises(ValueError, match=needle):
+    build()

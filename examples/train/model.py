@@ -49,7 +49,7 @@ class ModelConfig:
     """Prefix-LM: (causal [& window]) | the prefix of each document, seen whole; else None."""
     if not self.prefix_len:
       return None
-    rule = sh.masks.from_rules(True, self.attention_config.window, None)
+    rule = _causal(self.attention_config.window)
     docs = jnp.zeros_like(positions) if segment_ids is None else segment_ids
     return rule | sh.masks.Bidirectional(jnp.where(positions < self.prefix_len, docs, -1))
 
@@ -117,11 +117,17 @@ class Transformer(hk.Module):
     return logits if caches is None else (logits, new_caches)
 
 
+def _causal(window: tuple[int, int] | None) -> sh.masks.Mask:
+  """The model's rule as a mask object: causal, within the window when there is one."""
+  return sh.masks.Causal() if window is None else sh.masks.Causal() & sh.masks.SlidingWindow(window)
+
+
 def _reference_mask(seq_len: int, window: tuple[int, int] | None,
                     segment_ids: jax.Array | None = None) -> jax.Array:
   """Causal (and window, and same-document) mask [1 or B, 1, T, T] for hk.MultiHeadAttention."""
   pos = np.arange(seq_len)
-  mask = sh.masks.position_mask(pos, pos, causal=True, window=window, chunk_size=None)[None, None]
+  mask = _causal(window).visible(pos[:, None], pos[None, :])[None, None]  # [1, 1, T, T]
   if segment_ids is None:
     return mask
-  return mask & sh.masks.segment_mask(segment_ids, segment_ids)[:, None]  # [B, 1, T, T]
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]
+  return mask & (same & (segment_ids[:, :, None] >= 0))[:, None]  # [B, 1, T, T]

@@ -33,7 +33,7 @@ import optax
 import tqdm
 
 import splash_hk as sh
-from splash_hk.config import PLATFORMS
+from splash_hk import platforms
 from splash_hk.sharding.axes import SEQUENCE_STRATEGIES
 from examples.train import batches as batches_lib
 from examples.train import checkpoint as checkpoint_lib
@@ -55,7 +55,7 @@ _PREFIX_LM = flags.DEFINE_bool(
     "Bidirectional mask object over the prefix); the queries and answers stay causal.")
 _ATTENTION = flags.DEFINE_enum("attention", "splash", ["splash", "reference"],
                                "splash: sh.MultiHeadAttention; reference: Haiku's hk.MultiHeadAttention.")
-_PLATFORM = flags.DEFINE_enum("platform", "auto", list(PLATFORMS),
+_PLATFORM = flags.DEFINE_enum("platform", "auto", list(platforms.names()),
                               "splash_hk platform.")
 _MESH = flags.DEFINE_string("mesh", None, 'Device mesh, e.g. "dp=2,tp=4" or "dp=2,sp=4" (axes dp, '
                             "fsdp, tp, and sp: the sequence).")

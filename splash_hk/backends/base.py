@@ -1,10 +1,11 @@
 """The interface every backend implements, and the small helpers they share.
 
-A backend is a `Backend`: a name, `why_not(facts, hardware)` (why it cannot
-serve a call, or None: its own limits, consulted by the selector in order) and
+A backend is a `Backend`: a name, the hardware it is made for and its rank in
+the order of choice there, `why_not(facts, hardware)` (why it cannot serve a
+call, or None: its own limits, consulted by the selector in order) and
 `attend(x, facts)`, which runs it on one shard of KernelInputs and returns a
 KernelOutput. Adding a backend is one file that defines one of these and one
-line in `splash_hk.kernel.BACKENDS`.
+line in `splash_hk.kernel`, which registers it (`splash_hk.platforms`).
 
 The log-sum-exp convention, for every backend and every consumer: `lse[b, t, h]`
 is the log of query row (b, t, h)'s softmax denominator over the keys it sees
@@ -22,6 +23,8 @@ from typing import Any, Callable, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
+from splash_hk.masks import _rules
+from splash_hk.masks._objects import Mask
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 WhyNot = Callable[[Facts, str], "str | None"]
@@ -67,7 +70,8 @@ class Backend:
   """A kernel backend: its limits and its call, with the same signature for all.
 
   Attributes:
-    name: the platform name ("splash", "triton", "xla", "reference").
+    name: the platform name ("splash", "triton", "xla", "reference"): what
+      `AttentionConfig(platform=...)` asks for.
     why_not: (facts, hardware) -> why this backend cannot serve the call, or None.
     attend: (KernelInputs of one shard, facts) -> KernelOutput; `out` always,
       `lse` where the backend computes it, `weights` when asked for and served.
@@ -79,35 +83,70 @@ class Backend:
       has arrays), or None for a backend that does not say.
     plan: (KernelInputs, facts) -> what the backend builds before it computes
       (the xla backend's block plan), for a caller that measures it, or None.
+    hardware: the `jax.default_backend()` names it is made for ("tpu", "gpu"), where
+      `platform="auto"` tries it first; () for a portable backend, tried after those
+      (and after an explicitly requested one) on any hardware.
+    rank: its place in the order of choice (lower first) among the backends made
+      for the hardware, and among the portable ones.
   """
 
   name: str
   why_not: WhyNot
   attend: Attend
+  hardware: tuple[str, ...] = ()
+  rank: int = 0
   forward: ForwardHalf | None = None
   backward: BackwardHalf | None = None
   count_pairs: Callable[..., int] | None = None
   plan: Callable[[KernelInputs, Facts], Any] | None = None
 
 
-def rule_refusal(facts: Facts, kernel: str, serves: tuple[type, ...],
-                 combinations: bool = True) -> str | None:
-  """Why `kernel` cannot build the call's position rule, naming the parts it cannot, or None.
+def rule_refusal(facts: Facts, kernel: str, serves: Callable[[Mask], bool],
+                 builds: str) -> str | None:
+  """Why `kernel` cannot build the call's position rule, or None.
 
-  `serves`: the mask object types it builds; `combinations`: whether it builds
-  any `&`/`|` of them, or only an AND of at most one of each (config-style rules).
+  `serves(mask)` asks a mask object (each part, then the whole, for the ways parts
+  combine) whether the kernel builds it; `builds` says in words what it builds.
+  The parts it cannot build are named.
   """
-  if facts.rule is None:
+  rule = facts.rule
+  if rule is None or serves(rule):
     return None
-  names = sorted({type(p).__name__ for p in facts.rule.parts() if not isinstance(p, serves)})
-  if names:
-    what = " and ".join(f"a {n} part" for n in names)
-    return (f"the mask holds {what}, which {kernel} cannot build (it builds "
-            f"{', '.join(t.__name__ for t in serves)})")
-  if not combinations and facts.static_rules is None:
-    return (f"the mask combines its rules with | or repeats one; {kernel} takes an AND of at "
-            "most one Causal, SlidingWindow and Chunked")
-  return None
+  names = sorted({part.name for part in rule.parts() if not serves(part)})
+  what = (" and ".join(f"a {n} part" for n in names) if names
+          else "parts combined in a way (| or a repeated rule)")
+  return f"the mask holds {what}, which {kernel} cannot build (it builds {builds})"
+
+
+def segment_ids(x: KernelInputs) -> tuple[jax.Array, jax.Array]:
+  """The call's (q [B, T], kv [B, S]) segment ids, or zeros (one document) when it has none."""
+  if x.q_segment_ids is None or x.kv_segment_ids is None:
+    return (jnp.zeros(x.query.shape[:2], jnp.int32), jnp.zeros(x.key.shape[:2], jnp.int32))
+  return x.q_segment_ids, x.kv_segment_ids
+
+
+def disjoint_padding(q_segment_ids: jax.Array, kv_segment_ids: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
+  """Segment ids for kernels that only test equality: padding (-1 on the query
+  side, -2 on the key side) can then never match anything."""
+  return (jnp.where(q_segment_ids < 0, -1, q_segment_ids),
+          jnp.where(kv_segment_ids < 0, -2, kv_segment_ids))
+
+
+def full_mask(x: KernelInputs) -> jax.Array:
+  """Every rule at once over a call's positions, segments and position rule, materialised.
+
+  Returns:
+    [B, 1 or H, T, S] bool (H when the rule holds a per-head dense mask).
+  """
+  batch, query_len = x.q_positions.shape
+  kv_len = x.kv_positions.shape[-1]
+  out = jnp.ones((batch, 1, query_len, kv_len), jnp.bool_)  # [B, 1, T, S]
+  if x.rule is not None:
+    out = out & x.rule.visible(x.q_positions[:, None, :, None], x.kv_positions[:, None, None, :])
+  if x.q_segment_ids is not None:
+    out = out & _rules.segment_mask(x.q_segment_ids, x.kv_segment_ids)[:, None]
+  return out
 
 
 def probability_lse(lse: jax.Array) -> jax.Array:

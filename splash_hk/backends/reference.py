@@ -9,7 +9,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from splash_hk import masks
 from splash_hk.backends import base
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
@@ -33,7 +32,7 @@ def logits_and_mask(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array
       "btkgd,bskd->bkgts", q.reshape(batch, query_len, num_kv_heads, groups, head_dim), k,
       precision=_HIGHEST, preferred_element_type=jnp.float32) * facts.scale  # [B, Hkv, G, T, S]
   logits = product(finite(x.query), finite(x.key))
-  mask = masks.full_mask(x)  # [B, 1|Hq, T, S]
+  mask = base.full_mask(x)  # [B, 1|Hq, T, S]
   mask = mask.reshape(mask.shape[0], -1, groups if mask.shape[1] > 1 else 1, *mask.shape[2:])
   bad_q = jnp.moveaxis(bad(x.query).reshape(batch, query_len, num_kv_heads, groups), 1, 3)
   bad_k = jnp.swapaxes(bad(x.key), 1, 2)[:, :, None, None, :]  # [B, Hkv, 1, 1, S]
@@ -88,8 +87,8 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   has_mass = denominator != 0  # NaN stays NaN
   lse = jnp.where(has_mass, row_max + jnp.log(jnp.where(has_mass, denominator, 1.0)), -jnp.inf)
   lse = lse[..., 0].reshape(batch, num_heads, query_len)  # [B, Hq, T]
-  weights = weights.reshape(batch, num_heads, query_len, kv_len) if facts.return_weights else None
-  return KernelOutput(out, jnp.swapaxes(lse, 1, 2), weights)  # [B, T, Hq, Dv], [B, T, Hq]
+  asked = weights.reshape(batch, num_heads, query_len, kv_len) if facts.return_weights else None
+  return KernelOutput(out, jnp.swapaxes(lse, 1, 2), asked)  # [B, T, Hq, Dv], [B, T, Hq]
 
 
-BACKEND = base.Backend(name="reference", why_not=why_not, attend=attend)
+BACKEND = base.Backend(name="reference", why_not=why_not, attend=attend, rank=100)  # last resort

@@ -21,13 +21,13 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
-from splash_hk import mask_objects
-from splash_hk import masks
+from splash_hk.masks import _objects
+from splash_hk.masks import _rules
 from splash_hk.backends import base
 from splash_hk.backends import splash_horizon
 from splash_hk.backends import splash_plan
 from splash_hk.backends import xla
-from splash_hk.config import AttentionConfig
+from splash_hk.config import AttentionConfig, BlockSizes
 from splash_hk.types import Facts, KernelInputs, KernelOutput, Mode
 
 LANE = 128  # splash blocks are multiples of this
@@ -57,22 +57,16 @@ def why_not(facts: Facts, hardware: str) -> str | None:
   if min(query_len, kv_len) < LANE:
     return (f"query_len {query_len} / kv_len {kv_len}: a sequence shorter than one "
             f"{LANE}-row splash block is cheaper unpadded")
-  if facts.mask_shape is not None:
-    return "a dense mask was given: a traced mask cannot be proven a segment mask"
   if splash_horizon.serves(facts.rule):
     if facts.load_balanced or shards > 1 or query_len > kv_len:
       return ("Causal | Bidirectional runs on splash over the whole sequence in its own order, "
               "with query_len <= kv_len, only (each query must see a prefix of the keys); "
               "this call's query is sharded, load-balanced or longer than the keys")
   else:
-    refusal = base.rule_refusal(facts, "the splash kernel's static mask", STATIC_PARTS)
-    if refusal is None and facts.rule is not None and not facts.rule.is_static():
-      traced = [p.name for p in facts.rule.parts() if isinstance(p, mask_objects.MaskFn)
-                and not p.is_static()]
-      refusal = f"{', '.join(traced)} closes over traced values (its rule changes per call)"
+    refusal = base.rule_refusal(facts, "the splash kernel's static mask",
+                                lambda mask: mask.is_static(), BUILDS)
     if refusal is not None:
-      return refusal + (" (splash masks are built from indices at trace time; of objects with "
-                        "arrays it serves Causal() | Bidirectional(ids))")
+      return refusal
   if not facts.default_positions:
     return ("explicit q_positions/kv_positions were given and splash masks are static "
             "(built from indices at trace time)")
@@ -81,9 +75,11 @@ def why_not(facts: Facts, hardware: str) -> str | None:
   return None
 
 
-# The mask objects whose rule reads positions only: splash builds them as static masks.
-STATIC_PARTS = (mask_objects.Causal, mask_objects.SlidingWindow, mask_objects.Chunked,
-                mask_objects.MaskFn)
+# What splash's static masks are made of, in words (the objects say themselves: `is_static`).
+BUILDS = ("rules of positions alone, known at trace time: Causal, SlidingWindow, Chunked and "
+          "MaskFn without traced values, combined with & and |; of objects with arrays, "
+          "Causal() | Bidirectional(ids); a Dense mask, being traced, cannot be proven a "
+          "segment mask")
 
 
 class PositionMask(splash_mask._ComputableMask):  # pylint: disable=protected-access
@@ -91,10 +87,10 @@ class PositionMask(splash_mask._ComputableMask):  # pylint: disable=protected-ac
   queries shifted by `offset`.
 
   With `balanced=(length, shards)` indices are places in the load-balanced
-  order and map to the tokens' original positions (`masks.load_balanced_position`).
+  order and map to the tokens' original positions (`_rules.load_balanced_position`).
   """
 
-  def __init__(self, shape: tuple[int, int], offset: int, rule: mask_objects.Mask,
+  def __init__(self, shape: tuple[int, int], offset: int, rule: _objects.Mask,
                balanced: tuple[int, int] | None = None):
     self.params = (shape, offset, rule, balanced)
     super().__init__(shape, lambda q_ids, kv_ids: rule.visible(*places(q_ids, kv_ids, offset,
@@ -112,8 +108,8 @@ def places(q_ids, kv_ids, offset: int, balanced: tuple[int, int] | None):
   themselves, or with `balanced=(length, shards)` the tokens' original positions."""
   if balanced is None:
     return q_ids + offset, kv_ids
-  return (masks.load_balanced_position(q_ids + offset, *balanced),
-          masks.load_balanced_position(kv_ids, *balanced))
+  return (_rules.load_balanced_position(q_ids + offset, *balanced),
+          _rules.load_balanced_position(kv_ids, *balanced))
 
 
 def default_block(length: int) -> int:
@@ -126,7 +122,8 @@ def default_block(length: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def padded_layout(query_len: int, kv_len: int, block_sizes) -> tuple[tuple[int, ...], int, int]:
+def padded_layout(query_len: int, kv_len: int,
+                  block_sizes: BlockSizes) -> tuple[tuple[int, int, int, int], int, int]:
   """Block sizes clamped to the (padded) lengths, and the padded lengths.
 
   Returns:
@@ -143,7 +140,7 @@ def padded_layout(query_len: int, kv_len: int, block_sizes) -> tuple[tuple[int, 
 
 @functools.lru_cache(maxsize=64)
 def build_kernel(*, padded: tuple[int, int], offset: int, is_mqa: bool,
-                 config: AttentionConfig, rule: mask_objects.Mask | None,
+                 config: AttentionConfig, rule: _objects.Mask | None,
                  blocks: tuple[int, int, int, int],
                  balanced: tuple[int, int] | None = None):
   """The splash kernel for one static shape and config (cached: built once).
@@ -169,7 +166,7 @@ def build_kernel(*, padded: tuple[int, int], offset: int, is_mqa: bool,
 
   return _kernel(info((bq, bkv), False), None if fused else info((bq_bwd, bkv_bwd), False),
                  info((bq_bwd, bkv_bwd), True, shrink=not fused), config, blocks, is_mqa,
-                 PositionMask(padded, offset, rule, balanced).mask_function if computed else None)
+                 None if rule is None else PositionMask(padded, offset, rule, balanced).mask_function)
 
 
 def _kernel(fwd, dq, dkv, config: AttentionConfig, blocks: tuple[int, int, int, int],
@@ -255,18 +252,14 @@ def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool) -> jax.Array:
                     t_pad)  # [B, Hq, Tp, D]
   k = base.pad_axis(x.key, 2, s_pad)  # [B, Hkv, Sp, D]
   v = base.pad_axis(x.value, 2, s_pad)  # [B, Hkv, Sp, Dv]
-  q_seg, kv_seg = x.q_segment_ids, x.kv_segment_ids
   segment_ids = None
-  if q_seg is not None or t_pad != query_len or s_pad != kv_len:
-    if q_seg is None:
-      q_seg = jnp.zeros((batch, query_len), jnp.int32)
-      kv_seg = jnp.zeros((batch, kv_len), jnp.int32)
-    q_seg, kv_seg = masks.disjoint_padding(q_seg, kv_seg)
+  if x.q_segment_ids is not None or t_pad != query_len or s_pad != kv_len:
+    q_seg, kv_seg = base.disjoint_padding(*base.segment_ids(x))
     segment_ids = splash.SegmentIds(q=base.pad_axis(q_seg, 1, t_pad, -1),  # [B, Tp]
                                     kv=base.pad_axis(kv_seg, 1, s_pad, -2))  # [B, Sp]
   sinks = (jnp.full((num_heads,), _SILENT_SINK, jnp.float32) if x.sinks is None
            else base.sink_logsumexp(x.sinks))  # [Hq]
-  seg_axes = None if segment_ids is None else splash.SegmentIds(0, 0)
+  seg_axes = None if segment_ids is None else splash.SegmentIds._make((0, 0))  # vmap's in_axes
   if groups == 1:
     one = lambda kernel, q, k, v, seg: kernel(q, k, v, segment_ids=seg, sinks=sinks)
   else:
@@ -282,4 +275,4 @@ def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool) -> jax.Array:
 
 
 BACKEND = base.Backend(name="splash", why_not=why_not,
-                       attend=base.guard_garbage(attend, xla.attend))
+                       attend=base.guard_garbage(attend, xla.attend), hardware=("tpu",), rank=0)

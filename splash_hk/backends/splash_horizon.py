@@ -20,20 +20,22 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info_lib
 
-from splash_hk import mask_objects
+from splash_hk.masks import _objects
 from splash_hk.backends import splash_plan
 
 
-def serves(rule: mask_objects.Mask | None) -> bool:
+def serves(rule: _objects.Mask | None) -> bool:
   """Whether `rule` (an object or its skeleton) is `Causal() | Bidirectional(...)`, either order."""
-  return (isinstance(rule, mask_objects.Or)
-          and {type(rule.a), type(rule.b)} == {mask_objects.Causal, mask_objects.Bidirectional})
+  return _objects.causal_or_spans(rule) is not None
 
 
-def horizon(rule: mask_objects.Or, query_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
+def horizon(rule: _objects.Mask | None, query_len: int,
+            kv_len: int) -> tuple[jax.Array, jax.Array]:
   """(h [B, T] int32: the last key index each query sees, exact: whether keys [0, h] are all
-  the keys the rule lets each query see) at default (end-aligned) positions."""
-  spans = rule.a if isinstance(rule.a, mask_objects.Bidirectional) else rule.b
+  the keys the rule (`Causal() | Bidirectional(ids)`) lets each query see) at default
+  (end-aligned) positions."""
+  spans = _objects.causal_or_spans(rule)
+  assert spans is not None, "the selector sends only Causal() | Bidirectional(ids) here"
   q_ids, kv_ids = spans.q_ids, spans.keys  # [B, T], [B, S]
   batch = q_ids.shape[0]
   place = kv_len - query_len + jnp.arange(query_len)  # [T]: each query's key index
@@ -81,5 +83,5 @@ def _info(h: jax.Array, kv_len: int, block_shape: tuple[int, int], is_dkv: bool)
   values = may.astype(jnp.int8) + full.astype(jnp.int8)
   fetched = values.shape[1 if is_dkv else 2]
   data_next = splash_plan.next_nonzero(values, is_dkv, jnp).astype(splash_plan.small_dtype(fetched - 1))
-  return info_lib.MaskInfo(data_next=data_next[:, None], mask_next=None,
-                           block_mask=values[:, None], partial_mask_blocks=None, q_sequence=h)
+  # JAX annotates MaskInfo's fields as NumPy arrays; its kernel takes traced ones (a pytree).
+  return info_lib.MaskInfo._make((data_next[:, None], None, values[:, None], None, h, None))

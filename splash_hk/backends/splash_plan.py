@@ -1,8 +1,8 @@
 """The splash kernel's block plan (its `MaskInfo`), built from a mask object in O(blocks).
 
 JAX builds a static mask's `MaskInfo` with a Python loop over every block pair
-(`splash_attention_mask_info._process_mask`: 46 s for causal at T=64k). Here the
-same arrays come from the object's own per-block answers (`masks.blocks_see`),
+(`splash_attention_mask_info._process_mask`: O(blocks) Python steps). Here the
+same arrays come from the object's own per-block answers (`_plan.blocks_see`),
 vectorised in NumPy, in the format the kernel reads:
 
 - block_mask [1, nq, w] int: 0 skip, 1 partial (the kernel computes the mask
@@ -26,12 +26,12 @@ import jax
 import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info_lib
 
-from splash_hk import masks
-from splash_hk import mask_objects
-from splash_hk.mask_blocks import ArrayLike
+from splash_hk.masks import _objects
+from splash_hk.masks import _plan
+from splash_hk.masks._blocks import ArrayLike
 
 
-def block_mask(rule: mask_objects.Mask | None, q_positions: np.ndarray,
+def block_mask(rule: _objects.Mask | None, q_positions: np.ndarray,
                kv_positions: np.ndarray, block_shape: tuple[int, int]) -> np.ndarray:
   """[nq, nk] int8: 0 no pair visible, 1 some, 2 all (never a false 0 or 2).
 
@@ -44,7 +44,7 @@ def block_mask(rule: mask_objects.Mask | None, q_positions: np.ndarray,
   shape = (length // bq, kv_length // bk)
   if rule is None:
     return np.full(shape, 2, np.int8)
-  blocks = masks.plan_blocks(q_positions[None], kv_positions[None], None, None, bq, bk, np)
+  blocks = _plan.plan_blocks(q_positions[None], kv_positions[None], None, None, bq, bk, np)
   may, full = (np.broadcast_to(a, (1, *shape))[0] for a in rule.classify(blocks))
   return may.view(np.int8) + (full & may).view(np.int8)
 
@@ -80,12 +80,10 @@ def next_nonzero(values: ArrayLike, is_dkv: bool, xp: Any = np) -> ArrayLike:
   *lead, rows, cols = order.shape
   n = rows * cols
   steps = xp.where(order.reshape(*lead, n) != 0, xp.arange(n), n)
-  if xp is np:
-    following = np.flip(np.minimum.accumulate(np.flip(steps, -1), axis=-1), -1)
-  else:
-    following = jax.lax.cummin(steps, axis=steps.ndim - 1, reverse=True)
-  following = xp.where(following == n, following[..., :1], following) % cols  # wrap to the first
-  fetched = following.reshape(order.shape).astype(np.int32)
+  following: ArrayLike = (np.flip(np.minimum.accumulate(np.flip(steps, -1), axis=-1), -1)
+                          if xp is np else jax.lax.cummin(steps, axis=steps.ndim - 1, reverse=True))
+  wrapped = xp.where(following == n, following[..., :1], following) % cols  # wrap to the first
+  fetched = wrapped.reshape(order.shape).astype(np.int32)
   return xp.swapaxes(fetched, -1, -2) if is_dkv else fetched
 
 
@@ -119,7 +117,7 @@ def _packed(values: np.ndarray, front: bool) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _transposed(array: np.ndarray, tile: int = 256) -> np.ndarray:
-  """A C-ordered transpose, tile by tile (NumPy's own strides through memory: 4x slower)."""
+  """A C-ordered transpose, tile by tile (NumPy's own strides through memory are slower)."""
   out = np.empty(array.shape[::-1], array.dtype)
   for i in range(0, array.shape[0], tile):
     for j in range(0, array.shape[1], tile):

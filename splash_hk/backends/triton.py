@@ -2,17 +2,16 @@
 
 It masks from positions and segment ids, so it gets the explicit (end-aligned)
 positions and segment ids whose padding can never match; rows that are padding
-are zeroed afterwards. Its limits: a GPU, no chunked or dense masks (it ignores
-`chunk_size` and would turn a dense mask into segment ids), query blocks of 16
-or more rows (no decode) and head dims that are multiples of 16.
+are zeroed afterwards. Its limits: a GPU, masks the config can state without a
+chunk (it ignores `chunk_size` and would turn a dense mask into segment ids),
+query blocks of 16 or more rows (no decode) and head dims that are multiples of 16.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from splash_hk import mask_objects
-from splash_hk import masks
+from splash_hk.masks import _objects
 from splash_hk.backends import _ejkernel
 from splash_hk.backends import base
 from splash_hk.backends import xla
@@ -32,25 +31,25 @@ def why_not(facts: Facts, hardware: str) -> str | None:
   if facts.head_dim % 16 or facts.value_dim % 16:
     return (f"head dims {facts.head_dim} / {facts.value_dim} are not multiples of 16, which "
             "ejkernel's Triton kernel needs")
-  if facts.mask_shape is not None:
-    return ("a dense mask was given and ejkernel's Triton kernel would turn it into segment "
-            "ids (a traced mask cannot be proven a segment mask)")
-  refusal = base.rule_refusal(
-      facts, "ejkernel's Triton kernel",
-      (mask_objects.Causal, mask_objects.SlidingWindow, mask_objects.Chunked), combinations=False)
-  if refusal is None and facts.static_rules["chunk_size"] is not None:
-    refusal = "chunked masks: ejkernel's Triton kernel ignores chunk_size"
-  return refusal
+  return base.rule_refusal(facts, "ejkernel's Triton kernel", _builds, BUILDS)
+
+
+# What ejkernel's Triton kernel masks with, in words: positions and segment ids only, so a dense
+# mask would become segment ids (a traced mask cannot be proven one), and it ignores chunk_size.
+BUILDS = ("Causal and SlidingWindow, ANDed (as AttentionConfig states them); no Chunked: it "
+          "ignores chunk_size; no Dense mask: it would turn one into segment ids")
+
+
+def _builds(mask: _objects.Mask) -> bool:
+  rules = mask.config_rules()
+  return rules is not None and "chunk_size" not in rules
 
 
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   """ejkernel's Triton kernel on one shard: KernelInputs -> out [B, T, Hq, Dv]."""
   config, rules = facts.config, facts.static_rules
-  batch, query_len = x.query.shape[:2]
-  kv_len = x.key.shape[1]
-  q_seg = jnp.zeros((batch, query_len), jnp.int32) if x.q_segment_ids is None else x.q_segment_ids
-  kv_seg = jnp.zeros((batch, kv_len), jnp.int32) if x.kv_segment_ids is None else x.kv_segment_ids
-  q_seg, kv_seg = masks.disjoint_padding(q_seg, kv_seg)
+  assert rules is not None, "the selector sends only rules the config can say here"
+  q_seg, kv_seg = base.disjoint_padding(*base.segment_ids(x))
   out = _ejkernel.blocksparse_op().run(
       query=base.to_bhtd(x.query),  # [B, Hq, T, D]
       key=base.to_bhtd(x.key),  # [B, Hkv, S, D]
@@ -73,4 +72,4 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
 
 
 BACKEND = base.Backend(name="triton", why_not=why_not,
-                       attend=base.guard_garbage(attend, xla.attend))
+                       attend=base.guard_garbage(attend, xla.attend), hardware=("gpu",), rank=0)

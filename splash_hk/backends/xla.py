@@ -24,45 +24,9 @@ import jax.numpy as jnp
 from splash_hk.backends import base
 from splash_hk.backends import xla_plan
 from splash_hk.backends.xla_blocks import Pair, Views
-from splash_hk.config import AttentionConfig
+from splash_hk.masks import _plan
+from splash_hk.tiles import Tiles, tiles_for
 from splash_hk.types import Facts, KernelInputs, KernelOutput
-
-Tiles = tuple[int, int, int, int]  # (block_q, block_kv, block_q_bwd, block_kv_bwd)
-
-
-def default_tiles(config: AttentionConfig) -> Tiles:
-  """Tiles measured fastest on a 2-core CPU: (block_q, block_kv, block_q_bwd, block_kv_bwd).
-
-  512-row query blocks keep XLA's batched dots on both cores (256-row ones ran
-  on about one); 256-key blocks halve the masked diagonal of causal masks for
-  the same work (512 x 512 blocks ran slower: their logits outgrow the cache).
-  A sliding window narrower than 512 gets query blocks about its span, so few
-  keys outside it are computed.
-  """
-  fwd_q, fwd_kv, bwd_q, bwd_kv = 512, 256, 512, 256
-  if config.window is not None:
-    span = config.window[0] + config.window[1] + 1
-    fwd_q = bwd_q = max(128, min(512, 1 << (span.bit_length() - 1)))
-  return fwd_q, fwd_kv, bwd_q, bwd_kv
-
-
-def tiles_for(facts: Facts) -> Tiles:
-  """The call's tiles: `config.block_sizes` where set, else the defaults.
-
-  A sequence shard takes 256-row query blocks: its devices already share the
-  cores, and at T=8192 over 8 devices a ring step ran faster with them (f+b
-  2.24 s vs 2.53 s) and holds half the working set. In a load-balanced
-  sequence (sliced or whole, as under Ulysses) blocks stay within one chunk (T / 2n).
-  """
-  fwd_q, fwd_kv, bwd_q, bwd_kv = default_tiles(facts.config)
-  if facts.query_slices > 1:
-    fwd_q, bwd_q = min(fwd_q, 256), min(bwd_q, 256)
-  defaults = (fwd_q, fwd_kv, bwd_q, bwd_kv)
-  if facts.load_balanced and facts.sequence_shards > 1:
-    chunk = facts.query_len // (2 * facts.sequence_shards)
-    defaults = tuple(min(t, chunk) for t in defaults)
-  return facts.config.block_sizes.resolve(*defaults)
-
 
 def why_not(facts: Facts, hardware: str) -> str | None:
   """The xla path serves every call except one that asks for the weights."""
@@ -98,7 +62,7 @@ def _merge_heads(a: jax.Array) -> jax.Array:
   """[r, Hkv, Gq, bq, X] -> [r, Hkv, Gq * bq, X]: a kv head's query rows as one axis.
 
   Dots over them: with Gq as an axis of its own XLA:CPU copied the other operand
-  transposed per block pair (measured: window 512 at 8192, forward 130 -> 122 ms).
+  transposed per block pair.
   """
   return a.reshape(*a.shape[:2], -1, a.shape[-1])
 
@@ -226,7 +190,7 @@ def _over_live_blocks(views: Views, plan: xla_plan.BlockPlan, group, i, step_fn,
 def _t(a: jax.Array) -> jax.Array:
   """Swaps the last two axes. dK and dV are computed transposed (q^T ds, do^T p): asked
   for as ds^T q and p^T do, XLA:CPU transposed the [bq, bk] operands, the larger ones
-  (measured: causal 4096 forward+backward 10-15% faster, packed documents 20%)."""
+  (the bench's causal and packed rows say by how much)."""
   return jnp.swapaxes(a, -1, -2)
 
 
@@ -296,13 +260,14 @@ def backward(x: KernelInputs, facts: Facts, tiles: Tiles, lse, d_out, delta,
   # (K/V not transposed, no query padding); otherwise the loop sums from zeros and adds.
   zeros = lambda a: jnp.zeros(a.shape, jnp.float32)
   in_place = into is not None and not views.heads_major and views.q.shape == x.query.shape
-  init = into[:3] if in_place else (zeros(views.q), zeros(views.k), zeros(views.v))
+  init = (into.dq, into.dk, into.dv) if into is not None and in_place else (
+      zeros(views.q), zeros(views.k), zeros(views.v))
   dq, dk, dv = jax.lax.fori_loop(0, grid.num_groups * nq, q_step, init)
   grads = dq[:, :grid.query_len], views.kv_layout(dk), views.kv_layout(dv)
   if into is None:
     grads = tuple(g.astype(a.dtype) for g, a in zip(grads, (x.query, x.key, x.value)))
   elif not in_place:
-    grads = tuple(a + g for a, g in zip(into[:3], grads))
+    grads = tuple(a + g for a, g in zip((into.dq, into.dk, into.dv), grads))
   return base.Grads(*grads, base.sink_grads(x.sinks, lse, delta))
 
 
@@ -313,12 +278,12 @@ def count_pairs(facts: Facts, q_positions, kv_positions, q_segment_ids=None,
   `rule`: the position rule with NumPy arrays, when it has arrays (else `facts.rule`).
   """
   block_q, block_kv = tiles_for(facts)[:2]
-  return xla_plan.count_pairs(facts.rule if rule is None else rule, q_positions, kv_positions,
-                              block_q, block_kv, q_segment_ids, kv_segment_ids)
+  return _plan.count_pairs(facts.rule if rule is None else rule, q_positions, kv_positions,
+                           block_q, block_kv, q_segment_ids, kv_segment_ids)
 
 
 BACKEND = base.Backend(
-    name="xla", why_not=why_not, attend=attend,
+    name="xla", why_not=why_not, attend=attend, rank=10,
     forward=lambda x, facts: forward(x, facts, tiles_for(facts), jnp.float32, kv_in_place=True),
     backward=lambda x, facts, lse, d_out, delta, into=None: backward(
         x, facts, tiles_for(facts), lse, d_out, delta, into, kv_in_place=True),

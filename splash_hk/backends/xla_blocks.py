@@ -20,20 +20,21 @@ heads per kv head.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from splash_hk import masks
+from splash_hk.masks import _objects
+from splash_hk.masks import _rules
 from splash_hk.backends import base
 from splash_hk.backends import xla_plan
 from splash_hk.types import Facts, KernelInputs
 
 # Transposing all of K/V once pays off only when a key block is read by more than
-# this many query blocks in the plan of default positions (measured on a 2-core
-# CPU: window 512 at T=8192, 1.9 reads, 7% faster in place; chunk 1024 at 4096,
-# 1.5 reads, 4% faster; causal 4096, 4.5 reads, 7% slower in place).
+# this many query blocks in the plan of default positions: a narrow window (about 2
+# reads a block) and a chunk ran faster in place, causal (4-5 reads) transposed
+# (the bench's window, chunk and causal rows).
 READS_FOR_HEADS_MAJOR = 2
 
 
@@ -46,7 +47,7 @@ class PairMask(NamedTuple):
   kv_pos: jax.Array  # [r, bk] int32
   q_seg: jax.Array | None  # [r, bq] int32, None without segment ids
   kv_seg: jax.Array | None  # [r, bk] int32
-  rule: Any  # the call's `masks.Mask` with its arrays cut to the pair, or None
+  rule: _objects.Mask | None  # the call's rule with its arrays cut to the pair
 
 
 class Pair(NamedTuple):
@@ -150,9 +151,9 @@ class Views:
     cut = {"q": q_side, "kv": kv_side,
            "qk": lambda a: self.kv_block(self.q_block(a, group, i, 2), group, j, 3)}
     rule = None if self.rule is None else self.rule.map_arrays(lambda side, a: cut[side](a))
-    mask = PairMask(q_idx < self.grid.query_len, k_idx >= j * bk, q_side(self.q_pos),
-                    kv_side(self.x.kv_positions), q_side(self.q_seg),
-                    kv_side(self.x.kv_segment_ids), rule)
+    mask = PairMask(q_idx < self.grid.query_len, k_idx >= j * bk,
+                    self.q_block(self.q_pos, group, i, 1), self.kv_block(self.x.kv_positions, group, j),
+                    q_side(self.q_seg), kv_side(self.x.kv_segment_ids), rule)
     return Pair(k, v, mask)
 
   def element_mask(self, m: PairMask) -> jax.Array:
@@ -161,7 +162,7 @@ class Views:
     if m.rule is not None:
       mask = mask & m.rule.visible(m.q_pos[:, None, :, None], m.kv_pos[:, None, None, :])
     if m.q_seg is not None:
-      mask = mask & masks.segment_mask(m.q_seg, m.kv_seg)[:, None]  # [r, 1|Hq, bq, bk]
+      mask = mask & _rules.segment_mask(m.q_seg, m.kv_seg)[:, None]  # [r, 1|Hq, bq, bk]
     if mask.shape[1] == 1:
       return mask[:, :, None]  # [r, 1, 1, bq, bk]
     return mask.reshape(mask.shape[0], self.num_kv_heads, self.heads_per_kv, *mask.shape[2:])

@@ -4,10 +4,10 @@ Like splash's `MaskInfo` (`jax/experimental/pallas/ops/tpu/splash_attention/
 splash_attention_mask_info.py`), the plan is one structure with documented
 fields, built apart from the kernel that reads it. Unlike `MaskInfo` it is
 built at run time, from per-block ranges of the call's positions and segment
-ids, and the position rule's own classification (`splash_hk.masks.blocks_see`): for default
+ids, and the position rule's own classification (`splash_hk.masks._plan.blocks_see`): for default
 positions that is exactly the static causal/window/chunk plan; for packed
 documents, padding, a cache's filled length or a query shard it skips what no
-query can see. `count_pairs` counts the same plan in NumPy, at trace time.
+query can see. `masks._plan.count_pairs` counts the same plan in NumPy, at trace time.
 
 Words: a *row group* is the batch rows one plan entry serves (the whole batch
 when blocks are small, else one row, so each row skips its own blocks); a
@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from splash_hk import masks
+from splash_hk.masks import _plan
+from splash_hk.masks import _rules
 from splash_hk.types import Facts, KernelInputs
 
 # Blocks smaller than this many (row, key, head, dim) products run for the whole
@@ -84,9 +85,9 @@ class BlockPlan(NamedTuple):
 
 def block_plan(x: KernelInputs, grid: Grid) -> BlockPlan:
   """The plan of one call, from the block ranges of its positions, segment ids and rule."""
-  blocks = masks.plan_blocks(x.q_positions, x.kv_positions, x.q_segment_ids, x.kv_segment_ids,
+  blocks = _plan.plan_blocks(x.q_positions, x.kv_positions, x.q_segment_ids, x.kv_segment_ids,
                              grid.block_q, grid.block_kv)
-  live, full = masks.blocks_see(x.rule, blocks)  # [B|1, nq, nk], as `count_pairs` counts them
+  live, full = _plan.blocks_see(x.rule, blocks)  # [B|1, nq, nk], as `_plan.count_pairs` counts them
   live = jnp.broadcast_to(live, (grid.batch, *live.shape[1:]))
   if grid.rows_per_group > 1:  # one group: the whole batch
     live, full = jnp.any(live, axis=0, keepdims=True), jnp.all(full, axis=0, keepdims=True)
@@ -99,7 +100,7 @@ def _full_then_live(full: jax.Array, live: jax.Array) -> jax.Array:
   """[G, nq, nk] int32: each row's kv blocks, full, then live, then dead, each in index order.
 
   Places by running counts and one scatter, O(nk) a row: a stable sort by rank did the
-  same in 1.3 s at T = 2^20 (8M block pairs) on a 2-core CPU.
+  same in O(nk log nk) a row, several times slower at 2^20 tokens (`--plan_workloads` times it).
   """
   partial, dead = live & ~full, ~live
   at = lambda a: jnp.cumsum(a, axis=-1, dtype=jnp.int32) - 1
@@ -113,21 +114,6 @@ def _full_then_live(full: jax.Array, live: jax.Array) -> jax.Array:
   return jnp.zeros(place.shape, jnp.int32).at[g, i, place].set(j, unique_indices=True)
 
 
-def count_pairs(rule: masks.Mask | None, q_positions, kv_positions, block_q: int, block_kv: int,
-                q_segment_ids=None, kv_segment_ids=None) -> int:
-  """How many block pairs `block_plan` runs for these inputs, per head (NumPy, static).
-
-  `rule` with NumPy arrays (or none); positions and segment ids [B, T] / [B, S]
-  (segments None: one document). The same tiles (clamped to the lengths) and the
-  same rule as the kernel, so this is what it computes, not an idealised count.
-  """
-  block_q, block_kv = min(block_q, q_positions.shape[-1]), min(block_kv, kv_positions.shape[-1])
-  blocks = masks.plan_blocks(np.asarray(q_positions), np.asarray(kv_positions), q_segment_ids,
-                             kv_segment_ids, block_q, block_kv, np)
-  may, _ = masks.blocks_see(rule, blocks)
-  return int(np.broadcast_to(may, (q_positions.shape[0], *may.shape[1:])).sum())
-
-
 def reads_per_kv_block(facts: Facts, grid: Grid) -> float:
   """How many query blocks read a key block on average, in the plan of default positions.
 
@@ -136,5 +122,5 @@ def reads_per_kv_block(facts: Facts, grid: Grid) -> float:
   """
   if grid.num_q_blocks <= 2 or not (facts.rule is None or facts.rule.is_static()):
     return float(grid.num_q_blocks)
-  q_pos, kv_pos = masks.end_aligned_positions(1, grid.query_len, grid.kv_len, np)
-  return count_pairs(facts.rule, q_pos, kv_pos, grid.block_q, grid.block_kv) / grid.num_kv_blocks
+  q_pos, kv_pos = _rules.end_aligned_positions(1, grid.query_len, grid.kv_len, np)
+  return _plan.count_pairs(facts.rule, q_pos, kv_pos, grid.block_q, grid.block_kv) / grid.num_kv_blocks

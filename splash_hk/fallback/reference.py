@@ -2,30 +2,30 @@
 
 from __future__ import annotations
 
-import jax
-from jax.typing import ArrayLike
+from typing import Any
+
 
 from splash_hk import inputs
-from splash_hk import masks
+from splash_hk.masks import Mask
 from splash_hk.backends import reference
 from splash_hk.config import AttentionConfig
-from splash_hk.types import AttentionOutput, Extras
+from splash_hk.types import Array, AttentionOutput, Extras
 
 
 def reference_attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
+    query: Array,
+    key: Array,
+    value: Array,
     config: AttentionConfig | None = None,
     *,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    q_positions: jax.Array | None = None,
-    kv_positions: jax.Array | None = None,
-    mask: ArrayLike | masks.Mask | None = None,
-    softmax_aux: jax.Array | None = None,
+    q_segment_ids: Array | None = None,
+    kv_segment_ids: Array | None = None,
+    q_positions: Array | None = None,
+    kv_positions: Array | None = None,
+    mask: Array | Mask | None = None,
+    softmax_aux: Array | None = None,
     return_weights: bool = False,
-    **config_overrides,
+    **config_overrides: Any,
 ) -> AttentionOutput:
   """Plain dense attention with the semantics of `splash_hk.attention`.
 
@@ -52,7 +52,9 @@ def reference_attention(
   config = AttentionConfig() if config is None else config
   if config_overrides:
     config = config.replace(**config_overrides)
-  extras = Extras(q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask, softmax_aux)
+  extras = Extras(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                  q_positions=q_positions, kv_positions=kv_positions, mask=mask,
+                  softmax_aux=softmax_aux)
   x, facts = inputs.normalise(query, key, value, config=config, extras=extras,
                               return_weights=return_weights)
   result = reference.attend(x, facts)

@@ -1,7 +1,8 @@
 """The decision table: which backend serves a call, as a pure function of static facts.
 
-The backends of `splash_hk.kernel.BACKENDS` are tried best first, each says
-itself why it cannot serve a call (its `why_not`), and the first that can, does.
+The registered backends (`splash_hk.platforms`) are tried best first, in
+the order their own `hardware` and `rank` give; each says itself why it cannot
+serve a call (its `why_not`), and the first that can, does.
 """
 
 from __future__ import annotations
@@ -12,23 +13,24 @@ from typing import Sequence
 from absl import logging
 import jax
 
+from splash_hk import kernel
 from splash_hk.backends import base
+from splash_hk import platforms
 from splash_hk.config import AttentionConfig
-from splash_hk.kernel import BACKENDS
-from splash_hk.mask_objects import Dense, MaskFn
 from splash_hk.types import Decision, Facts
 
-_ACCELERATOR_KERNEL = {"tpu": "splash", "gpu": "triton"}
 _LOGGED_REASONS: set[str] = set()  # a cache: each fallback reason is logged once
 
 
 def candidates(platform: str, hardware: str) -> tuple[str, ...]:
-  """Backends to try, best first: the requested one (or the hardware's kernel), xla, reference."""
-  if platform == "auto":
-    first = (_ACCELERATOR_KERNEL[hardware],) if hardware in _ACCELERATOR_KERNEL else ()
+  """Backends to try, best first: the requested one (on "auto": those made for `hardware`, by
+  rank), then the portable ones (made for no hardware in particular), by rank."""
+  table = sorted(kernel.backends().values(), key=lambda b: b.rank)
+  if platform == platforms.AUTO:
+    first = [b.name for b in table if hardware in b.hardware]
   else:
-    first = (platform,)
-  return tuple(dict.fromkeys(first + ("xla", "reference")))
+    first = [platform]
+  return tuple(dict.fromkeys(first + [b.name for b in table if not b.hardware]))
 
 
 def select(facts: Facts, hardware: str | None = None) -> Decision:
@@ -48,7 +50,7 @@ def select(facts: Facts, hardware: str | None = None) -> Decision:
     decision = _pick(facts, hardware)
   else:
     decision = _pick(facts, hardware)
-    why_not = ring_refusal(facts, BACKENDS[decision.backend])
+    why_not = ring_refusal(facts, kernel.backend(decision.backend))
     if why_not is None:
       return dataclasses.replace(decision, ring=True, reason=(
           f"{decision.reason}, as a ring over {facts.sequence_shards} sequence shards"))
@@ -62,7 +64,7 @@ def _pick(facts: Facts, hardware: str) -> Decision:
   config, mode = facts.config, facts.mode.value
   refusals = []
   for backend in candidates(config.platform, hardware):
-    why_not = BACKENDS[backend].why_not(facts, hardware)
+    why_not = kernel.backend(backend).why_not(facts, hardware)
     if why_not is None:
       break
     refusals.append(f"{backend}: {why_not}")
@@ -78,7 +80,7 @@ def _plan_note(facts: Facts) -> str:
   """What the block plan reads whole: MaskFn parts without a range rule, in words (or "")."""
   if facts.rule is None:
     return ""
-  names = [p.name for p in facts.rule.parts() if isinstance(p, MaskFn) and p.ranges is None]
+  names = [p.name for p in facts.rule.parts() if p.evaluated_per_pair()]
   if not names:
     return ""
   return (f"; {', '.join(names)} has no range rule: its blocks are classified by "
@@ -97,7 +99,7 @@ def ring_refusal(facts: Facts, backend: base.Backend) -> str | None:
   if facts.query_len != facts.kv_len:
     return (f"the ring needs self-attention (query_len == kv_len), got query_len "
             f"{facts.query_len}, kv_len {facts.kv_len}")
-  if facts.rule is not None and any(isinstance(p, Dense) for p in facts.rule.parts()):
+  if facts.rule is not None and "qk" in facts.rule.array_sides():
     return "a dense mask was given (the ring passes keys, not mask columns, around)"
   if facts.return_weights:
     return "attention weights were requested"
@@ -154,10 +156,11 @@ def select_backend(
   Raises:
     ValueError: on a fallback when `config.allow_fallback` is False.
   """
+  mask = None if mask_shape is None else jax.ShapeDtypeStruct(tuple(mask_shape), bool)
   facts = Facts.from_shapes(
       config, query_shape, key_shape, None if value_shape is None else value_shape[-1],
-      default_positions=default_positions, mask_shape=mask_shape,
-      return_weights=return_weights, sequence_shards=sequence_shards)
+      default_positions=default_positions, mask=mask, return_weights=return_weights,
+      sequence_shards=sequence_shards)
   return select(facts, hardware)
 
 

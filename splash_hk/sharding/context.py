@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 
-from splash_hk import masks
+from splash_hk.masks import _rules
 
 
 def _take(x: Any, order: np.ndarray, axis: int) -> Any:
@@ -28,7 +28,7 @@ def _take(x: Any, order: np.ndarray, axis: int) -> Any:
 
 def _order(x: Any, num_shards: int, axis: int, name: str) -> np.ndarray:
   try:
-    return masks.load_balanced_order(x.shape[axis], num_shards)
+    return _rules.load_balanced_order(x.shape[axis], num_shards)
   except ValueError as e:
     raise ValueError(f"{name}: axis {axis} of shape {tuple(x.shape)}: {e}") from None
 

@@ -50,7 +50,7 @@ def shard_kernel(
                      in_specs, x, is_leaf=_is_spec)
   out_specs = out_specs._replace(lse=None,
                                  weights=out_specs.weights if facts.return_weights else None)
-  sequence = in_specs.query[1]
+  sequence: AxisEntry = in_specs.query[1]
   per_shard = lambda x: body(x, sequence)._replace(lse=None)
   return jax.shard_map(per_shard, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs,
                        check_vma=False)(x)

@@ -125,7 +125,7 @@ def attention_specs(
     mode: Mode,
     ring: bool = False,
     ulysses: bool = False,
-) -> tuple[KernelInputs, KernelOutput, int]:
+) -> tuple[KernelInputs[PartitionSpec], KernelOutput[PartitionSpec], int]:
   """Specs for every kernel input and output, and the kv-head repeat factor.
 
   Args:
@@ -160,7 +160,7 @@ def attention_specs(
                                              head_entry if a.shape[1] == num_heads else None,
                                              seq_entry, None)}
   present = lambda value, spec: None if value is None else spec
-  in_specs = KernelInputs(
+  in_specs: KernelInputs[PartitionSpec] = KernelInputs(
       query=PartitionSpec(batch_entry, seq_entry, head_entry, None),
       key=kv_spec,
       value=kv_spec,
@@ -171,7 +171,7 @@ def attention_specs(
       rule=None if x.rule is None else x.rule.map_arrays(lambda side, a: side_spec[side](a)),
       sinks=present(x.sinks, PartitionSpec(sink_heads, None)),
   )
-  out_specs = KernelOutput(out=PartitionSpec(batch_entry, seq_entry, head_entry, None),
+  out_specs: KernelOutput[PartitionSpec] = KernelOutput(out=PartitionSpec(batch_entry, seq_entry, head_entry, None),
                            lse=PartitionSpec(batch_entry, seq_entry, head_entry),
                            weights=PartitionSpec(batch_entry, head_entry, seq_entry, None))
   return in_specs, out_specs, repeats

@@ -54,7 +54,10 @@ def sent_bytes(hlo: str) -> int:
     ValueError: for an async collective, or a loop with collectives and no known trip count.
   """
   computations = _computations(hlo)
-  entry = re.search(r"^ENTRY %(\S+) ", hlo, re.M).group(1)
+  found = re.search(r"^ENTRY %(\S+) ", hlo, re.M)
+  if found is None:
+    raise ValueError("`hlo` has no ENTRY computation: pass a compiled program's text.")
+  entry = found.group(1)
 
   @functools.lru_cache(maxsize=None)
   def total(name: str) -> float:
@@ -80,7 +83,8 @@ def sent_bytes(hlo: str) -> int:
 
 def _computations(hlo: str) -> dict[str, list[str]]:
   """{computation name: its instruction lines}."""
-  out, current = {}, None
+  out: dict[str, list[str]] = {}
+  current = None
   for line in hlo.splitlines():
     start = _COMPUTATION.match(line)
     if start:

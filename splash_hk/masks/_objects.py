@@ -19,15 +19,19 @@ with the queries), "kv" ([B, S], with the keys) or "qk" ([B|1, 1|H, T, S]).
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax._src.interpreters import ad
 
 from splash_hk import config
-from splash_hk.mask_blocks import ArrayLike, Blocks, blocks, ranges
+from splash_hk.masks._blocks import blocks, ranges
+from splash_hk.masks._mask import And, Mask, Or, array_field, skeleton
+
+__all__ = ("And", "Bidirectional", "Causal", "Chunked", "DIFFERENTIATED", "Dense", "Mask",
+           "MaskFn", "Or", "SlidingWindow", "as_rules", "causal_or_spans", "from_rules",
+           "skeleton", "traced_constants")
 
 # Tracers of a value being differentiated (jax.grad, jvp, linearize): a mask's fn may not
 # close over one (it is static, and a mask has no gradient).
@@ -42,108 +46,6 @@ def _q_side(a):  # per query block [B, nq] -> [B, nq, 1], to meet key blocks
 
 def _kv_side(a):  # per key block [B, nk] -> [B, 1, nk]
   return a[:, None, :]
-
-
-def array_field(side: str, default: Any = dataclasses.MISSING) -> Any:
-  """A mask object's array field, a pytree leaf of `side`: "q" ([B, T], with the queries),
-  "kv" ([B, S], with the keys) or "qk" ([B|1, 1|Hq, T, S], with both)."""
-  return dataclasses.field(default=default, metadata={"side": side})
-
-
-def part_field() -> Any:
-  """A field holding another mask object (of `&` and `|`): a pytree child."""
-  return dataclasses.field(metadata={"part": True})
-
-
-@dataclasses.dataclass(frozen=True)
-class Mask:
-  """The base of every mask object: `&`, `|`, and the walks over array leaves and parts.
-
-  A subclass is a frozen dataclass; its fields are static (the pytree's structure:
-  hashable, compared by value) unless declared with `array_field` (leaves) or
-  `part_field` (mask objects it combines). Subclasses register as pytrees themselves.
-  """
-
-  def __init_subclass__(cls, **kwargs):
-    super().__init_subclass__(**kwargs)
-    jax.tree_util.register_pytree_node(cls, _flatten, functools.partial(_unflatten, cls))
-
-  def __and__(self, other: Mask) -> Mask:
-    return And(self, _as_mask(other, "&"))
-
-  def __or__(self, other: Mask) -> Mask:
-    return Or(self, _as_mask(other, "|"))
-
-  def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:
-    """[B, 1|H, T, S] bool from positions q [B, 1, T, 1] and kv [B, 1, 1, S] (and own arrays)."""
-    raise NotImplementedError
-
-  def classify(self, blocks: Blocks) -> tuple[ArrayLike, ArrayLike]:
-    """(may, full) [B|1, nq, nk] of every block pair (see the module docstring)."""
-    raise NotImplementedError
-
-  def is_static(self) -> bool:
-    """Whether the rule is known at trace time: a function of positions alone (no arrays, no
-    traced values), which NumPy can evaluate when a kernel or plan is built."""
-    return not _fields(self, "side") and all(p.is_static() for p in self._children())
-
-  def config_rules(self) -> dict[str, Any] | None:
-    """This object as AttentionConfig rule keywords ({"causal": True}, {"window": (l, r)},
-    {"chunk_size": c}, merged over `&`), or None when the config cannot say it."""
-    return None
-
-  def _children(self) -> tuple[Mask, ...]:
-    return tuple(getattr(self, f.name) for f in _fields(self, "part"))
-
-  def map_arrays(self, f: Callable[[str, Any], Any]) -> Mask:
-    """This mask with each array leaf `a` of side `side` replaced by `f(side, a)`."""
-    changes = {field.name: f(field.metadata["side"], getattr(self, field.name))
-               for field in _fields(self, "side") if getattr(self, field.name) is not None}
-    changes.update({field.name: getattr(self, field.name).map_arrays(f)
-                    for field in _fields(self, "part")})
-    return dataclasses.replace(self, **changes)
-
-  def parts(self) -> Iterator[Mask]:
-    """The objects this mask combines (itself for a leaf object)."""
-    children = self._children()
-    if not children:
-      yield self
-    for child in children:
-      yield from child.parts()
-
-  def map_parts(self, f: Callable[[Mask], Mask]) -> Mask:
-    """This mask with each object it combines replaced by `f(object)`."""
-    if not _fields(self, "part"):
-      return f(self)
-    return dataclasses.replace(self, **{field.name: getattr(self, field.name).map_parts(f)
-                                        for field in _fields(self, "part")})
-
-
-def _fields(mask: Mask | type[Mask], kind: str) -> tuple[dataclasses.Field, ...]:
-  """The dataclass fields of `mask` whose metadata has `kind` ("side" or "part")."""
-  return tuple(f for f in dataclasses.fields(mask) if kind in f.metadata)
-
-
-def _flatten(mask: Mask) -> tuple[tuple, tuple]:
-  dynamic = [f.name for f in dataclasses.fields(mask) if f.metadata]
-  static = tuple((f.name, getattr(mask, f.name)) for f in dataclasses.fields(mask)
-                 if not f.metadata)
-  return tuple(getattr(mask, n) for n in dynamic), (tuple(dynamic), static)
-
-
-def _unflatten(cls: type[Mask], aux: tuple, children: tuple) -> Mask:
-  names, static = aux
-  mask = object.__new__(cls)  # no __post_init__: the fields were checked when first built
-  for name, value in (*zip(names, children), *static):
-    object.__setattr__(mask, name, value)
-  return mask
-
-
-def _as_mask(x: Any, op: str) -> Mask:
-  if not isinstance(x, Mask):
-    raise ValueError(f"`{op}` combines mask objects (splash_hk.masks.Causal(), ...), got "
-                     f"{type(x).__name__}; wrap a dense bool array as splash_hk.masks.Dense(array).")
-  return x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,9 +135,23 @@ class Bidirectional(Mask):
     q, kv = self.q_ids[:, None, :, None], self.keys[:, None, None, :]
     return (q == kv) & (q >= 0)
 
-  def map_arrays(self, f):
-    """As `Mask.map_arrays`, with kv_ids = q_ids where they default (S == T, validated)."""
-    return Bidirectional(f("q", self.q_ids), f("kv", self.keys))
+  def over_slots(self, slots, kv_len):
+    """Ids given for the new tokens only: each one's id where it is written, -1 (no span) at
+    every other slot."""
+    if self.kv_ids is not None:
+      return self
+    kv_ids = jnp.full((self.q_ids.shape[0], kv_len), -1, self.q_ids.dtype)  # [B, S]
+    rows = jnp.arange(self.q_ids.shape[0])[:, None]
+    return Bidirectional(self.q_ids, kv_ids.at[rows, slots].set(self.q_ids, mode="drop"))
+
+  def check(self, batch, query_len, kv_len):
+    if self.kv_ids is None and query_len != kv_len:
+      raise ValueError(f"Bidirectional(q_ids) needs kv_ids when query_len ({query_len}) != kv_len "
+                       f"({kv_len}): ids of one length cannot default to the other.")
+
+  def normal(self):
+    """kv_ids = q_ids where they default (S == T, validated): the keys' ids travel with the keys."""
+    return self if self.kv_ids is not None else Bidirectional(self.q_ids, self.q_ids)
 
   def classify(self, b):
     xp = b.xp
@@ -273,10 +189,38 @@ class MaskFn(Mask):
   def is_static(self):
     return not traced_constants(self.fn)
 
+  def evaluated_per_pair(self):
+    return self.ranges is None
+
   @property
   def name(self) -> str:
     """`MaskFn(fn's name)`, as messages name it."""
     return f"MaskFn({getattr(self.fn, '__name__', 'fn')})"
+
+  def check(self, batch, query_len, kv_len):
+    """`fn` on the call's int positions: bool of the broadcast shape, and no value being
+    differentiated in its closure (a mask has no gradient, and `fn` is static)."""
+    want = (batch, 1, query_len, kv_len)
+    q = jax.ShapeDtypeStruct((batch, 1, query_len, 1), jnp.int32)
+    kv = jax.ShapeDtypeStruct((batch, 1, 1, kv_len), jnp.int32)
+    try:
+      closed, out = jax.make_jaxpr(self.fn, return_shape=True)(q, kv)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ValueError(f"{self.name} failed on int positions q [B, 1, T, 1], kv [B, 1, 1, S]: "
+                       f"{e}") from e
+    differentiated = [str(c.aval) for c in closed.consts if isinstance(c, DIFFERENTIATED)]
+    if differentiated:
+      raise ValueError(
+          f"{self.name} closes over a value being differentiated ({', '.join(differentiated)}): "
+          "a mask has no gradient, and its fn is static. Close over jax.lax.stop_gradient(value) "
+          "instead, or pass the value static (a Python number: a module hyperparameter, or "
+          "jax.jit(..., static_argnums=...)).")
+    shape = tuple(getattr(out, "shape", ()))
+    fits = len(shape) <= 4 and all(n in (1, w) for n, w in zip(shape[::-1], want[::-1]))
+    if not (getattr(out, "dtype", None) == jnp.bool_ and fits):
+      raise ValueError(f"{self.name} must return bool of the broadcast shape {want} (elementwise "
+                       f"over q_pos [B, 1, T, 1] and kv_pos [B, 1, 1, S]), got "
+                       f"{getattr(out, 'dtype', type(out).__name__)} {shape}.")
 
   def classify(self, b):
     if self.ranges is not None:
@@ -309,38 +253,15 @@ class Dense(Mask):
     return b.reduce(self.mask)
 
 
-@dataclasses.dataclass(frozen=True)
-class And(Mask):
-  """Visible when both are: `a & b`."""
-
-  a: Mask = part_field()
-  b: Mask = part_field()
-
-  def visible(self, q_pos, kv_pos):
-    return self.a.visible(q_pos, kv_pos) & self.b.visible(q_pos, kv_pos)
-
-  def config_rules(self):
-    a, b = self.a.config_rules(), self.b.config_rules()
-    return None if a is None or b is None or set(a) & set(b) else {**a, **b}
-
-  def classify(self, blocks):
-    (may_a, full_a), (may_b, full_b) = self.a.classify(blocks), self.b.classify(blocks)
-    return may_a & may_b, full_a & full_b
-
-
-@dataclasses.dataclass(frozen=True)
-class Or(Mask):
-  """Visible when either is: `a | b`."""
-
-  a: Mask = part_field()
-  b: Mask = part_field()
-
-  def visible(self, q_pos, kv_pos):
-    return self.a.visible(q_pos, kv_pos) | self.b.visible(q_pos, kv_pos)
-
-  def classify(self, blocks):
-    (may_a, full_a), (may_b, full_b) = self.a.classify(blocks), self.b.classify(blocks)
-    return may_a | may_b, full_a | full_b
+def causal_or_spans(rule: Mask | None) -> Bidirectional | None:
+  """The `Bidirectional` of a rule that is `Causal() | Bidirectional(...)` (either order), else
+  None: the one rule with arrays that a static kernel serves, from its spans' horizons."""
+  if not isinstance(rule, Or):
+    return None
+  for causal, spans in ((rule.a, rule.b), (rule.b, rule.a)):
+    if causal.config_rules() == {"causal": True} and isinstance(spans, Bidirectional):
+      return spans
+  return None
 
 
 def from_rules(causal: bool, window: Window | None, chunk_size: int | None) -> Mask | None:
@@ -359,10 +280,3 @@ def as_rules(rule: Mask | None) -> dict[str, Any] | None:
   rules: dict[str, Any] = dict(causal=False, window=None, chunk_size=None)
   said = {} if rule is None else rule.config_rules()
   return None if said is None else {**rules, **said}
-
-
-def skeleton(rule: Mask | None) -> Mask | None:
-  """`rule` with its arrays as ShapeDtypeStructs: hashable and static (for `Facts`)."""
-  if rule is None:
-    return None
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), rule)

@@ -1,0 +1,41 @@
+"""The xla path's tiles, spelled once: its backend tiles with them, `shard_work` counts with them.
+
+(Splash's tiles are splash's own: `splash_hk.backends.splash.default_block`.)
+Why these sizes (figures in README, Performance; the bench's `--tiles` measures them):
+512-row query blocks keep XLA's batched dots on both cores of a small CPU, where
+256-row ones ran on about one; 256-key blocks halve the masked diagonal of causal
+masks for the same work, and 512 x 512 blocks' logits outgrow the cache. A sliding
+window narrower than 512 gets query blocks about its span, so few keys outside it
+are computed. A sequence shard takes 256-row query blocks: its devices already share
+the cores, and a ring step holds half the working set.
+"""
+
+from __future__ import annotations
+
+from splash_hk.config import AttentionConfig
+from splash_hk.types import Facts
+
+Tiles = tuple[int, int, int, int]  # (block_q, block_kv, block_q_bwd, block_kv_bwd)
+
+
+def default_tiles(config: AttentionConfig) -> Tiles:
+  """The xla path's default tiles for `config`: (block_q, block_kv, block_q_bwd, block_kv_bwd)."""
+  fwd_q, fwd_kv, bwd_q, bwd_kv = 512, 256, 512, 256
+  if config.window is not None:
+    span = config.window[0] + config.window[1] + 1
+    fwd_q = bwd_q = max(128, min(512, 1 << (span.bit_length() - 1)))
+  return fwd_q, fwd_kv, bwd_q, bwd_kv
+
+
+def tiles_for(facts: Facts) -> Tiles:
+  """A call's xla tiles: `config.block_sizes` where set, else the defaults, with 256-row query
+  blocks for a query cut into sequence slices, and blocks within one chunk (T / 2n) in a
+  load-balanced sequence (sliced or whole, as under Ulysses)."""
+  fwd_q, fwd_kv, bwd_q, bwd_kv = default_tiles(facts.config)
+  if facts.query_slices > 1:
+    fwd_q, bwd_q = min(fwd_q, 256), min(bwd_q, 256)
+  defaults = (fwd_q, fwd_kv, bwd_q, bwd_kv)
+  if facts.load_balanced and facts.sequence_shards > 1:
+    chunk = facts.query_len // (2 * facts.sequence_shards)
+    defaults = (min(fwd_q, chunk), min(fwd_kv, chunk), min(bwd_q, chunk), min(bwd_kv, chunk))
+  return facts.config.block_sizes.resolve(*defaults)

@@ -1,0 +1,121 @@
+"""The tests' one harness: a call's values and gradients against the float64 oracle, the meshes
+tests run on, and the tolerances by dtype.
+
+`oracle.py` is the definition (float64, written from DESIGN.md, sharing no code with the
+library); this file only runs both sides the same way and compares them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+import numpy as np
+
+import oracle
+
+
+class Tolerance(NamedTuple):
+  """How far from the float64 oracle a dtype may land (atol = rtol)."""
+
+  out: float  # outputs: a few ulps of the softmax sums
+  grad: float  # gradients: each entry sums T terms more
+  sharded_grad: float  # gradients summed across shards (a ring, all-to-alls) in another order
+
+
+TOLERANCES = {
+    np.dtype(np.float32): Tolerance(out=1e-5, grad=5e-5, sharded_grad=1e-4),
+    np.dtype(jnp.bfloat16): Tolerance(out=2e-2, grad=5e-2, sharded_grad=5e-2),
+}
+
+
+def tol(kind: str = "out", dtype: Any = np.float32) -> dict[str, float]:
+  """`atol` and `rtol` for `kind` ("out", "grad" or "sharded_grad") of `dtype`."""
+  value = getattr(TOLERANCES[np.dtype(dtype)], kind)
+  return dict(atol=value, rtol=value)
+
+
+# Every mesh the tests shard over: name -> (shape, axis names), on the 8 virtual CPU devices.
+MESHES = {
+    "1x8": ((1, 8), ("dp", "tp")),
+    "2x4": ((2, 4), ("dp", "tp")),
+    "4x2": ((4, 2), ("dp", "tp")),
+    "8x1": ((8, 1), ("dp", "tp")),
+    "2x2x2": ((2, 2, 2), ("dp", "fsdp", "tp")),
+    "sp1": ((1,), ("sp",)),
+    "sp2": ((2,), ("sp",)),
+    "sp4": ((4,), ("sp",)),
+    "sp8": ((8,), ("sp",)),
+    "dp2_sp4": ((2, 4), ("dp", "sp")),
+    "sp2_tp4": ((2, 4), ("sp", "tp")),
+    "dp2_sp2_tp2": ((2, 2, 2), ("dp", "sp", "tp")),
+}
+
+
+def mesh(name: str, explicit: bool = False) -> jax.sharding.Mesh:
+  """The mesh `name` of MESHES, on the first devices it needs, with Auto or Explicit axes."""
+  shape, names = MESHES[name]
+  kind = AxisType.Explicit if explicit else AxisType.Auto
+  return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape),
+                       devices=jax.devices()[:int(np.prod(shape))])
+
+
+def axis_size(name: str, axis: str) -> int:
+  """How many devices the mesh `name` puts on `axis` (1 when it has no such axis)."""
+  shape, names = MESHES[name]
+  return dict(zip(names, shape)).get(axis, 1)
+
+
+def values_and_grads(f: Callable[..., jax.Array], args: Sequence[Any],
+                     cot: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+  """f(*args) and the gradients of sum(f(*args) * cot) for every argument, jitted.
+
+  An argument that is None gets no gradient (and is left out of the list).
+  """
+  argnums = tuple(i for i, a in enumerate(args) if a is not None)
+
+  def loss(*args):
+    out = f(*args)
+    return jnp.sum(out * jnp.asarray(cot, out.dtype)), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(*args)
+  return np.asarray(out), [np.asarray(g) for g in grads]
+
+
+def oracle_values_and_grads(q, k, v, cot, *, sinks=None, **rules) -> tuple[np.ndarray,
+                                                                           list[np.ndarray]]:
+  """The float64 oracle's output and gradients (q, k, v and sinks when given) of the same loss."""
+  out, grads = oracle.out_and_vjp(q, k, v, cot, sinks=sinks, **rules)
+  return out, list(grads)
+
+
+def assert_close(got: tuple[np.ndarray, Sequence[np.ndarray]],
+                 want: tuple[np.ndarray, Sequence[np.ndarray]], dtype: Any = np.float32,
+                 grad: str = "grad", names: Sequence[str] = ("dq", "dk", "dv", "dsinks")) -> None:
+  """(out, grads) against (out, grads) of the oracle, with `dtype`'s tolerances (`grad`: "grad"
+  or "sharded_grad")."""
+  (out, grads), (want_out, want_grads) = got, want
+  np.testing.assert_allclose(np.asarray(out), want_out, err_msg="out", **tol("out", dtype))
+  assert len(grads) == len(want_grads), (len(grads), len(want_grads))
+  for name, g, w in zip(names, grads, want_grads):
+    np.testing.assert_allclose(np.asarray(g), w, err_msg=name, **tol(grad, dtype))
+
+
+def oracle_rules(config: Any, **extras: Any) -> dict[str, Any]:
+  """`oracle.attention` keywords for what an AttentionConfig and `attention`'s arrays say."""
+  names = dict(q_segment_ids="q_seg", kv_segment_ids="kv_seg", q_positions="q_pos",
+               kv_positions="kv_pos", mask="mask")
+  return dict(causal=config.causal, window=config.window, chunk=config.chunk_size,
+              soft_cap=config.logits_soft_cap, scale=config.softmax_scale,
+              **{names[n]: a for n, a in extras.items() if n in names})
+
+
+def check_against_oracle(f: Callable[..., jax.Array], q, k, v, cot, *, sinks=None,
+                         grad: str = "grad", **rules) -> None:
+  """f(q, k, v[, sinks]) -> out: its values and gradients against the float64 oracle of `rules`
+  (keywords of `oracle.attention`), f32 tolerances."""
+  args = (q, k, v) if sinks is None else (q, k, v, sinks)
+  got = values_and_grads(f, args, cot)
+  assert_close(got, oracle_values_and_grads(q, k, v, cot, sinks=sinks, **rules), grad=grad)
