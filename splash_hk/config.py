@@ -15,7 +15,7 @@ from splash_hk import platforms
 Platform = str  # "auto" or a registered backend's name (`platforms.names()`)
 
 
-def _is_int(x) -> bool:
+def _is_int(x: Any) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -58,7 +58,7 @@ class BlockSizes:
   block_q_bwd: int | None = None
   block_kv_bwd: int | None = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     for field in dataclasses.fields(self):
       name = f"BlockSizes.{field.name}"
       value = static(name, getattr(self, field.name))
@@ -112,7 +112,7 @@ class AttentionConfig:
   interpret: bool = False
   fused_backward: bool = False
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     set_ = lambda name, value: object.__setattr__(self, name, value)
     for name in ("causal", "chunk_size", "logits_soft_cap", "softmax_scale"):
       set_(name, static(name, getattr(self, name), _INSTEAD.get(name, "")))
@@ -154,7 +154,8 @@ class AttentionConfig:
     `splash_hk.masks._objects.from_rules`, which makes them one mask object."""
     return dict(causal=self.causal, window=self.window, chunk_size=self.chunk_size)
 
-  def replace(self, **changes) -> "AttentionConfig":
+  def replace(self, **changes: Any) -> AttentionConfig:
+    """This config with the given fields replaced (and checked again)."""
     return dataclasses.replace(self, **changes)
 
 

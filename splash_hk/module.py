@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import haiku as hk
 import jax
@@ -158,7 +159,7 @@ class MultiHeadAttention(hk.Module):
     self.splash = SplashAttention(config=config, mesh=mesh, axes=axes, num_sinks=num_sinks,
                                   name="splash_attention")
 
-  def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+  def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
     """An empty KV cache for this layer."""
     return KVCache.zeros(batch, max_len, self.num_kv_heads, self.key_size, self.value_size, dtype)
 

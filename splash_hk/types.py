@@ -12,11 +12,12 @@ import numpy as np
 from typing_extensions import TypeVar
 
 from splash_hk.config import AttentionConfig
+from splash_hk.masks import _mask
 from splash_hk.masks import _objects
 from splash_hk.masks import _rules
 
 Array = jax.Array | np.ndarray  # what the public functions take as an array
-Shaped = Array | jax.ShapeDtypeStruct  # an array, or its shape and dtype (for `explain`)
+Shaped = _mask.Shaped  # an array, or its shape and dtype (for `explain`)
 # The leaves of a kernel-boundary pytree: arrays, or (for `sharding.attention_specs`) their specs.
 Leaf = TypeVar("Leaf", default=jax.Array)
 

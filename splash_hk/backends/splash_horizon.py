@@ -36,7 +36,7 @@ def horizon(rule: _objects.Mask | None, query_len: int,
   (end-aligned) positions."""
   spans = _objects.causal_or_spans(rule)
   assert spans is not None, "the selector sends only Causal() | Bidirectional(ids) here"
-  q_ids, kv_ids = spans.q_ids, spans.keys  # [B, T], [B, S]
+  q_ids, kv_ids = spans.ids  # [B, T], [B, S]
   batch = q_ids.shape[0]
   place = kv_len - query_len + jnp.arange(query_len)  # [T]: each query's key index
   keys = jnp.arange(kv_len)

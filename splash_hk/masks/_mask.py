@@ -14,8 +14,11 @@ import functools
 from typing import Any, Callable, Iterator
 
 import jax
+import numpy as np
 
 from splash_hk.masks._blocks import ArrayLike, Blocks
+
+Shaped = jax.Array | np.ndarray | jax.ShapeDtypeStruct  # an array, or its shape (for `explain`)
 
 
 def array_field(side: str, default: Any = dataclasses.MISSING) -> Any:
@@ -163,14 +166,14 @@ class And(Mask):
   a: Mask = part_field()
   b: Mask = part_field()
 
-  def visible(self, q_pos, kv_pos):
+  def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:
     return self.a.visible(q_pos, kv_pos) & self.b.visible(q_pos, kv_pos)
 
-  def config_rules(self):
+  def config_rules(self) -> dict[str, Any] | None:
     a, b = self.a.config_rules(), self.b.config_rules()
     return None if a is None or b is None or set(a) & set(b) else {**a, **b}
 
-  def classify(self, blocks):
+  def classify(self, blocks: Blocks) -> tuple[ArrayLike, ArrayLike]:
     (may_a, full_a), (may_b, full_b) = self.a.classify(blocks), self.b.classify(blocks)
     return may_a & may_b, full_a & full_b
 
@@ -182,10 +185,10 @@ class Or(Mask):
   a: Mask = part_field()
   b: Mask = part_field()
 
-  def visible(self, q_pos, kv_pos):
+  def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:
     return self.a.visible(q_pos, kv_pos) | self.b.visible(q_pos, kv_pos)
 
-  def classify(self, blocks):
+  def classify(self, blocks: Blocks) -> tuple[ArrayLike, ArrayLike]:
     (may_a, full_a), (may_b, full_b) = self.a.classify(blocks), self.b.classify(blocks)
     return may_a | may_b, full_a | full_b
 

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jax._src.interpreters import ad
 
 from splash_hk import config
-from splash_hk.masks._blocks import blocks, ranges
-from splash_hk.masks._mask import And, Mask, Or, array_field, skeleton
+from splash_hk.masks._blocks import ArrayLike, Blocks, blocks, ranges
+from splash_hk.masks._mask import And, Mask, Or, Shaped, array_field, skeleton
 
 __all__ = ("And", "Bidirectional", "Causal", "Chunked", "DIFFERENTIATED", "Dense", "Mask",
            "MaskFn", "Or", "SlidingWindow", "as_rules", "causal_or_spans", "from_rules",
@@ -52,13 +52,13 @@ def _kv_side(a):  # per key block [B, nk] -> [B, 1, nk]
 class Causal(Mask):
   """Key j is visible to query i when kv_pos[j] <= q_pos[i]."""
 
-  def visible(self, q_pos, kv_pos):
+  def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:
     return kv_pos <= q_pos
 
-  def config_rules(self):
+  def config_rules(self) -> dict[str, Any] | None:
     return {"causal": True}
 
-  def classify(self, b):
+  def classify(self, b: Blocks) -> tuple[ArrayLike, ArrayLike]:
     return (_kv_side(b.kv.pos_min) <= _q_side(b.q.pos_max),
             _kv_side(b.kv.pos_max) <= _q_side(b.q.pos_min))
 
@@ -67,21 +67,27 @@ class Causal(Mask):
 class SlidingWindow(Mask):
   """q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right; an int w means (w, w)."""
 
-  window: Any  # int or (left, right)
+  window: int | tuple[int, int]  # stored as (left, right)
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     pair = config.window_pair(self.window, "SlidingWindow.window", allow_none=False)
     object.__setattr__(self, "window", pair)
 
-  def config_rules(self):
-    return {"window": self.window}
+  @property
+  def bounds(self) -> tuple[int, int]:
+    """(left, right): the window as stored."""
+    window = self.window
+    return (window, window) if isinstance(window, int) else window
 
-  def visible(self, q_pos, kv_pos):
-    left, right = self.window
+  def config_rules(self) -> dict[str, Any] | None:
+    return {"window": self.bounds}
+
+  def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:
+    left, right = self.bounds
     return (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right)
 
-  def classify(self, b):
-    (left, right), q, kv = self.window, b.q, b.kv
+  def classify(self, b: Blocks) -> tuple[ArrayLike, ArrayLike]:
+    (left, right), q, kv = self.bounds, b.q, b.kv
     may = ((_kv_side(kv.pos_max) >= _q_side(q.pos_min) - left)
            & (_kv_side(kv.pos_min) <= _q_side(q.pos_max) + right))
     full = ((_kv_side(kv.pos_min) >= _q_side(q.pos_max) - left)
@@ -95,18 +101,18 @@ class Chunked(Mask):
 
   size: int
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     size = config.static("Chunked.size", self.size)
     config.require_int("Chunked.size", size)
     object.__setattr__(self, "size", size)
 
-  def visible(self, q_pos, kv_pos):
+  def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:
     return q_pos // self.size == kv_pos // self.size
 
-  def config_rules(self):
+  def config_rules(self) -> dict[str, Any] | None:
     return {"chunk_size": self.size}
 
-  def classify(self, b):
+  def classify(self, b: Blocks) -> tuple[ArrayLike, ArrayLike]:
     c, q, kv = self.size, b.q, b.kv
     may = ((_kv_side(kv.pos_min) // c <= _q_side(q.pos_max) // c)
            & (_q_side(q.pos_min) // c <= _kv_side(kv.pos_max) // c))
@@ -123,19 +129,20 @@ class Bidirectional(Mask):
   q_ids [B, T], kv_ids [B, S] int; kv_ids defaults to q_ids when S == T.
   """
 
-  q_ids: Any = array_field("q")
-  kv_ids: Any = array_field("kv", None)
+  q_ids: Shaped = array_field("q")  # [B, T] int
+  kv_ids: Shaped | None = array_field("kv", None)  # [B, S] int
 
   @property
-  def keys(self) -> Any:
-    """The key side's ids (q_ids where kv_ids default, S == T)."""
-    return self.q_ids if self.kv_ids is None else self.kv_ids
+  def ids(self) -> tuple[ArrayLike, ArrayLike]:
+    """(q_ids [B, T], the key side's ids [B, S]: q_ids where kv_ids default, S == T)."""
+    return self.q_ids, self.q_ids if self.kv_ids is None else self.kv_ids
 
-  def visible(self, q_pos, kv_pos):
-    q, kv = self.q_ids[:, None, :, None], self.keys[:, None, None, :]
+  def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:
+    q_ids, kv_ids = self.ids
+    q, kv = q_ids[:, None, :, None], kv_ids[:, None, None, :]
     return (q == kv) & (q >= 0)
 
-  def over_slots(self, slots, kv_len):
+  def over_slots(self, slots: ArrayLike, kv_len: int) -> Mask:
     """Ids given for the new tokens only: each one's id where it is written, -1 (no span) at
     every other slot."""
     if self.kv_ids is not None:
@@ -144,18 +151,19 @@ class Bidirectional(Mask):
     rows = jnp.arange(self.q_ids.shape[0])[:, None]
     return Bidirectional(self.q_ids, kv_ids.at[rows, slots].set(self.q_ids, mode="drop"))
 
-  def check(self, batch, query_len, kv_len):
+  def check(self, batch: int, query_len: int, kv_len: int) -> None:
     if self.kv_ids is None and query_len != kv_len:
       raise ValueError(f"Bidirectional(q_ids) needs kv_ids when query_len ({query_len}) != kv_len "
                        f"({kv_len}): ids of one length cannot default to the other.")
 
-  def normal(self):
+  def normal(self) -> Mask:
     """kv_ids = q_ids where they default (S == T, validated): the keys' ids travel with the keys."""
     return self if self.kv_ids is not None else Bidirectional(self.q_ids, self.q_ids)
 
-  def classify(self, b):
+  def classify(self, b: Blocks) -> tuple[ArrayLike, ArrayLike]:
     xp = b.xp
-    q_ids, kv_ids = blocks(self.q_ids, b.block_q, -1, xp), blocks(self.keys, b.block_kv, -1, xp)
+    q_side, kv_side = self.ids
+    q_ids, kv_ids = blocks(q_side, b.block_q, -1, xp), blocks(kv_side, b.block_kv, -1, xp)
     q_in = blocks(b.q_valid, b.block_q, False, xp) & (q_ids >= 0)  # [B, nq, bq]
     kv_in = blocks(b.kv_valid, b.block_kv, False, xp) & (kv_ids >= 0)
     (q_lo, q_hi), (kv_lo, kv_hi) = ranges(q_ids, q_in, xp), ranges(kv_ids, kv_in, xp)
@@ -180,16 +188,16 @@ class MaskFn(Mask):
   e.g. for "the first 4 tokens": `lambda q_lo, q_hi, kv_lo, kv_hi: (kv_lo < 4, kv_hi < 4)`.
   """
 
-  fn: Callable[[Any, Any], Any]
-  ranges: Callable[..., Any] | None = None
+  fn: Callable[[Any, Any], Any]  # (q_pos, kv_pos) int arrays -> bool, elementwise
+  ranges: Callable[[Any, Any, Any, Any], tuple[Any, Any]] | None = None
 
-  def visible(self, q_pos, kv_pos):
+  def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:
     return self.fn(q_pos, kv_pos)
 
-  def is_static(self):
+  def is_static(self) -> bool:
     return not traced_constants(self.fn)
 
-  def evaluated_per_pair(self):
+  def evaluated_per_pair(self) -> bool:
     return self.ranges is None
 
   @property
@@ -197,7 +205,7 @@ class MaskFn(Mask):
     """`MaskFn(fn's name)`, as messages name it."""
     return f"MaskFn({getattr(self.fn, '__name__', 'fn')})"
 
-  def check(self, batch, query_len, kv_len):
+  def check(self, batch: int, query_len: int, kv_len: int) -> None:
     """`fn` on the call's int positions: bool of the broadcast shape, and no value being
     differentiated in its closure (a mask has no gradient, and `fn` is static)."""
     want = (batch, 1, query_len, kv_len)
@@ -222,7 +230,7 @@ class MaskFn(Mask):
                        f"over q_pos [B, 1, T, 1] and kv_pos [B, 1, 1, S]), got "
                        f"{getattr(out, 'dtype', type(out).__name__)} {shape}.")
 
-  def classify(self, b):
+  def classify(self, b: Blocks) -> tuple[ArrayLike, ArrayLike]:
     if self.ranges is not None:
       q, kv = b.q, b.kv
       return self.ranges(_q_side(q.pos_min), _q_side(q.pos_max), _kv_side(kv.pos_min),
@@ -244,12 +252,12 @@ def traced_constants(fn: Callable[[Any, Any], Any]) -> list[jax.core.Tracer]:
 class Dense(Mask):
   """The dense mask as an object: [B|1, 1|Hq, T, S] bool, True = may attend."""
 
-  mask: Any = array_field("qk")
+  mask: Shaped = array_field("qk")  # [B|1, 1|Hq, T, S] bool
 
-  def visible(self, q_pos, kv_pos):
+  def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:
     return self.mask
 
-  def classify(self, b):
+  def classify(self, b: Blocks) -> tuple[ArrayLike, ArrayLike]:
     return b.reduce(self.mask)
 
 

@@ -40,8 +40,8 @@ class MeshAxes:
   sequence_strategy: str = "all_gather"
   load_balanced: bool = False
 
-  def __post_init__(self):
-    seen = []
+  def __post_init__(self) -> None:
+    seen: list[str] = []
     for name in ("batch", "heads", "sequence"):
       entry = getattr(self, name)
       names = _as_tuple(entry)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from splash_hk import tiles
@@ -13,8 +14,8 @@ from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Facts
 
 
-def shard_work(query_len: int, kv_len: int, config: AttentionConfig, mesh,
-               axes: MeshAxes) -> tuple[int, ...]:
+def shard_work(query_len: int, kv_len: int, config: AttentionConfig,
+               mesh: jax.sharding.Mesh | None, axes: MeshAxes) -> tuple[int, ...]:
   """(query block, key block) pairs each sequence shard computes, per batch row and head.
 
   Counted with the xla path's tiles and block plan (`splash_hk.tiles`: what its
