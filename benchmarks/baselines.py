@@ -57,16 +57,19 @@ def jax_nn(q: jax.Array, k: jax.Array, v: jax.Array, nn_kwargs: dict,
   return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **kwargs)
 
 
-def float64_rows(q, k, v, mask: np.ndarray, *, scale: float, soft_cap: float | None) -> np.ndarray:
+def float64_rows(q, k, v, mask: np.ndarray, *, scale: float, soft_cap: float | None,
+                 bias: np.ndarray | None = None) -> np.ndarray:
   """Plain float64 NumPy attention of the given query rows (no sinks).
 
-  q [B, R, Hq, D] (the chosen rows), k [B, S, Hkv, D], v [B, S, Hkv, Dv], mask [B, 1, R, S]
-  -> [B, R, Hq, Dv]; a row that sees no key is 0.
+  q [B, R, Hq, D] (the chosen rows), k [B, S, Hkv, D], v [B, S, Hkv, Dv], mask [B, 1, R, S],
+  bias [1|B, 1|Hq, R, S] or None -> [B, R, Hq, Dv]; a row that sees no key is 0.
   """
   q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
   groups = q.shape[2] // k.shape[2]
   k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
   logits = np.einsum("brhd,bshd->bhrs", q, k) * scale  # [B, Hq, R, S]
+  if bias is not None:
+    logits = logits + np.asarray(bias, np.float64)
   if soft_cap is not None:
     logits = soft_cap * np.tanh(logits / soft_cap)
   logits = np.where(mask, logits, -np.inf)

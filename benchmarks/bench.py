@@ -116,7 +116,18 @@ class Row:
 
 
 def make_impl(name: str, workload: bench_workloads.Workload, batch: int):
-  """q [B, T, Hq, D], k, v -> [B, T, Hq, D] for one implementation and workload."""
+  """(q [B, T, Hq, D], k, v, *`bias_arguments`) -> [B, T, Hq, D] for one implementation and
+  workload."""
+  if bias_arguments(name, workload):  # a dense bias: an argument of the call, as a user's is
+    plain = dataclasses.replace(workload, bias=None)
+    if name.startswith("jax_nn"):
+      kwargs = bench_workloads.jax_nn_kwargs(plain, batch)
+      return lambda q, k, v, bias: baselines.jax_nn(
+          q, k, v, implementation="xla" if name == "jax_nn" else None,
+          nn_kwargs={**kwargs, "bias": bias})
+    config, extras = workload.config.replace(platform="xla"), plain.extras(batch)
+    return lambda q, k, v, bias: sh.attention(q, k, v, config=config, bias=sh.scores.Dense(bias),
+                                              **extras).attention_outputs
   config, extras = workload.config, workload.extras(batch)
   attend = lambda q, k, v, config, **kw: sh.attention(q, k, v, config=config, **extras,
                                                        **kw).attention_outputs
@@ -141,6 +152,15 @@ def make_impl(name: str, workload: bench_workloads.Workload, batch: int):
     return functools.partial(baselines.jax_nn, implementation="xla" if name == "jax_nn" else None,
                              nn_kwargs=bench_workloads.jax_nn_kwargs(workload, batch))
   raise ValueError(f"--impls: unknown implementation {name!r}; choose from {IMPLS}.")
+
+
+def bias_arguments(name: str, workload: bench_workloads.Workload) -> tuple:
+  """The dense bias [1, Hq, T, S] a call takes as an argument (jax.nn's for every bias; ours
+  for a dense one), or ()."""
+  dense = name.startswith("jax_nn") or (workload.bias == "dense" and name == "splash_hk_xla")
+  if workload.bias is None or not dense:
+    return ()
+  return (jnp.asarray(workload.bias_rows(1, np.arange(workload.query_len))),)
 
 
 def parse_tile(spec: str) -> tuple[int, int]:
@@ -210,7 +230,7 @@ def _workloads() -> list[bench_workloads.Workload]:
   specs = _WORKLOADS.value
   if specs is None:  # `--workloads=` (empty) runs none, e.g. with --train_seq_len only
     specs = [f"{m}@{t}" for t in _SEQ_LENS.value for m in _MASKS.value]
-  return [bench_workloads.parse(s) for s in specs]
+  return [dataclasses.replace(bench_workloads.parse(s), num_heads=_NUM_HEADS.value) for s in specs]
 
 
 def main(argv):
@@ -249,7 +269,8 @@ def main(argv):
       for impl in impls:
         row = Row(impl, workload.name, num_kv_heads, work=work_ratio(impl, workload))
         rows.append(row)
-        runs.append((row, make_impl(impl, workload, _BATCH.value), (q, k, v), flops, workload))
+        args = (q, k, v, *bias_arguments(impl, workload))
+        runs.append((row, make_impl(impl, workload, _BATCH.value), args, flops, workload))
   _measure(runs)
   bench_report.report(rows, peaks)
   plans = plan_cost.report(_PLAN_WORKLOADS.value, _REPEATS.value)
@@ -276,8 +297,8 @@ def main(argv):
 def _compile(row: Row, fn, args, workload: bench_workloads.Workload):
   """(forward, forward+backward or None) executables, or None with row.note saying why."""
   forward = jax.jit(fn)
-  backward = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)),
-                              argnums=(0, 1, 2)))
+  backward = jax.jit(jax.grad(lambda q, k, v, *rest: jnp.sum(fn(q, k, v, *rest).astype(
+      jnp.float32)), argnums=(0, 1, 2)))
   try:
     start = time.perf_counter()
     forward_exe = forward.lower(*args).compile()
@@ -328,14 +349,15 @@ def _measure(runs) -> None:
 def _max_errors(compiled, outputs) -> None:
   """Each row's max error on up to ERROR_ROWS query rows against float64 NumPy attention."""
   expected = {}
-  for row, _, _, (q, k, v), _, workload in compiled:
+  for row, _, _, (q, k, v, *_), _, workload in compiled:
     rows = np.unique(np.linspace(0, workload.query_len - 1, ERROR_ROWS).astype(int))
     key = (row.workload, row.num_kv_heads)
     if key not in expected:
       config = workload.config
       expected[key] = baselines.float64_rows(
           np.asarray(q)[:, rows], k, v, workload.mask_rows(q.shape[0], rows),
-          scale=config.softmax_scale or q.shape[-1] ** -0.5, soft_cap=config.logits_soft_cap)
+          scale=config.softmax_scale or q.shape[-1] ** -0.5, soft_cap=config.logits_soft_cap,
+          bias=workload.bias_rows(q.shape[0], rows))
     row.max_error = float(np.max(np.abs(outputs[id(row)][:, rows] - expected[key])))
 
 

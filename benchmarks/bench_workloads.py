@@ -15,6 +15,11 @@ Mask objects (`sh.masks`), as MASK@T:
                     (SlidingWindow((W, 0)) | MaskFn(first K, ranges))
   window_fn:W+K     the same, its MaskFn without ranges (classified pair by pair)
 
+Scores (`sh.scores`), as MASK+bias:B@T (any MASK@T above, plus a bias):
+  alibi             ALiBi, the paper's slopes
+  t5                T5's relative-position buckets (32, max distance 128, causal)
+  dense             a dense [1, Hq, T, S] float bias
+
 Useful work counts only the (query, key) pairs the mask lets through.
 """
 
@@ -46,6 +51,8 @@ class Workload:
   first: int = 0  # window_first: the K first tokens, and the W keys back
   window: int = 0
   ranges: bool = True  # window_first's MaskFn has a range rule (window_fn's has not)
+  bias: str | None = None  # "alibi", "t5" or "dense": a score object, made for `num_heads`
+  num_heads: int = 8  # query heads the bias is made for (the bench sets its --num_heads)
 
   def mask(self, batch: int) -> Any:
     """The workload's mask object (NumPy arrays), or None for the config's rules."""
@@ -58,8 +65,35 @@ class Workload:
           fn, ranges if self.ranges else None)
     return None
 
-  def extras(self, batch: int) -> dict[str, np.ndarray]:
+  def score(self) -> Any:
+    """The workload's bias (a score object with NumPy arrays), or None."""
+    h, t = self.num_heads, self.kv_len
+    if self.bias == "alibi":
+      return sh.scores.Alibi(np.asarray(sh.scores.alibi_slopes(h)))
+    if self.bias == "t5":
+      table = np.random.default_rng(0).normal(size=(32, h)).astype(np.float32)
+      return sh.scores.RelativePosition(table, max_distance=128, bidirectional=False)
+    if self.bias == "dense":
+      rng = np.random.default_rng(0)
+      return sh.scores.Dense(rng.normal(size=(1, h, self.query_len, t)).astype(np.float32))
+    return None
+
+  def bias_rows(self, batch: int, rows: np.ndarray) -> np.ndarray | None:
+    """The bias of query rows `rows`: [1, Hq, len(rows), S] float32, or None."""
+    score = self.score()
+    if score is None:
+      return None
+    q_pos, kv_pos = self.positions(1)
+    score = score.map_arrays(lambda side, a, **_: a[:, :, rows] if side == "qk" else a)
+    head = np.arange(self.num_heads).reshape(1, self.num_heads, 1, 1, 1)
+    out = score.scores(q_pos[:, None, None, rows, None], kv_pos[:, None, None, None, :], head)
+    return np.broadcast_to(np.asarray(out), (1, self.num_heads, 1, len(rows), self.kv_len))[:, :, 0]
+
+  def extras(self, batch: int) -> dict[str, Any]:
     """The keyword arrays of `sh.attention` for this workload."""
+    bias = self.score()
+    if bias is not None:
+      return {**dataclasses.replace(self, bias=None).extras(batch), "bias": bias}
     if self.kind == "packed":
       ids = np.repeat(np.arange(self.documents, dtype=np.int32), self.query_len // self.documents)
       return {"q_segment_ids": np.tile(ids, (batch, 1))}
@@ -100,9 +134,18 @@ class Workload:
     return mask[:, None]
 
 
+BIASES = ("alibi", "t5", "dense")
+
+
 def parse(spec: str) -> Workload:
   """A workload from its spec (see the module docstring); ValueError naming the spec."""
   try:
+    if "+bias:" in spec:
+      mask, _, rest = spec.partition("+bias:")
+      bias, _, length = rest.partition("@")
+      if bias not in BIASES:
+        raise ValueError(spec)
+      return dataclasses.replace(parse(f"{mask}@{length}"), name=spec, bias=bias)
     if "@" in spec:
       return _mask_workload(*spec.split("@"))
     kind, _, sizes = spec.partition(":")
@@ -117,8 +160,7 @@ def parse(spec: str) -> Workload:
     pass
   raise ValueError(f"unknown workload {spec!r}: use MASK@T (MASK: causal, full, window:W, "
                    "chunk:C, packed:N, prefix:P, images:NxL, window_first:W+K, window_fn:W+K), "
-                   "decode:L/C or "
-                   "prefill:N/C.")
+                   "MASK+bias:B@T (B: alibi, t5, dense), decode:L/C or prefill:N/C.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,7 +244,11 @@ def visible_pairs(query_len: int, kv_len: int, **rules) -> int:
 
 
 def jax_nn_kwargs(workload: Workload, batch: int) -> dict[str, Any]:
-  """Keywords of jax.nn.dot_product_attention giving the same visibility."""
+  """Keywords of jax.nn.dot_product_attention giving the same visibility (and bias, dense)."""
+  if workload.bias is not None:
+    rows = np.arange(workload.query_len)
+    plain = jax_nn_kwargs(dataclasses.replace(workload, bias=None), batch)
+    return {**plain, "bias": workload.bias_rows(batch, rows)}  # [1, Hq, T, S]
   config = workload.config
   if workload.kind == "mask" and config.chunk_size is None:
     kwargs = {"is_causal": config.causal}

@@ -2,6 +2,7 @@
 
 from splash_hk import fallback
 from splash_hk import masks
+from splash_hk import scores
 from splash_hk import sharding
 from splash_hk.attention import attention
 from splash_hk.attention import explain
@@ -33,5 +34,6 @@ __all__ = (
     "explain",
     "fallback",
     "masks",
+    "scores",
     "sharding",
 )

@@ -19,6 +19,7 @@ from splash_hk import ulysses
 from splash_hk.config import AttentionConfig
 from splash_hk.fallback import selector
 from splash_hk.masks import Mask
+from splash_hk.scores import Score
 from splash_hk.sharding.axes import AxisEntry
 from splash_hk.types import Array, AttentionOutput, Decision, Extras, KernelInputs, KernelOutput
 from splash_hk.types import Shaped
@@ -35,6 +36,7 @@ def explain(
     q_positions: Shaped | None = None,
     kv_positions: Shaped | None = None,
     mask: Shaped | Mask | None = None,
+    bias: Shaped | Score | None = None,
     softmax_aux: Shaped | None = None,
     mesh: jax.sharding.Mesh | None = None,
     axes: sharding.MeshAxes = sharding.MeshAxes(),
@@ -46,7 +48,7 @@ def explain(
   Validates the inputs; with `allow_fallback=False` a fallback raises ValueError.
   """
   extras = Extras(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                  q_positions=q_positions, kv_positions=kv_positions, mask=mask,
+                  q_positions=q_positions, kv_positions=kv_positions, mask=mask, bias=bias,
                   softmax_aux=softmax_aux)
   return decide(query, key, value, extras, config=config, mesh=mesh, axes=axes,
                 return_weights=return_weights)
@@ -72,6 +74,7 @@ def attention(
     q_positions: Array | None = None,
     kv_positions: Array | None = None,
     mask: Array | Mask | None = None,
+    bias: Array | Score | None = None,
     softmax_aux: Array | None = None,
     mesh: jax.sharding.Mesh | None = None,
     axes: sharding.MeshAxes = sharding.MeshAxes(),
@@ -105,6 +108,10 @@ def attention(
     mask: [B, 1 or Hq, T, S] bool, True = may attend (ANDed with the config's
       rules); or a mask object (`splash_hk.masks.Causal() | Bidirectional(ids)`,
       ...), the whole position rule: the config then states none.
+    bias: added to the scaled logits before the soft cap: [B|1, Hq|1, T, S] float, or a
+      score object (`splash_hk.scores.Alibi(slopes)`, `RelativePosition(table)`,
+      `ScoreFn(fn, params)`, `Dense(array)`, added with `+`), computed per block from
+      positions; read only where a pair is visible (a -inf bias removes its pair).
     softmax_aux: attention sinks, [Hq], [Hq, n] or [Hkv, n]: logits that join
       the softmax denominator and add nothing to the output.
     mesh: if given, the kernel runs under `jax.shard_map` over this mesh (Auto
@@ -118,7 +125,7 @@ def attention(
     runtime) dtype and `attention_weights` (None unless asked for).
   """
   extras = Extras(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                  q_positions=q_positions, kv_positions=kv_positions, mask=mask,
+                  q_positions=q_positions, kv_positions=kv_positions, mask=mask, bias=bias,
                   softmax_aux=softmax_aux)
   return attend(query, key, value, extras, config=config, mesh=mesh, axes=axes,
                 return_weights=return_weights)
@@ -143,6 +150,9 @@ def attend(query: Array, key: Array, value: Array, extras: Extras, *,
       body = functools.partial(ulysses.attend, decision.backend, facts=facts.on_whole_sequence())
     else:
       body = lambda y, _: kernel.run(decision.backend, y, facts)
-    result = sharding.shard_kernel(body, x, mesh=mesh, axes=axes, facts=facts, ring=decision.ring,
-                                   ulysses=decision.ulysses)
+    sharded = lambda y: sharding.shard_kernel(body, y, mesh=mesh, axes=axes, facts=facts,
+                                              ring=decision.ring, ulysses=decision.ulysses)
+    if facts.bias is not None and "qk" in facts.bias.array_sides():
+      sharded = jax.jit(sharded)  # the xla path's custom VJP of a dense bias needs a traced shard_map
+    result = sharded(x)
   return AttentionOutput(result.out, result.weights)  # [B, T, Hq, Dv], [B, Hq, T, S] or None

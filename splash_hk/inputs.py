@@ -19,7 +19,8 @@ from splash_hk.sharding import specs
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.masks import _objects
 from splash_hk.masks import _rules
-from splash_hk.types import Extras, Facts, KernelInputs, Shaped
+from splash_hk.scores import Score
+from splash_hk.types import Extras, Facts, KernelInputs, Shaped, as_score
 
 __all__ = ("Extras", "facts", "normalise")
 
@@ -42,7 +43,8 @@ def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig,
   return Facts.from_shapes(
       config, query.shape, key.shape, value.shape[-1],
       default_positions=extras.q_positions is None and extras.kv_positions is None,
-      mask=extras.mask, return_weights=return_weights, sequence_shards=sequence_shards,
+      mask=extras.mask, bias=extras.bias, return_weights=return_weights,
+      sequence_shards=sequence_shards,
       load_balanced=axes.load_balanced, sequence_strategy=axes.sequence_strategy,
       head_shards=head_shards)
 
@@ -52,6 +54,12 @@ def _rule(extras: Extras, config: AttentionConfig) -> _objects.Mask | None:
   rule = _rules.call_rule(**config.rules, mask=extras.mask)
   as_normal = lambda side, a: jnp.asarray(a, jnp.bool_ if side == "qk" else jnp.int32)
   return None if rule is None else rule.map_parts(lambda part: part.normal()).map_arrays(as_normal)
+
+
+def _bias(extras: Extras) -> Score | None:
+  """The call's bias as a score object with jnp arrays (a dense array is `Dense(bias)`)."""
+  score = as_score(extras.bias)
+  return None if score is None else score.map_arrays(lambda side, a, **_: jnp.asarray(a))
 
 
 def normalise(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig, extras: Extras,
@@ -89,5 +97,7 @@ def normalise(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionCon
       kv_segment_ids=kv_seg,  # [B, S] or None
       rule=_rule(extras, config),
       sinks=sinks,  # [Hq, n] or None
+      bias=_bias(extras),  # a score object or None
+      heads=None if extras.bias is None else jnp.arange(call.num_heads, dtype=jnp.int32),  # [Hq]
   )
   return x, call

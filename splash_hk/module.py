@@ -15,6 +15,7 @@ from splash_hk.attention import attend
 from splash_hk.config import AttentionConfig, require_int
 from splash_hk.kv_cache import KVCache, row_lengths
 from splash_hk.masks import Mask
+from splash_hk.scores import Score
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Array, Extras
 
@@ -61,6 +62,7 @@ class SplashAttention(hk.Module):
       value: jax.Array,
       *,
       mask: Array | Mask | None = None,
+      bias: Array | Score | None = None,
       q_segment_ids: Array | None = None,
       kv_segment_ids: Array | None = None,
       q_positions: Array | None = None,
@@ -71,7 +73,7 @@ class SplashAttention(hk.Module):
     The arrays are those of `splash_hk.attention`; the sinks are this module's.
     """
     extras = Extras(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                    q_positions=q_positions, kv_positions=kv_positions, mask=mask)
+                    q_positions=q_positions, kv_positions=kv_positions, mask=mask, bias=bias)
     return self.attend(query, key, value, extras)
 
   def attend(self, query: jax.Array, key: jax.Array, value: jax.Array,
@@ -170,6 +172,7 @@ class MultiHeadAttention(hk.Module):
       value: jax.Array | None = None,
       mask: ArrayLike | Mask | None = None,
       *,
+      bias: Array | Score | None = None,
       q_segment_ids: Array | None = None,
       kv_segment_ids: Array | None = None,
       q_positions: Array | None = None,
@@ -187,6 +190,9 @@ class MultiHeadAttention(hk.Module):
         attend), as Haiku's; or a mask object (`splash_hk.masks`), the whole
         position rule, its arrays [..., T] / [..., S]. With `kv_cache`, a
         `Bidirectional(q_ids)` spans the new tokens (cached ones have no id).
+      bias: added to the scaled logits: [B|1, H|1, T, S] float (B: the leading dims
+        flattened; with `kv_cache`, S is the cache's slots) or a score object
+        (`splash_hk.scores`), as in `splash_hk.attention`.
       q_segment_ids, kv_segment_ids, q_positions, kv_positions: [..., T] and
         [..., S] ints, as in `splash_hk.attention`.
       kv_cache: if given, row b's new keys/values are written at
@@ -230,7 +236,7 @@ class MultiHeadAttention(hk.Module):
       mask = _flat_mask_object(mask, lead, self.num_heads, query_len, kv_len, step)
     elif mask is not None:
       mask = _haiku_mask(mask, lead, self.num_heads, query_len, kv_len)  # [B, 1|H, T, S]
-    out = self.splash.attend(q, k, v, extras._replace(mask=mask))  # [B, T, H, V]
+    out = self.splash.attend(q, k, v, extras._replace(mask=mask, bias=bias))  # [B, T, H, V]
     if step is not None:  # a row that could not append says so: NaN, never a finite wrong answer
       out = jnp.where(step.failed[:, None, None, None], jnp.nan, out)  # [B, T, H, V]
     out = out.reshape(*lead, query_len, self.num_heads * self.value_size)  # [..., T, H*V]

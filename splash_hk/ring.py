@@ -48,9 +48,10 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
 
   def run_bwd(residuals, d_out):
     y, out, lse = residuals
-    dq, dk, dv, d_sinks = _backward(halves, y, facts, axis, n, out, lse, d_out)
+    grads = _backward(halves, y, facts, axis, n, out, lse, d_out)
     none = jax.tree.map(lambda _: None, y)
-    return (none._replace(query=dq, key=dk, value=dv, sinks=d_sinks),)
+    return (none._replace(query=grads.dq, key=grads.dk, value=grads.dv, sinks=grads.d_sinks,
+                          bias=grads.d_bias),)
 
   run.defvjp(run_fwd, run_bwd)
   return KernelOutput(run(x))
@@ -110,24 +111,27 @@ def _forward(halves: base.Backend, x: KernelInputs, facts: Facts, axis, n: int):
   return out * jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - total))[..., None], total
 
 
-def _backward(halves: base.Backend, x: KernelInputs, facts: Facts, axis, n: int, out, lse, d_out):
-  """(dq, dk, dv, d_sinks): each step's gradients from the global lse; dK/dV ride along."""
+def _backward(halves: base.Backend, x: KernelInputs, facts: Facts, axis, n: int, out, lse,
+              d_out) -> base.Grads:
+  """Each step's gradients from the global lse; dK/dV ride along, the bias's add up here."""
   delta = jnp.sum(d_out.astype(jnp.float32) * out, axis=-1)  # [B, T, Hq]; out can go now
 
-  def step(block, dq, dkv):
+  def step(block, dq, dkv, d_bias):
     grads = halves.backward(_with_block(x, block), facts, lse, d_out, delta,
                             into=base.Grads(dq, *dkv))
-    return grads.dq, (grads.dk, grads.dv)
+    d_bias = None if d_bias is None else jax.tree.map(jnp.add, d_bias, grads.d_bias)
+    return grads.dq, (grads.dk, grads.dv), d_bias
 
   def hop(_, carry):
-    block, dq, dkv = carry
-    dq, dkv = step(block, dq, dkv)
-    return _pass_on(block, axis, n), dq, _pass_on(dkv, axis, n)
+    block, dq, dkv, d_bias = carry
+    dq, dkv, d_bias = step(block, dq, dkv, d_bias)
+    return _pass_on(block, axis, n), dq, _pass_on(dkv, axis, n), d_bias
 
   dkv = (jnp.zeros(x.key.shape, jnp.float32), jnp.zeros(x.value.shape, jnp.float32))
-  init = (_block(x), jnp.zeros(x.query.shape, jnp.float32), dkv)
-  block, dq, dkv = jax.lax.fori_loop(0, n - 1, hop, init)
-  dq, dkv = step(block, dq, dkv)
+  d_bias = None if x.bias is None else jax.tree.map(jnp.zeros_like, x.bias)
+  init = (_block(x), jnp.zeros(x.query.shape, jnp.float32), dkv, d_bias)
+  block, dq, dkv, d_bias = jax.lax.fori_loop(0, n - 1, hop, init)
+  dq, dkv, d_bias = step(block, dq, dkv, d_bias)
   dk, dv = _pass_on(dkv, axis, n)  # the last hop home: block i's gradients back to device i
-  d_sinks = base.sink_grads(x.sinks, lse, delta)
-  return dq.astype(x.query.dtype), dk.astype(x.key.dtype), dv.astype(x.value.dtype), d_sinks
+  return base.Grads(dq.astype(x.query.dtype), dk.astype(x.key.dtype), dv.astype(x.value.dtype),
+                    base.sink_grads(x.sinks, lse, delta), d_bias)

@@ -15,6 +15,8 @@ from splash_hk.config import AttentionConfig
 from splash_hk.masks import _mask
 from splash_hk.masks import _objects
 from splash_hk.masks import _rules
+from splash_hk.nodes import skeleton
+from splash_hk.scores import Dense, Score
 
 Array = jax.Array | np.ndarray  # what the public functions take as an array
 Shaped = _mask.Shaped  # an array, or its shape and dtype (for `explain`)
@@ -70,6 +72,11 @@ class AttentionOutput(NamedTuple):
   attention_weights: jax.Array | None = None
 
 
+def as_score(bias: Any) -> Score | None:
+  """The call's `bias` argument as a score object: an array (or its shape) is `Dense(bias)`."""
+  return bias if bias is None or isinstance(bias, Score) else Dense(bias)
+
+
 class Extras(NamedTuple):
   """The optional per-call arrays of `attention` (see there), as the caller passed them.
 
@@ -84,6 +91,7 @@ class Extras(NamedTuple):
   q_positions: Shaped | None = None  # [B, T] int
   kv_positions: Shaped | None = None  # [B, S] int
   mask: Shaped | _objects.Mask | None = None  # [B|1, 1|Hq, T, S] bool, or a mask object
+  bias: Shaped | Score | None = None  # [B|1, Hq|1, T, S] float, or a score object
   softmax_aux: Shaped | None = None  # sinks: [Hq], [Hq, n] or [Hkv, n]
 
 
@@ -103,6 +111,8 @@ class KernelInputs(NamedTuple, Generic[Leaf]):
   kv_segment_ids: Leaf | None = None  # [B, S] int32, negative = padding
   rule: _objects.Mask | None = None  # arrays [B, T], [B, S] and [B|1, 1|Hq, T, S]; None: all visible
   sinks: Leaf | None = None  # [Hq, n] float32
+  bias: Score | None = None  # additive scores (arrays [B|1, Hq|1, T, S], per head, free); None: 0
+  heads: Leaf | None = None  # [Hq] int32: each query head's global index (with a bias)
 
 
 class KernelOutput(NamedTuple, Generic[Leaf]):
@@ -134,21 +144,24 @@ class Facts:
   head_shards: int = 1  # the query heads are split over this many devices (the head axis)
   whole_sequence: bool = False  # a sharded sequence, but the kernel sees all of it (Ulysses)
   rule: _objects.Mask | None = None  # the position rule's skeleton: static, hashable
+  bias: Score | None = None  # the bias's skeleton (None: no bias): static, hashable
 
   @classmethod
   def from_shapes(cls, config: AttentionConfig, query_shape: Sequence[int],
                   key_shape: Sequence[int], value_dim: int | None = None, *,
-                  default_positions: bool = True, mask: Any = None, **sharding: Any) -> Facts:
+                  default_positions: bool = True, mask: Any = None, bias: Any = None,
+                  **sharding: Any) -> Facts:
     """Facts of a call from its (already validated) shapes; `sharding`: the fields below.
 
     `mask`: the call's `mask` argument, an array (or its shape and dtype) or a mask object:
     with the config's rules it makes the position rule (`masks._rules.call_rule`).
+    `bias`: the call's `bias` argument, an array (or its shape) or a score object.
     """
     rule = _rules.call_rule(**config.rules, mask=mask)
     return cls(config=config, query_shape=tuple(query_shape), key_shape=tuple(key_shape),
                value_dim=query_shape[-1] if value_dim is None else value_dim,
                mode=Mode.of(query_shape[1], key_shape[1]), default_positions=default_positions,
-               rule=_objects.skeleton(rule), **sharding)
+               rule=_objects.skeleton(rule), bias=skeleton(as_score(bias)), **sharding)
 
   def on_whole_sequence(self) -> Facts:
     """These facts as a Ulysses kernel sees them: the whole sequence, a share of the heads."""

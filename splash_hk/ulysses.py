@@ -47,7 +47,9 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
       q_segment_ids=gather(x.q_segment_ids),  # [B, T]
       kv_segment_ids=gather(x.kv_segment_ids),  # [B, S]
       rule=None if x.rule is None else x.rule.map_arrays(
-          lambda side, a: _whole_rule_array(side, a, axis)))
+          lambda side, a: _whole_rule_array(side, a, axis)),
+      bias=None if x.bias is None else x.bias.map_arrays(
+          lambda side, a, **_: _whole_rule_array(side, a, axis) if side == "qk" else a))
   out = kernel.run(backend, whole, facts).out  # [B, T, Hq/n, Dv]
   return KernelOutput(jax.lax.all_to_all(out, axis, 1, 2, tiled=True))  # [B, T/n, Hq, Dv]
 

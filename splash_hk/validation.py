@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from splash_hk.masks import _objects
 from splash_hk.config import AttentionConfig
 from splash_hk.sharding.axes import MeshAxes
-from splash_hk.types import Extras
+from splash_hk.types import Extras, as_score
 
 Shaped = Any  # anything with .shape and .dtype
 
@@ -101,6 +101,9 @@ def validate_extras(query: Shaped, key: Shaped, extras: Extras) -> None:
     _validate_mask(extras.mask, batch, query.shape[2], query_len, kv_len)
   if extras.softmax_aux is not None:
     _validate_sinks(extras.softmax_aux, query.shape[2], key.shape[2])
+  score = as_score(extras.bias)
+  for part in () if score is None else score.parts():  # each term checks itself, naming `bias`
+    part.check(batch, query.shape[2], query_len, kv_len)
 
 
 def _validate_mask(mask: Shaped, batch: int, num_heads: int, query_len: int, kv_len: int,

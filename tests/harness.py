@@ -81,7 +81,7 @@ def values_and_grads(f: Callable[..., jax.Array], args: Sequence[Any],
     return jnp.sum(out * jnp.asarray(cot, out.dtype)), out
 
   (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(*args)
-  return np.asarray(out), [np.asarray(g) for g in grads]
+  return np.asarray(out), [jax.tree.map(np.asarray, g) for g in grads]
 
 
 def oracle_values_and_grads(q, k, v, cot, *, sinks=None, **rules) -> tuple[np.ndarray,

@@ -6,13 +6,19 @@ the keys row i sees, so garbage (NaN, Inf) elsewhere never reaches it, and a
 NaN that row i sees (in q_i, or a visible key or value) makes it NaN.
 """
 
+import math
+
 import numpy as np
 
 
 def attention(q, k, v, *, causal=True, window=None, chunk=None, soft_cap=None, scale=None,
               q_seg=None, kv_seg=None, q_pos=None, kv_pos=None, mask=None, sinks=None,
-              xp=np):
-  """q [B,T,Hq,D], k [B,S,Hkv,D], v [B,S,Hkv,Dv] -> (out [B,T,Hq,Dv], weights [B,Hq,T,S])."""
+              bias=None, xp=np):
+  """q [B,T,Hq,D], k [B,S,Hkv,D], v [B,S,Hkv,Dv] -> (out [B,T,Hq,Dv], weights [B,Hq,T,S]).
+
+  bias: [B|1, Hq|1, T, S] added to the scaled logits before the soft cap, read only where a
+  pair is visible; a -inf there removes the pair, soft cap or not.
+  """
   f64 = xp.float64
   q, k, v = (xp.asarray(a, dtype=f64) for a in (q, k, v))
   b, t, hq, d = q.shape
@@ -22,11 +28,14 @@ def attention(q, k, v, *, causal=True, window=None, chunk=None, soft_cap=None, s
   v = xp.repeat(v, g, axis=2)
   scale = d ** -0.5 if scale is None else scale
   logits = xp.einsum("bthd,bshd->bhts", q, k) * scale
-  if soft_cap is not None:
-    logits = soft_cap * xp.tanh(logits / soft_cap)
-
   allowed = visible(b, t, s, hq, causal=causal, window=window, chunk=chunk, q_seg=q_seg,
                     kv_seg=kv_seg, q_pos=q_pos, kv_pos=kv_pos, mask=mask)
+  if bias is not None:
+    bias = xp.where(allowed, xp.asarray(bias, dtype=f64), 0.0)  # nobody reads an invisible one
+    logits = logits + bias
+    allowed = allowed & (bias != -np.inf)  # a -inf bias removes its pair
+  if soft_cap is not None:
+    logits = soft_cap * xp.tanh(logits / soft_cap)
 
   if sinks is None:
     sink_logits = np.zeros((hq, 0))
@@ -85,21 +94,31 @@ def visible(b, t, s, hq, *, causal=True, window=None, chunk=None, q_seg=None, kv
   return np.broadcast_to(allowed, (b, hq, t, s))
 
 
-def out_and_vjp(q, k, v, cot, *, sinks=None, **rules):
-  """float64 output and the gradients of sum(out * cot) for q, k, v (and sinks, when given)."""
+def out_and_vjp(q, k, v, cot, *, sinks=None, bias=None, bias_params=None, **rules):
+  """float64 output and the gradients of sum(out * cot) for q, k, v (and sinks, and the bias,
+  when given).
+
+  `bias`: an array, or with `bias_params` a function of them (jnp, float64) giving the dense
+  bias; the gradient is then the params' (a pytree like them).
+  """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   with jax.enable_x64(True):
-    f64 = lambda a: None if a is None else jnp.asarray(a, jnp.float64)
-    out, vjp = jax.vjp(lambda q, k, v, s: attention(q, k, v, sinks=s, xp=jnp, **rules)[0],
-                       f64(q), f64(k), f64(v), f64(sinks))
+    f64 = lambda a: None if a is None else jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), a)
+    to_bias = (lambda p: p) if bias_params is None else bias
+    params = bias if bias_params is None else bias_params
+    out, vjp = jax.vjp(
+        lambda q, k, v, s, p: attention(q, k, v, sinks=s, bias=None if p is None else to_bias(p),
+                                        xp=jnp, **rules)[0],
+        f64(q), f64(k), f64(v), f64(sinks), f64(params))
     grads = vjp(f64(cot))
-  return np.asarray(out), tuple(np.asarray(g) for g in grads if g is not None)
+  as_np = lambda g: jax.tree.map(np.asarray, g)
+  return np.asarray(out), tuple(as_np(g) for g in grads if g is not None)
 
 
 def mha(params, x, *, num_heads, num_kv_heads, key_size, value_size, causal=True,
-        mask=None, window=None, sinks=None, name="multi_head_attention"):
+        mask=None, window=None, sinks=None, bias=None, name="multi_head_attention"):
   """float64 NumPy MHA from a parameter dict: projections + oracle attention + output."""
   p = {k: {n: np.asarray(a, np.float64) for n, a in v.items()} for k, v in params.items()}
   lin = lambda x, m: x @ p[f"{name}/{m}"]["w"] + p[f"{name}/{m}"]["b"]
@@ -107,5 +126,24 @@ def mha(params, x, *, num_heads, num_kv_heads, key_size, value_size, causal=True
   q = lin(x, "query").reshape(b, t, num_heads, key_size)
   k = lin(x, "key").reshape(b, t, num_kv_heads, key_size)
   v = lin(x, "value").reshape(b, t, num_kv_heads, value_size)
-  out, _ = attention(q, k, v, causal=causal, mask=mask, window=window, sinks=sinks)
+  out, _ = attention(q, k, v, causal=causal, mask=mask, window=window, sinks=sinks, bias=bias)
   return lin(out.reshape(b, t, -1), "linear")
+
+
+def t5_bucket(relative, num_buckets, max_distance, bidirectional, xp):
+  """T5's `_relative_position_bucket` (memory - context position), written after T5's code."""
+  ret = 0
+  n = -relative
+  if bidirectional:
+    num_buckets //= 2
+    ret = ret + (n < 0).astype(np.int32) * num_buckets
+    n = xp.abs(n)
+  else:
+    n = xp.maximum(n, 0)
+  max_exact = num_buckets // 2
+  is_small = n < max_exact
+  safe = xp.maximum(n, 1).astype(np.float32)
+  large = max_exact + (xp.log(safe / max_exact) / math.log(max_distance / max_exact)
+                       * (num_buckets - max_exact)).astype(np.int32)
+  large = xp.minimum(large, num_buckets - 1)
+  return ret + xp.where(is_small, n, large)

@@ -63,6 +63,28 @@ def test_window_256_at_t2048_gqa():
   _check_against_oracle(config, q, k, v, cot, dict(window=(256, 0), soft_cap=20.0))
 
 
+def test_alibi_plus_t5_buckets_on_packed_rows_at_t1536_default_tiles():
+  # Both position objects at once (their sum), on per-row packed documents with restarting
+  # positions and padding, GQA: values and the gradients of q, k, v, slopes and the table.
+  q, k, v, cot = _arrays(2, 1536, 4, 2, 32, seed=7)
+  seg, pos = _packed_rows(2, 1536, seed=8, restart=True)
+  slopes = np.asarray(sh.scores.alibi_slopes(4))
+  table = np.random.default_rng(9).normal(size=(32, 4)).astype(np.float32)
+  dist = np.abs(pos[:, None, :, None] - pos[:, None, None, :])  # [B, 1, T, S]
+  bucket = oracle.t5_bucket(pos[:, None, :] - pos[:, :, None], 32, 128, True, np)  # [B, T, S]
+  dense = lambda p: -p[0][None, :, None, None] * dist + jnp.moveaxis(p[1][bucket], -1, 1)
+  bias = lambda p: sh.scores.Alibi(p[0]) + sh.scores.RelativePosition(p[1])
+  f = lambda q, k, v, p: sh.attention(q, k, v, config=sh.AttentionConfig(platform="xla"),
+                                      q_segment_ids=seg, q_positions=pos,
+                                      bias=bias(p)).attention_outputs
+  out, grads = harness.values_and_grads(f, (q, k, v, (slopes, table)), cot)
+  want_out, want_grads = oracle.out_and_vjp(q, k, v, cot, bias=dense, bias_params=(slopes, table),
+                                            q_seg=seg, q_pos=pos, kv_pos=pos)
+  harness.assert_close((out, grads[:3]), (want_out, want_grads[:3]))
+  for g, w in zip(grads[3], want_grads[3]):
+    np.testing.assert_allclose(g, w, **harness.tol("grad"))
+
+
 # The KV cache at 2048 slots: rows at lengths 0, 1 and capacity - 1, NaN in every unused slot.
 CAPACITY, HEADS, KV_HEADS, KEY, MODEL = 2048, 4, 2, 16, 32
 

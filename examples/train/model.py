@@ -1,4 +1,5 @@
-"""A decoder-only Transformer in Haiku (pre-LN, learned positions) on splash attention."""
+"""A decoder-only Transformer in Haiku (pre-LN; learned positions, ALiBi or T5 buckets) on
+splash attention."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import splash_hk as sh
+
+
+POSITION_BIASES = ("none", "alibi", "t5")
+T5_BUCKETS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +30,7 @@ class ModelConfig:
   attention_config: sh.AttentionConfig = sh.AttentionConfig()
   axes: sh.MeshAxes = sh.MeshAxes()  # with a mesh: batch, heads and sequence axes
   prefix_len: int = 0  # > 0: prefix-LM, the first prefix_len positions see each other
+  position_bias: str = "none"  # "none" (learned positions), "alibi" or "t5": a bias in their place
 
   def __post_init__(self):
     if self.model_size % self.num_heads:
@@ -38,6 +44,12 @@ class ModelConfig:
                        "or sinks; use --num_kv_heads=--num_heads and --num_sinks=0.")
     if self.attention == "reference" and self.prefix_len:
       raise ValueError("--prefix_lm needs --attention=splash (a mask object).")
+    if self.position_bias not in POSITION_BIASES:
+      raise ValueError(f"--position_bias must be one of {POSITION_BIASES}, got "
+                       f"{self.position_bias!r}.")
+    if self.attention == "reference" and self.position_bias != "none":
+      raise ValueError("--position_bias needs --attention=splash (hk.MultiHeadAttention takes "
+                       "no bias).")
 
   @property
   def module_config(self) -> sh.AttentionConfig:
@@ -73,6 +85,21 @@ class Transformer(hk.Module):
                                  config=c.module_config, mesh=self.mesh, axes=c.axes,
                                  num_sinks=c.num_sinks, name=f"attention_{i}")
 
+  def _position_bias(self):
+    """layer -> its bias: ALiBi with learnable slopes per layer (from the paper's), or a
+    learned T5 table of relative-position buckets per layer."""
+    c = self.config
+    if c.position_bias == "alibi":
+      slopes = lambda: sh.scores.alibi_slopes(c.num_heads)
+      return lambda i: sh.scores.Alibi(hk.get_parameter(
+          f"alibi_slopes_{i}", (c.num_heads,), jnp.float32, init=lambda *_: slopes()))
+    if c.position_bias == "t5":
+      table = lambda i: hk.get_parameter(f"relative_position_{i}", (T5_BUCKETS, c.num_heads),
+                                         jnp.float32, init=lambda *_: _recency_table(c))
+      return lambda i: sh.scores.RelativePosition(table(i), max_distance=c.max_len,
+                                                   bidirectional=False)
+    return _no_bias
+
   def init_caches(self, batch: int, capacity: int | None = None) -> list[sh.KVCache]:
     """Empty KV caches of `capacity` slots (default: the model's max_len)."""
     c = self.config
@@ -96,18 +123,19 @@ class Transformer(hk.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(seq_len), (batch, seq_len))
     h = hk.Embed(c.vocab_size, c.model_size, name="embed")(tokens)  # [B, T, D]
-    h = h + hk.Embed(c.max_len, c.model_size, name="position")(positions)  # [B, T, D]
-    new_caches, mask = [], c.mask(positions, segment_ids)
+    if c.position_bias == "none":
+      h = h + hk.Embed(c.max_len, c.model_size, name="position")(positions)  # [B, T, D]
+    new_caches, mask, bias = [], c.mask(positions, segment_ids), self._position_bias()
     for i in range(c.num_layers):
       x = hk.LayerNorm(-1, True, True, name=f"ln_attn_{i}")(h)
       attend = self._attention(i)
       if caches is not None:
-        a, cache = attend(x, kv_cache=caches[i], lengths=lengths, mask=mask)
+        a, cache = attend(x, kv_cache=caches[i], lengths=lengths, mask=mask, bias=bias(i))
         new_caches.append(cache)
       elif c.attention == "reference":
         a = attend(x, x, x, mask=_reference_mask(seq_len, c.attention_config.window, segment_ids))
       else:
-        a = attend(x, q_segment_ids=segment_ids, mask=mask)
+        a = attend(x, q_segment_ids=segment_ids, mask=mask, bias=bias(i))
       h = h + a
       x = hk.LayerNorm(-1, True, True, name=f"ln_mlp_{i}")(h)
       h = h + hk.nets.MLP([4 * c.model_size, c.model_size], activation=jax.nn.gelu,
@@ -115,6 +143,24 @@ class Transformer(hk.Module):
     h = hk.LayerNorm(-1, True, True, name="ln_final")(h)
     logits = hk.Linear(c.vocab_size, name="unembed")(h)  # [B, T, V]
     return logits if caches is None else (logits, new_caches)
+
+
+def _recency_table(c: ModelConfig) -> jax.Array:
+  """A T5 table [buckets, H] that starts as ALiBi: each bucket's least distance times -slope.
+
+  From zero (T5's own start) the model has no sense of order at all, and the recall task
+  learned nothing in 1200 steps; from ALiBi's recency it learns as ALiBi does."""
+  distance = np.arange(c.max_len)
+  index = sh.scores.RelativePosition(jnp.arange(T5_BUCKETS, dtype=jnp.float32)[:, None],
+                                     c.max_len, bidirectional=False)  # its "bias": the bucket
+  bucket = np.asarray(index.scores(distance.reshape(1, 1, 1, -1, 1), np.zeros((1, 1, 1, 1, 1), int),
+                                   np.zeros((1, 1, 1, 1, 1)))).reshape(-1)  # [T]
+  least = np.array([distance[bucket == b].min(initial=c.max_len) for b in range(T5_BUCKETS)])
+  return -least[:, None] * sh.scores.alibi_slopes(c.num_heads)[None, :]
+
+
+def _no_bias(layer: int) -> None:
+  del layer
 
 
 def _causal(window: tuple[int, int] | None) -> sh.masks.Mask:

@@ -50,6 +50,10 @@ _NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Query heads.")
 _NUM_KV_HEADS = flags.DEFINE_integer("num_kv_heads", None, "Key/value heads (GQA); default num_heads.")
 _SLIDING_WINDOW = flags.DEFINE_integer("sliding_window", None, "Causal sliding window (left size).")
 _NUM_SINKS = flags.DEFINE_integer("num_sinks", 0, "Learnable attention sinks per head.")
+_POSITION_BIAS = flags.DEFINE_enum(
+    "position_bias", "none", list(model_lib.POSITION_BIASES),
+    "In place of learned absolute positions: ALiBi (learnable slopes) or T5's learned "
+    "relative-position buckets, as a bias on the attention logits.")
 _PREFIX_LM = flags.DEFINE_bool(
     "prefix_lm", False, "Prefix-LM: the recall task's key-value pairs see each other whole (a "
     "Bidirectional mask object over the prefix); the queries and answers stay causal.")
@@ -154,7 +158,8 @@ def make_task_and_model(axes: sh.MeshAxes) -> tuple[recall.RecallTask, model_lib
         vocab_size=task.vocab_size, max_len=task.seq_len, num_layers=_NUM_LAYERS.value,
         model_size=_MODEL_SIZE.value, num_heads=_NUM_HEADS.value, num_kv_heads=_NUM_KV_HEADS.value,
         num_sinks=_NUM_SINKS.value, attention=_ATTENTION.value, attention_config=attention_config,
-        axes=axes, prefix_len=2 * task.num_pairs if _PREFIX_LM.value else 0)
+        axes=axes, prefix_len=2 * task.num_pairs if _PREFIX_LM.value else 0,
+        position_bias=_POSITION_BIAS.value)
   except ValueError as e:
     _fail(str(e))
   return task, config

@@ -21,10 +21,12 @@ import dataclasses
 from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 import jax.numpy as jnp
 
 from splash_hk.masks import _rules
 from splash_hk.masks._objects import Mask
+from splash_hk.scores import Score
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 WhyNot = Callable[[Facts, str], "str | None"]
@@ -47,6 +49,7 @@ class Grads(NamedTuple):
   dk: jax.Array  # [B, S, Hkv, D]
   dv: jax.Array  # [B, S, Hkv, Dv]
   d_sinks: jax.Array | None = None  # [Hq, n]
+  d_bias: Score | None = None  # the bias leaves' gradients (a ring sums them over its steps)
 
 
 class ForwardHalf(Protocol):
@@ -120,8 +123,8 @@ def rule_refusal(facts: Facts, kernel: str, serves: Callable[[Mask], bool],
 
 def segment_ids(x: KernelInputs) -> tuple[jax.Array, jax.Array]:
   """The call's (q [B, T], kv [B, S]) segment ids, or zeros (one document) when it has none."""
-  if x.q_segment_ids is None or x.kv_segment_ids is None:
-    return (jnp.zeros(x.query.shape[:2], jnp.int32), jnp.zeros(x.key.shape[:2], jnp.int32))
+  if x.q_segment_ids is None or x.kv_segment_ids is None:  # positions are [B, T] in any layout
+    return (jnp.zeros(x.q_positions.shape, jnp.int32), jnp.zeros(x.kv_positions.shape, jnp.int32))
   return x.q_segment_ids, x.kv_segment_ids
 
 
@@ -147,6 +150,45 @@ def full_mask(x: KernelInputs) -> jax.Array:
   if x.q_segment_ids is not None:
     out = out & _rules.segment_mask(x.q_segment_ids, x.kv_segment_ids)[:, None]
   return out
+
+
+def soft_cap(logits: jax.Array, cap: float | None, bias: jax.Array | None = None) -> jax.Array:
+  """`cap * tanh(logits / cap)` (or `logits` without a cap), where a -inf `bias` (already in
+  `logits`) keeps its pair at -inf: such a bias removes the pair, soft cap or not."""
+  if cap is None:
+    return logits
+  capped = cap * jnp.tanh(logits / cap)
+  return capped if bias is None else jnp.where(bias == -jnp.inf, -jnp.inf, capped)
+
+
+def bias_block(bias: Score, q_positions: jax.Array, kv_positions: jax.Array,
+               heads: jax.Array | None, groups: int) -> jax.Array:
+  """The bias of rows q_positions [r, bq] and keys kv_positions [r, bk] for query heads `heads`
+  [Hkv * G] (global indices), float32, broadcastable to [r, Hkv, G, bq, bk] (arrays on the
+  "qk" side cut to these rows and keys by the caller)."""
+  assert heads is not None, "inputs.normalise gives a call with a bias its heads' indices"
+  head = heads.reshape(1, -1, groups, 1, 1)  # [1, Hkv, G, 1, 1]
+  return bias.scores(q_positions[:, None, None, :, None], kv_positions[:, None, None, None, :],
+                     head)
+
+
+def perturbed(tree: Any) -> bool:
+  """Whether any leaf of `tree` (a custom VJP's forward arguments, with symbolic zeros on:
+  `CustomVJPPrimal`s) is being differentiated."""
+  leaves = jax.tree.leaves(tree, is_leaf=lambda a: isinstance(a, CustomVJPPrimal))
+  return any(leaf.perturbed for leaf in leaves)
+
+
+def primal_values(tree: Any) -> Any:
+  """`tree` with each `CustomVJPPrimal` replaced by its value."""
+  return jax.tree.map(lambda a: a.value, tree, is_leaf=lambda a: isinstance(a, CustomVJPPrimal))
+
+
+def instantiate(cotangent: Any) -> Any:
+  """A cotangent as an array: zeros for a symbolic zero."""
+  if isinstance(cotangent, SymbolicZero):
+    return jnp.zeros(cotangent.shape, cotangent.dtype)
+  return cotangent
 
 
 def probability_lse(lse: jax.Array) -> jax.Array:

@@ -16,7 +16,8 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def logits_and_mask(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array]:
-  """Scaled, soft-capped float32 logits [B, Hkv, G, T, S] and their mask [B, 1|Hkv, 1|G, T, S].
+  """Scaled, biased, soft-capped float32 logits [B, Hkv, G, T, S] and their mask
+  [B, 1|Hkv, 1|G, T, S].
 
   Queries and keys enter the product with non-finite entries zeroed, so garbage
   where the mask is False changes nothing, gradients included; a visible pair
@@ -40,10 +41,13 @@ def logits_and_mask(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array
   logits = jax.lax.cond(jnp.any(bad_q) | jnp.any(bad_k),
                         lambda s: jnp.where(mask & (bad_q[..., None] | bad_k), plain(), s),
                         lambda s: s, logits)
-  cap = facts.config.logits_soft_cap
-  if cap is not None:
-    logits = cap * jnp.tanh(logits / cap)
-  return logits, mask
+  bias = None
+  if x.bias is not None:  # read where visible only: garbage elsewhere (NaN) changes nothing
+    bias = jnp.where(mask, base.bias_block(x.bias, x.q_positions, x.kv_positions, x.heads,
+                                           groups), 0.0)  # [B, Hkv, G, T, S]
+    logits = logits + bias
+    mask = mask & (bias != -jnp.inf)  # a -inf bias removes its pair
+  return base.soft_cap(logits, facts.config.logits_soft_cap, bias), mask
 
 
 def why_not(facts: Facts, hardware: str) -> str | None:

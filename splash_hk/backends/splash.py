@@ -51,6 +51,8 @@ def why_not(facts: Facts, hardware: str) -> str | None:
             "AttentionConfig(interpret=True) to run it in interpret mode")
   if facts.mode is Mode.DECODE:
     return "decode (T == 1): one query row does not fill a splash block"
+  if facts.bias is not None:
+    return "a `bias` was given, and JAX's splash kernel takes no bias"
   if shards > 1 and query_len // shards < LANE:
     return (f"query_len {query_len} in {shards} sequence shards: a shard shorter "
             f"than one {LANE}-row splash block is cheaper unpadded")

@@ -26,6 +26,8 @@ def why_not(facts: Facts, hardware: str) -> str | None:
     return f"ejkernel's Triton kernel needs a GPU (this is {hardware})"
   if not _ejkernel.available():
     return _ejkernel.MISSING
+  if facts.bias is not None:
+    return "a `bias` was given, and ejkernel's Triton block-sparse kernel takes none from us"
   if facts.mode is Mode.DECODE:
     return "decode (T == 1): ejkernel's Triton kernel tiles queries in blocks of 16 or more"
   if facts.head_dim % 16 or facts.value_dim % 16:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk.backends import base
+from splash_hk.backends import xla_bias
 from splash_hk.backends import xla_plan
 from splash_hk.backends.xla_blocks import Pair, Views
 from splash_hk.masks import _plan
@@ -37,24 +38,32 @@ def why_not(facts: Facts, hardware: str) -> str | None:
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   """Block-sparse attention on one shard: out [B, T, Hq, Dv] and a differentiable lse [B, T, Hq]."""
   tiles = tiles_for(facts)
+  # A dense bias's gradient is a [T, S] accumulator: JAX says (symbolic zeros) whether anything
+  # differentiates the bias, and the backward skips it when nothing does.
+  dense_bias = x.bias is not None and "qk" in x.bias.array_sides()
+  wanted = {"bias": True}
 
   @jax.custom_vjp
   def run(y):
     return forward(y, facts, tiles)
 
   def run_fwd(y):
+    if dense_bias:
+      wanted["bias"] = base.perturbed(y.bias)
+      y = base.primal_values(y)
     partial = forward(y, facts, tiles)
     return partial, (y, *partial)
 
   def run_bwd(residuals, cotangents):
     y, out, lse = residuals
-    d_out, d_lse = cotangents
+    d_out, d_lse = (base.instantiate(c) for c in cotangents)
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
-    dq, dk, dv, d_sinks = backward(y, facts, tiles, lse, d_out, delta)
+    grads = backward(y, facts, tiles, lse, d_out, delta, bias_grads=wanted["bias"])
     none = jax.tree.map(lambda _: None, y)  # integer and boolean inputs get no cotangent
-    return (none._replace(query=dq, key=dk, value=dv, sinks=d_sinks),)
+    return (none._replace(query=grads.dq, key=grads.dk, value=grads.dv, sinks=grads.d_sinks,
+                          bias=grads.d_bias),)
 
-  run.defvjp(run_fwd, run_bwd)
+  run.defvjp(run_fwd, run_bwd, symbolic_zeros=dense_bias)
   return KernelOutput(*run(x))
 
 
@@ -73,13 +82,18 @@ def _dot_merged(a: jax.Array, b: jax.Array) -> jax.Array:
   return out.reshape(*a.shape[:-1], b.shape[-2])
 
 
-def _logits(q: jax.Array, k: jax.Array, cap: float | None) -> tuple[jax.Array, jax.Array | None]:
-  """f32 logits [r, Hkv, Gq, bq, bk] from pre-scaled q, and tanh(s / cap) (None without cap)."""
+def _logits(q: jax.Array, k: jax.Array, cap: float | None,
+            bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+  """f32 logits [r, Hkv, Gq, bq, bk] from pre-scaled q (plus `bias`), and tanh(s / cap) (None
+  without cap); a -inf bias keeps its pair at -inf (`base.soft_cap`)."""
   s = _dot_merged(q, k)
+  if bias is not None:
+    s = s + bias
   if cap is None:
     return s, None
   t = jnp.tanh(s / cap)
-  return cap * t, t
+  capped = cap * t
+  return (capped if bias is None else jnp.where(bias == -jnp.inf, -jnp.inf, capped)), t
 
 
 def _finite(a: jax.Array) -> jax.Array:
@@ -92,10 +106,11 @@ def _block_scores(views: Views, q, pair: Pair, masked: bool):
   A masked block gets invisible logits at -inf and v with non-finite entries
   zeroed (k only enters the logits, which the mask replaces).
   """
-  s, t = _logits(q, pair.k, views.facts.config.logits_soft_cap)
+  mask = views.element_mask(pair.mask) if masked and pair.bias is not None else None
+  s, t = _logits(q, pair.k, views.facts.config.logits_soft_cap, xla_bias.block(views, pair, mask))
   if not masked:
     return s, t, pair.v, None
-  mask = views.element_mask(pair.mask)
+  mask = views.element_mask(pair.mask) if mask is None else mask
   return jnp.where(mask, s, -jnp.inf), t, _finite(pair.v), mask
 
 
@@ -194,8 +209,10 @@ def _t(a: jax.Array) -> jax.Array:
   return jnp.swapaxes(a, -1, -2)
 
 
-def _grads(views: Views, q, q_t, do, do_t, lse, delta, pair: Pair, masked: bool):
-  """(dq_i, dk_j, dv_j) of a block pair, probabilities recomputed from the saved lse.
+def _grads(views: Views, q, q_t, do, do_t, lse, delta, pair: Pair, masked: bool,
+           bias_grads: bool = True):
+  """(dq_i, dk_j, dv_j, d_bias or None) of a block pair, probabilities recomputed from the
+  saved lse.
 
   q_t and do_t are the query block's q and dO as [r, Hkv, D, Gq * bq] (`_merge_heads`, then `_t`).
   """
@@ -212,11 +229,12 @@ def _grads(views: Views, q, q_t, do, do_t, lse, delta, pair: Pair, masked: bool)
     ds = jnp.where(mask, ds, 0.0)
   dq = jnp.einsum("bkgqs,bksd->bkgqd", ds, k, preferred_element_type=jnp.float32)
   dk = _t(jnp.einsum("bkdq,bkqs->bkds", q_t, _merge_heads(ds), preferred_element_type=jnp.float32))
-  return dq, dk, dv
+  return dq, dk, dv, xla_bias.pair_grads(views, pair, ds) if bias_grads else None
 
 
 def backward(x: KernelInputs, facts: Facts, tiles: Tiles, lse, d_out, delta,
-             into: base.Grads | None = None, kv_in_place: bool = False) -> base.Grads:
+             into: base.Grads | None = None, kv_in_place: bool = False,
+             bias_grads: bool = True) -> base.Grads:
   """Gradients of q, k, v and sinks, probabilities recomputed from the saved lse [B, T, Hq].
 
   Args:
@@ -227,6 +245,8 @@ def backward(x: KernelInputs, facts: Facts, tiles: Tiles, lse, d_out, delta,
     into: float32 accumulators (dq, dk, dv in the inputs' layouts) to add the
       gradients to (a ring accumulates over its steps), or None.
     kv_in_place: read K/V (and accumulate dK/dV) in the caller's layout, no copies.
+    bias_grads: compute the bias leaves' gradients (off when nothing differentiates them: a
+      dense bias's would cost a [T, S] accumulator).
 
   Returns:
     Grads; dq, dk, dv in the inputs' dtypes, or float32 sums with `into` when given.
@@ -240,21 +260,23 @@ def backward(x: KernelInputs, facts: Facts, tiles: Tiles, lse, d_out, delta,
   scale = jnp.asarray(facts.scale, x.query.dtype)
 
   def q_step(step, carry):
-    dq, dk, dv = carry
+    dq, dk, dv, d_bias = carry
     group, i = step // nq, step % nq
     q = views.head_rows(views.q, group, i) * scale  # [r, Hkv, Gq, bq, D]
     do, delta_i, lse_i = (views.head_rows(a, group, i).astype(jnp.float32) for a in rows)
     q_t, do_t = _t(_merge_heads(q)), _t(_merge_heads(do))  # [r, Hkv, D, Gq * bq], once per block
 
     def kv_step(masked, j, pair, acc):
-      dq_i, dk, dv = acc
-      dq_ij, dk_j, dv_j = _grads(views, q, q_t, do, do_t, lse_i, delta_i, pair, masked)
-      return dq_i + dq_ij, views.add_kv(dk, dk_j, group, j), views.add_kv(dv, dv_j, group, j)
+      dq_i, dk, dv, d_bias = acc
+      dq_ij, dk_j, dv_j, db = _grads(views, q, q_t, do, do_t, lse_i, delta_i, pair, masked,
+                                     bias_grads)
+      return (dq_i + dq_ij, views.add_kv(dk, dk_j, group, j), views.add_kv(dv, dv_j, group, j),
+              xla_bias.add(views, d_bias, db, group, i, j))
 
-    dq_i, dk, dv = _over_live_blocks(views, plan, group, i, kv_step,
-                                     (jnp.zeros(q.shape, jnp.float32), dk, dv))
+    dq_i, dk, dv, d_bias = _over_live_blocks(views, plan, group, i, kv_step,
+                                             (jnp.zeros(q.shape, jnp.float32), dk, dv, d_bias))
     dq_i = views.head_rows(dq, group, i) + dq_i * facts.scale  # dq may hold earlier gradients
-    return views.write_rows(dq, dq_i, group, i), dk, dv
+    return views.write_rows(dq, dq_i, group, i), dk, dv, d_bias
 
   # `into` serves as the loop's own accumulators when the loop's layouts are the caller's
   # (K/V not transposed, no query padding); otherwise the loop sums from zeros and adds.
@@ -262,13 +284,15 @@ def backward(x: KernelInputs, facts: Facts, tiles: Tiles, lse, d_out, delta,
   in_place = into is not None and not views.heads_major and views.q.shape == x.query.shape
   init = (into.dq, into.dk, into.dv) if into is not None and in_place else (
       zeros(views.q), zeros(views.k), zeros(views.v))
-  dq, dk, dv = jax.lax.fori_loop(0, grid.num_groups * nq, q_step, init)
+  dq, dk, dv, d_bias = jax.lax.fori_loop(0, grid.num_groups * nq, q_step,
+                                         (*init, xla_bias.zeros(views) if bias_grads else None))
   grads = dq[:, :grid.query_len], views.kv_layout(dk), views.kv_layout(dv)
   if into is None:
     grads = tuple(g.astype(a.dtype) for g, a in zip(grads, (x.query, x.key, x.value)))
   elif not in_place:
     grads = tuple(a + g for a, g in zip((into.dq, into.dk, into.dv), grads))
-  return base.Grads(*grads, base.sink_grads(x.sinks, lse, delta))
+  return base.Grads(*grads, base.sink_grads(x.sinks, lse, delta),
+                    xla_bias.finish(x, d_bias, grid.query_len))
 
 
 def count_pairs(facts: Facts, q_positions, kv_positions, q_segment_ids=None,

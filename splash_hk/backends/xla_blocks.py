@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from splash_hk.masks import _objects
 from splash_hk.masks import _rules
+from splash_hk.scores import Score
 from splash_hk.backends import base
 from splash_hk.backends import xla_plan
 from splash_hk.types import Facts, KernelInputs
@@ -56,6 +57,7 @@ class Pair(NamedTuple):
   k: jax.Array  # [r, Hkv, bk, D]
   v: jax.Array  # [r, Hkv, bk, Dv]
   mask: PairMask
+  bias: Score | None = None  # the call's bias with its "qk" arrays cut to the pair
 
 
 class Views:
@@ -80,6 +82,8 @@ class Views:
            "kv": lambda a: a,  # [B, S]
            "qk": lambda a: base.pad_axis(a, 2, self.padded_q, False)}  # [B|1, 1|Hq, Tp, S]
     self.rule = None if x.rule is None else x.rule.map_arrays(lambda side, a: pad[side](a))
+    self.bias = None if x.bias is None else x.bias.map_arrays(
+        lambda side, a, **_: base.pad_axis(a, 2, self.padded_q) if side == "qk" else a)
 
   def of_group(self, a: jax.Array, group) -> jax.Array:
     """Row group `group` of a batch-major array (the whole batch when groups are the batch)."""
@@ -151,10 +155,20 @@ class Views:
     cut = {"q": q_side, "kv": kv_side,
            "qk": lambda a: self.kv_block(self.q_block(a, group, i, 2), group, j, 3)}
     rule = None if self.rule is None else self.rule.map_arrays(lambda side, a: cut[side](a))
+    bias = None if self.bias is None else self.bias.map_arrays(
+        lambda side, a, **_: cut["qk"](a) if side == "qk" else a)
     mask = PairMask(q_idx < self.grid.query_len, k_idx >= j * bk,
                     self.q_block(self.q_pos, group, i, 1), self.kv_block(self.x.kv_positions, group, j),
                     q_side(self.q_seg), kv_side(self.x.kv_segment_ids), rule)
-    return Pair(k, v, mask)
+    return Pair(k, v, mask, bias)
+
+  def add_pair(self, buf: jax.Array, block: jax.Array, group, i, j) -> jax.Array:
+    """buf [B|1, H|1, Tp, S] += block [r|1, H|1, bq, bk] at block pair (i, j) of `group`."""
+    rows = self.grid.rows_per_group
+    start = (group * rows if buf.shape[0] > 1 and rows < buf.shape[0] else 0, 0,
+             i * self.grid.block_q, self.kv_start(j))
+    current = jax.lax.dynamic_slice(buf, start, block.shape)
+    return jax.lax.dynamic_update_slice(buf, current + block, start)
 
   def element_mask(self, m: PairMask) -> jax.Array:
     """Visibility inside a block pair: broadcastable to [r, Hkv, Gq, bq, bk]."""

@@ -7,6 +7,7 @@ from typing import Any
 
 from splash_hk import inputs
 from splash_hk.masks import Mask
+from splash_hk.scores import Score
 from splash_hk.backends import reference
 from splash_hk.config import AttentionConfig
 from splash_hk.types import Array, AttentionOutput, Extras
@@ -23,6 +24,7 @@ def reference_attention(
     q_positions: Array | None = None,
     kv_positions: Array | None = None,
     mask: Array | Mask | None = None,
+    bias: Array | Score | None = None,
     softmax_aux: Array | None = None,
     return_weights: bool = False,
     **config_overrides: Any,
@@ -41,7 +43,7 @@ def reference_attention(
     config: the semantic fields (causal, sliding_window, chunk_size,
       logits_soft_cap, softmax_scale, runtime_dtype) are used; default
       `AttentionConfig()`.
-    q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask, softmax_aux:
+    q_segment_ids, kv_segment_ids, q_positions, kv_positions, mask, bias, softmax_aux:
       as in `splash_hk.attention`.
     return_weights: also return the softmax weights [B, Hq, T, S].
     **config_overrides: AttentionConfig fields to replace, e.g. `causal=False`.
@@ -53,7 +55,7 @@ def reference_attention(
   if config_overrides:
     config = config.replace(**config_overrides)
   extras = Extras(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                  q_positions=q_positions, kv_positions=kv_positions, mask=mask,
+                  q_positions=q_positions, kv_positions=kv_positions, mask=mask, bias=bias,
                   softmax_aux=softmax_aux)
   x, facts = inputs.normalise(query, key, value, config=config, extras=extras,
                               return_weights=return_weights)

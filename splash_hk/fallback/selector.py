@@ -101,6 +101,9 @@ def ring_refusal(facts: Facts, backend: base.Backend) -> str | None:
             f"{facts.query_len}, kv_len {facts.kv_len}")
   if facts.rule is not None and "qk" in facts.rule.array_sides():
     return "a dense mask was given (the ring passes keys, not mask columns, around)"
+  if facts.bias is not None and "qk" in facts.bias.array_sides():
+    return ("a dense `bias` was given (the ring passes keys, not bias columns, around; "
+            "position objects travel with the keys' positions)")
   if facts.return_weights:
     return "attention weights were requested"
   if backend.forward is None or backend.backward is None:

@@ -1,49 +1,26 @@
-"""The base of every mask object: fields declared as arrays or parts, pytree registration, the
-walks over arrays and parts, and `&` / `|` (`And`, `Or`).
-
-A mask object is a frozen dataclass. Its fields are static (part of the pytree's
-structure: hashable, compared by value) unless declared with `array_field` (an array
-leaf, with the side it lies on) or `part_field` (a mask object it combines), so a
-field added anywhere in a class keeps the pytree right.
+"""The base of every mask object (a `nodes.Node`: fields declared as arrays or parts), and `&` /
+`|` (`And`, `Or`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable, Iterator
-
-import jax
-import numpy as np
+from typing import Any
 
 from splash_hk.masks._blocks import ArrayLike, Blocks
+from splash_hk.nodes import Node, Shaped, array_field, part_field, skeleton
 
-Shaped = jax.Array | np.ndarray | jax.ShapeDtypeStruct  # an array, or its shape (for `explain`)
-
-
-def array_field(side: str, default: Any = dataclasses.MISSING) -> Any:
-  """A mask object's array field, a pytree leaf of `side`: "q" ([B, T], with the queries),
-  "kv" ([B, S], with the keys) or "qk" ([B|1, 1|Hq, T, S], with both)."""
-  return dataclasses.field(default=default, metadata={"side": side})
-
-
-def part_field() -> Any:
-  """A field holding another mask object (of `&` and `|`): a pytree child."""
-  return dataclasses.field(metadata={"part": True})
+__all__ = ("And", "Mask", "Or", "Shaped", "array_field", "part_field", "skeleton")
 
 
 @dataclasses.dataclass(frozen=True)
-class Mask:
-  """The base of every mask object: `&`, `|`, and the walks over array leaves and parts.
+class Mask(Node):
+  """The base of every mask object: `&`, `|`, and what each object says of itself.
 
   A subclass is a frozen dataclass; its fields are static (the pytree's structure:
   hashable, compared by value) unless declared with `array_field` (leaves) or
-  `part_field` (mask objects it combines). Subclasses register as pytrees themselves.
+  `part_field` (mask objects it combines); see `splash_hk.nodes`.
   """
-
-  def __init_subclass__(cls, **kwargs):
-    super().__init_subclass__(**kwargs)
-    jax.tree_util.register_pytree_node(cls, _flatten, functools.partial(_unflatten, cls))
 
   def __and__(self, other: Mask) -> Mask:
     return And(self, _as_mask(other, "&"))
@@ -62,17 +39,12 @@ class Mask:
   def is_static(self) -> bool:
     """Whether the rule is known at trace time: a function of positions alone (no arrays, no
     traced values), which NumPy can evaluate when a kernel or plan is built."""
-    return not _fields(self, "side") and all(p.is_static() for p in self._children())
+    return not self.array_fields() and all(p.is_static() for p in self.children())
 
   @property
   def name(self) -> str:
     """How messages name this object."""
     return type(self).__name__
-
-  def array_fields(self) -> list[tuple[str, str, Any]]:
-    """(field name, side, array) of this object's own arrays (not its parts'), as given."""
-    return [(f.name, f.metadata["side"], getattr(self, f.name)) for f in _fields(self, "side")
-            if getattr(self, f.name) is not None]
 
   def normal(self) -> Mask:
     """This object as kernels read it: every default filled in (itself, unless it has some)."""
@@ -95,62 +67,10 @@ class Mask:
     del slots, kv_len
     return self
 
-  def array_sides(self) -> set[str]:
-    """The sides ("q", "kv", "qk") of the arrays this mask holds, over every part."""
-    own = {f.metadata["side"] for f in _fields(self, "side") if getattr(self, f.name) is not None}
-    return own.union(*(child.array_sides() for child in self._children()))
-
   def config_rules(self) -> dict[str, Any] | None:
     """This object as AttentionConfig rule keywords ({"causal": True}, {"window": (l, r)},
     {"chunk_size": c}, merged over `&`), or None when the config cannot say it."""
     return None
-
-  def _children(self) -> tuple[Mask, ...]:
-    return tuple(getattr(self, f.name) for f in _fields(self, "part"))
-
-  def map_arrays(self, f: Callable[[str, Any], Any]) -> Mask:
-    """This mask with each array leaf `a` of side `side` replaced by `f(side, a)`."""
-    changes = {field.name: f(field.metadata["side"], getattr(self, field.name))
-               for field in _fields(self, "side") if getattr(self, field.name) is not None}
-    changes.update({field.name: getattr(self, field.name).map_arrays(f)
-                    for field in _fields(self, "part")})
-    return dataclasses.replace(self, **changes)
-
-  def parts(self) -> Iterator[Mask]:
-    """The objects this mask combines (itself for a leaf object)."""
-    children = self._children()
-    if not children:
-      yield self
-    for child in children:
-      yield from child.parts()
-
-  def map_parts(self, f: Callable[[Mask], Mask]) -> Mask:
-    """This mask with each object it combines replaced by `f(object)`."""
-    if not _fields(self, "part"):
-      return f(self)
-    return dataclasses.replace(self, **{field.name: getattr(self, field.name).map_parts(f)
-                                        for field in _fields(self, "part")})
-
-
-def _fields(mask: Mask | type[Mask], kind: str) -> tuple[dataclasses.Field, ...]:
-  """The dataclass fields of `mask` whose metadata has `kind` ("side" or "part")."""
-  return tuple(f for f in dataclasses.fields(mask) if kind in f.metadata)
-
-
-def _flatten(mask: Mask) -> tuple[tuple, tuple]:
-  dynamic = [f.name for f in dataclasses.fields(mask) if f.metadata]
-  static = tuple((f.name, getattr(mask, f.name)) for f in dataclasses.fields(mask)
-                 if not f.metadata)
-  return tuple(getattr(mask, n) for n in dynamic), (tuple(dynamic), static)
-
-
-def _unflatten(cls: type[Mask], aux: tuple, children: tuple) -> Mask:
-  names, static = aux
-  mask = object.__new__(cls)  # no __post_init__: the fields were checked when first built
-  for name, value in (*zip(names, children), *static):
-    object.__setattr__(mask, name, value)
-  return mask
-
 
 def _as_mask(x: Any, op: str) -> Mask:
   if not isinstance(x, Mask):
@@ -191,10 +111,3 @@ class Or(Mask):
   def classify(self, blocks: Blocks) -> tuple[ArrayLike, ArrayLike]:
     (may_a, full_a), (may_b, full_b) = self.a.classify(blocks), self.b.classify(blocks)
     return may_a | may_b, full_a | full_b
-
-
-def skeleton(rule: Mask | None) -> Mask | None:
-  """`rule` with its arrays as ShapeDtypeStructs: hashable and static (for `Facts`)."""
-  if rule is None:
-    return None
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), rule)

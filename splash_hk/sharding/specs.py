@@ -8,7 +8,7 @@ BTHD normal form) keep dimensions 0 and 2 (`BTHD_KEEP`).
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -135,9 +135,9 @@ def attention_specs(
     mode: DECODE never shards the query axis.
     ring: keys/values (and their positions and segment ids) are sharded over the
       sequence axes too (context-parallel ring); otherwise every shard gets them whole.
-    ulysses: keys/values are sharded over the sequence axes too, and the sinks over
-      the head axes then the sequence axes (the heads each device attends after the
-      all-to-all).
+    ulysses: keys/values are sharded over the sequence axes too, and the sinks (and the
+      bias's per-head arrays, and the heads' indices) over the head axes then the sequence
+      axes (the heads each device attends after the all-to-all).
 
   Returns:
     (in_specs, out_specs, kv_repeats): a KernelInputs of PartitionSpecs (None
@@ -159,6 +159,10 @@ def attention_specs(
                "qk": lambda a: PartitionSpec(batch_entry if a.shape[0] == batch else None,
                                              head_entry if a.shape[1] == num_heads else None,
                                              seq_entry, None)}
+  bias_spec: dict[str, Callable[..., PartitionSpec]] = {
+               "qk": side_spec["qk"], "free": lambda a: PartitionSpec(),
+               "head": lambda a, axis: PartitionSpec(*(sink_heads if d == axis else None
+                                                       for d in range(len(a.shape))))}
   present = lambda value, spec: None if value is None else spec
   in_specs: KernelInputs[PartitionSpec] = KernelInputs(
       query=PartitionSpec(batch_entry, seq_entry, head_entry, None),
@@ -170,6 +174,9 @@ def attention_specs(
       kv_segment_ids=present(x.kv_segment_ids, kv_rows),
       rule=None if x.rule is None else x.rule.map_arrays(lambda side, a: side_spec[side](a)),
       sinks=present(x.sinks, PartitionSpec(sink_heads, None)),
+      bias=None if x.bias is None else x.bias.map_arrays(
+          lambda side, a, **axis: bias_spec[side](a, **axis)),
+      heads=present(x.heads, PartitionSpec(sink_heads)),
   )
   out_specs: KernelOutput[PartitionSpec] = KernelOutput(out=PartitionSpec(batch_entry, seq_entry, head_entry, None),
                            lse=PartitionSpec(batch_entry, seq_entry, head_entry),
