@@ -28,6 +28,10 @@ def pytest_configure(config: pytest.Config) -> None:
                         os.path.join(os.environ["HOME"], "ejkernel"))
   import jax  # pylint: disable=g-import-not-at-top
 
+  # Set after jax's import, so only the subprocesses (training binaries, the bench, README
+  # snippets) share it: a program two of them compile (the same training flags) compiles once.
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                        tempfile.mkdtemp(prefix="splash_hk-test-jax-cache-"))
   if not gpu:
     assert jax.device_count() == 8, "tests/conftest.py must run before anything imports jax"
 

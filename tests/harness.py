@@ -54,6 +54,13 @@ MESHES = {
 }
 
 
+# The training binary's sharded runs (test_train, test_multihost) and the single-device run
+# they are held to: one set of flags, so that run compiles once (conftest: the subprocesses
+# share a compilation cache).
+SHARDED_TRAINING_FLAGS = ("--steps=20", "--log_every=20", "--seq_len=32", "--prefix_lm",
+                          "--num_heads=8")
+
+
 def mesh(name: str, explicit: bool = False) -> jax.sharding.Mesh:
   """The mesh `name` of MESHES, on the first devices it needs, with Auto or Explicit axes."""
   shape, names = MESHES[name]

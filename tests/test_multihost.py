@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 from examples.train import launch
+import harness
 import multihost_worker
 import oracle
 
@@ -41,11 +42,13 @@ def _run(*args, timeout=420):
 
 def test_training_across_two_processes_matches_one_process():
   # The sequence load-balanced over sp = 4 devices spanning both processes (sp first in the
-  # mesh), attended Ulysses-style: its all-to-alls cross the process boundary.
-  flags = ["examples.train", "--steps=20", "--log_every=20", "--seq_len=32"]
+  # mesh), attended Ulysses-style: its all-to-alls cross the process boundary (the prefix-LM
+  # ids gathered with the sequence). The one-process run is test_train's too: it compiles once.
+  flags = ["examples.train", *harness.SHARDED_TRAINING_FLAGS]
   two = _run("examples.train.launch", "--timeout=400", "--", sys.executable, "-m", *flags,
              "--mesh=sp=4,dp=2", "--sequence_strategy=ulysses", "--load_balanced")
   one = _run(*flags)
+  assert "(Ulysses over" in two.stderr, two.stderr[-2000:]
   assert len(FINAL.findall(two.stdout)) == 1  # only process 0 prints
   (two_final,), (one_final,) = FINAL.findall(two.stdout), FINAL.findall(one.stdout)
   assert abs(float(two_final[1]) - float(one_final[1])) < 1e-4
@@ -88,7 +91,8 @@ def _start_training_pair():
     command = lambda i: [sys.executable, "-m", "examples.train", "--steps=100000",
                          "--log_every=10", f"--coordinator_address=127.0.0.1:{port}",
                          "--num_processes=2", f"--process_id={i}", "--cpu_devices=4",
-                         "--heartbeat_timeout=5"]
+                         "--heartbeat_timeout=5", "--num_layers=1", "--seq_len=15",
+                         "--batch_size=8"]
     procs = [subprocess.Popen(command(i), stdout=subprocess.DEVNULL, text=True, env=ENV,
                               stderr=subprocess.PIPE if i == 0 else subprocess.DEVNULL)
              for i in range(2)]

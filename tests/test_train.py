@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+import harness
+
 STEP_LINE = re.compile(r"\] step=(\d+) loss=([0-9.]+) accuracy=([0-9.]+)")
 FINAL_LINE = re.compile(r"^final step=(\d+) loss=([0-9.]+) accuracy=([0-9.]+)$", re.M)
 
@@ -50,27 +52,24 @@ def test_position_biases_train_and_decode(bias):
 
 
 def test_splash_and_reference_attention_give_the_same_losses():
-  splash = _losses(_train("--steps=50", "--log_every=1", "--attention=splash"))
-  reference = _losses(_train("--steps=50", "--log_every=1", "--attention=reference"))
-  assert sorted(splash) == list(range(1, 51)) and sorted(reference) == list(range(1, 51))
+  splash = _losses(_train("--steps=25", "--log_every=1", "--attention=splash"))
+  reference = _losses(_train("--steps=25", "--log_every=1", "--attention=reference"))
+  assert sorted(splash) == list(range(1, 26)) and sorted(reference) == list(range(1, 26))
   for step in splash:
     assert abs(splash[step] - reference[step]) < 1e-3, (step, splash[step], reference[step])
 
 
 def test_sharded_training_matches_single_device():
-  # Batch over dp, heads over tp, and the load-balanced sequence over sp, attended Ulysses-style
-  # (8 heads: 2 or 1 per device after tp and sp; the kernel sees the whole sequence, the
-  # prefix-LM ids are gathered). The ring's values and gradients are checked across two
-  # processes (test_multihost) and under load-balanced mask objects (test_mask_objects).
-  # One test for both meshes: the single-device run they are held to runs once.
-  flags = ("--steps=20", "--log_every=20", "--seq_len=32", "--prefix_lm", "--num_heads=8")
-  single = _losses(_train(*flags))
-  for mesh in ("dp=2,sp=4", "sp=2,tp=4"):
-    proc = _train(*flags, "--cpu_devices=8", f"--mesh={mesh}", "--sequence_strategy=ulysses",
-                  "--load_balanced")
-    assert "(Ulysses over" in proc.stderr, proc.stderr[-2000:]
-    sharded = _losses(proc)
-    assert abs(single[20] - sharded[20]) < 1e-3, (mesh, single, sharded)
+  # Heads over tp and the load-balanced sequence over sp, attended Ulysses-style (8 heads: 1
+  # per device after tp and sp; the kernel sees the whole sequence, the prefix-LM ids are
+  # gathered). dp=2,sp=4 runs across two processes (test_multihost, the same flags); the ring's
+  # values and gradients are checked under load-balanced mask objects (test_mask_objects).
+  single = _losses(_train(*harness.SHARDED_TRAINING_FLAGS))
+  proc = _train(*harness.SHARDED_TRAINING_FLAGS, "--cpu_devices=8", "--mesh=sp=2,tp=4",
+                "--sequence_strategy=ulysses", "--load_balanced")
+  assert "(Ulysses over" in proc.stderr, proc.stderr[-2000:]
+  sharded = _losses(proc)
+  assert abs(single[20] - sharded[20]) < 1e-3, (single, sharded)
 
 
 def test_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
