@@ -12,6 +12,10 @@ from splash_hk.mode import detect_mode
 from splash_hk.kv_cache import KVCache
 from splash_hk.module import MultiHeadAttention
 from splash_hk.module import SplashAttention
+from splash_hk.paged import PagedKVCache
+from splash_hk.paged import RaggedBatch
+from splash_hk.paged import explain_paged
+from splash_hk.paged import paged_attention
 from splash_hk.sharding import MeshAxes
 from splash_hk.types import AttentionOutput
 from splash_hk.types import Decision
@@ -28,12 +32,16 @@ __all__ = (
     "MeshAxes",
     "Mode",
     "MultiHeadAttention",
+    "PagedKVCache",
+    "RaggedBatch",
     "SplashAttention",
     "attention",
     "detect_mode",
     "explain",
+    "explain_paged",
     "fallback",
     "masks",
+    "paged_attention",
     "scores",
     "sharding",
 )

@@ -22,7 +22,7 @@ from splash_hk.masks import _rules
 from splash_hk.scores import Score
 from splash_hk.types import Extras, Facts, KernelInputs, Shaped, as_score
 
-__all__ = ("Extras", "facts", "normalise")
+__all__ = ("Extras", "facts", "normalise", "sinks")
 
 
 def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig, extras: Extras,
@@ -62,17 +62,21 @@ def _bias(extras: Extras) -> Score | None:
   return None if score is None else score.map_arrays(lambda side, a, **_: jnp.asarray(a))
 
 
+def sinks(softmax_aux: Shaped | None, num_heads: int) -> jax.Array | None:
+  """Sinks [Hq], [Hq, n] or [Hkv, n] (kv-head sinks serve their group) as [Hq, n] float32."""
+  if softmax_aux is None:
+    return None
+  aux = jnp.asarray(softmax_aux, jnp.float32)
+  aux = aux.reshape(aux.shape[0], -1)  # [Hq or Hkv, n]
+  return jnp.repeat(aux, num_heads // aux.shape[0], axis=0)  # [Hq, n]
+
+
 def normalise(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig, extras: Extras,
               mesh: jax.sharding.Mesh | None = None, axes: MeshAxes = MeshAxes(),
               return_weights: bool = False) -> tuple[KernelInputs, Facts]:
   """Validated public arguments -> (KernelInputs with defaults filled in, Facts)."""
   call = facts(query, key, value, config=config, extras=extras, mesh=mesh, axes=axes,
                return_weights=return_weights)
-  sinks = None
-  if extras.softmax_aux is not None:  # [Hq], [Hq, n] or [Hkv, n]: kv-head sinks serve their group
-    sinks = jnp.asarray(extras.softmax_aux, jnp.float32)
-    sinks = sinks.reshape(sinks.shape[0], -1)  # [Hq or Hkv, n]
-    sinks = jnp.repeat(sinks, call.num_heads // sinks.shape[0], axis=0)  # [Hq, n]
   query, key, value = (jnp.asarray(a) for a in (query, key, value))
   if config.runtime_dtype is not None:
     query, key, value = (a.astype(config.runtime_dtype) for a in (query, key, value))
@@ -96,7 +100,7 @@ def normalise(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionCon
       q_segment_ids=q_seg,  # [B, T] or None
       kv_segment_ids=kv_seg,  # [B, S] or None
       rule=_rule(extras, config),
-      sinks=sinks,  # [Hq, n] or None
+      sinks=sinks(extras.softmax_aux, call.num_heads),  # [Hq, n] or None
       bias=_bias(extras),  # a score object or None
       heads=None if extras.bias is None else jnp.arange(call.num_heads, dtype=jnp.int32),  # [Hq]
   )

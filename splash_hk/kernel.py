@@ -11,15 +11,18 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import jax
+
 from splash_hk.backends import base
 from splash_hk.backends import reference
 from splash_hk import platforms
 from splash_hk.backends import splash
 from splash_hk.backends import triton
 from splash_hk.backends import xla
+from splash_hk.pages import PagedFacts, PagedInputs
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
-__all__ = ("backend", "backends", "run")
+__all__ = ("backend", "backends", "run", "run_paged")
 
 for _backend in (splash.BACKEND, triton.BACKEND, xla.BACKEND, reference.BACKEND):
   platforms.register(_backend)
@@ -38,3 +41,11 @@ def backend(name: str) -> base.Backend:
 def run(name: str, x: KernelInputs, facts: Facts) -> KernelOutput:
   """Runs backend `name` on one shard: KernelInputs -> KernelOutput (out [B, T, Hq, Dv], ...)."""
   return backend(name).attend(x, facts)
+
+
+def run_paged(name: str, x: PagedInputs, facts: PagedFacts) -> jax.Array:
+  """Runs backend `name`'s paged kernel: PagedInputs -> out [N, Hq, Dv]."""
+  paged = backend(name).paged_attend
+  if paged is None:
+    raise ValueError(f"the {name} backend has no paged kernel (the selector chose it: a bug)")
+  return paged(x, facts)

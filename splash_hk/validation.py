@@ -14,6 +14,8 @@ import jax.numpy as jnp
 
 from splash_hk.masks import _objects
 from splash_hk.config import AttentionConfig
+from splash_hk.pages import PagedKVCache, RaggedBatch
+from splash_hk.scores import Score
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Extras, as_score
 
@@ -136,10 +138,8 @@ def validate_mesh(mesh: Any, axes: MeshAxes) -> None:
     _fail(f"`axes` must be a splash_hk.sharding.MeshAxes, got {type(axes).__name__}.")
 
 
-def validate_rule(rule: _objects.Mask, query: Shaped, key: Shaped,
-                  config: AttentionConfig) -> None:
-  """A mask object given as `mask`: the whole position rule, with arrays of the call's shapes
-  (by their side) and each object's own rules (`Mask.check`)."""
+def _one_rule_place(rule: _objects.Mask, config: AttentionConfig) -> None:
+  """A mask object is the whole rule: the config states none beside it."""
   stated = [f"{name}={value!r}" for name, value, default in (
       ("causal", config.causal, True), ("sliding_window", config.sliding_window, None),
       ("chunk_size", config.chunk_size, None)) if value != default]
@@ -147,8 +147,15 @@ def validate_rule(rule: _objects.Mask, query: Shaped, key: Shaped,
     _fail(f"`mask` is a mask object ({type(rule).__name__}), the whole position rule, and "
           f"AttentionConfig also states {', '.join(stated)}: state the rule in one place "
           "(combine Causal(), SlidingWindow(w), Chunked(c) into the object, or pass no object).")
+
+
+def validate_rule(rule: _objects.Mask, query: Shaped, key: Shaped,
+                  config: AttentionConfig) -> None:
+  """A mask object given as `mask`: the whole position rule, with arrays of the call's shapes
+  (by their side) and each object's own rules (`Mask.check`)."""
   batch, query_len, num_heads = query.shape[:3]
   kv_len = key.shape[1]
+  _one_rule_place(rule, config)
   for part in rule.parts():
     for field, side, array in part.array_fields():
       name = f"{part.name}.{field}"
@@ -167,3 +174,82 @@ def _validate_rows(x: Shaped, name: str, batch: int, length: int, axis: str) -> 
   _chex(lambda: chex.assert_shape(x, (batch, length)), f"`{name}` must be {layout}, got "
         f"{tuple(x.shape)}.")
   _integer(x, name)
+
+
+def validate_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: Any,
+                   config: AttentionConfig, mask: Any, bias: Any, softmax_aux: Any) -> None:
+  """A paged call: query [N, Hq, D], key [N, Hkv, D], value [N, Hkv, Dv] against the cache's
+  pages and the batch's arrays; rules and scores over positions only."""
+  if not isinstance(config, AttentionConfig):
+    _fail(f"`config` must be a splash_hk.AttentionConfig, got {type(config).__name__}.")
+  if not isinstance(cache, PagedKVCache):
+    _fail(f"`cache` must be a splash_hk.PagedKVCache, got {type(cache).__name__}; build one with "
+          "PagedKVCache.zeros(num_pages, page_size, num_kv_heads, key_size, value_size).")
+  if not isinstance(batch, RaggedBatch):
+    _fail(f"`batch` must be a splash_hk.RaggedBatch(cu_q_lens, kv_lens, page_table, num_seqs), "
+          f"got {type(batch).__name__}.")
+  _rank(cache.key, 4, "cache.key", "[num_pages, page_size, num_kv_heads, head_dim]")
+  _rank(cache.value, 4, "cache.value", "[num_pages, page_size, num_kv_heads, value_head_dim]")
+  pool = tuple(cache.key.shape[:3])
+  if tuple(cache.value.shape[:3]) != pool:
+    _fail(f"`cache.value` must be [num_pages, page_size, num_kv_heads, value_head_dim] = "
+          f"{(*pool, 'Dv')}, got {tuple(cache.value.shape)}.")
+  _rank(query, 3, "query", "[num_tokens, num_heads, head_dim]")
+  num_tokens, num_heads, head_dim = query.shape
+  num_kv_heads, dv = pool[2], cache.value.shape[3]
+  for name, x, cached, want in (("key", key, cache.key, (num_tokens, num_kv_heads, head_dim)),
+                                ("value", value, cache.value, (num_tokens, num_kv_heads, dv))):
+    _rank(x, 3, name, f"[num_tokens, num_kv_heads, head_dim] = {want}")
+    if tuple(x.shape) != want:
+      _fail(f"`{name}` must be [num_tokens, num_kv_heads (the cache's), size (the cache's)] = "
+            f"{want}, got {tuple(x.shape)}.")
+    if x.dtype != cached.dtype:
+      _fail(f"`{name}` is {x.dtype} and the cache holds {cached.dtype}: pass "
+            f"{name}.astype(cache.{name}.dtype).")
+  if not jnp.issubdtype(query.dtype, jnp.floating) or num_heads % num_kv_heads:
+    _fail(f"`query` must be floating with a multiple of the cache's {num_kv_heads} kv heads, got "
+          f"{query.dtype} with {num_heads} heads.")
+  _validate_batch(batch)
+  _validate_positions_only(mask, bias, config, num_heads)
+  if softmax_aux is not None:
+    _validate_sinks(softmax_aux, num_heads, num_kv_heads)
+
+
+def _validate_batch(batch: RaggedBatch) -> None:
+  _rank(batch.kv_lens, 1, "batch.kv_lens", "[max_seqs]")
+  max_seqs = batch.kv_lens.shape[0]
+  _rank(batch.cu_q_lens, 1, "batch.cu_q_lens", f"[max_seqs + 1] = [{max_seqs + 1}]")
+  _rank(batch.page_table, 2, "batch.page_table", f"[max_seqs, pages_per_seq] = [{max_seqs}, .]")
+  num_seqs = batch.num_seqs
+  _array(num_seqs, "batch.num_seqs", "[] or [1]")
+  if (batch.cu_q_lens.shape[0] != max_seqs + 1 or batch.page_table.shape[0] != max_seqs
+      or tuple(num_seqs.shape) not in ((), (1,))):
+    _fail(f"`batch` must hold cu_q_lens [max_seqs + 1], kv_lens [max_seqs], page_table "
+          f"[max_seqs, pages_per_seq] and num_seqs [] or [1] (max_seqs = {max_seqs} from kv_lens), "
+          f"got {tuple(batch.cu_q_lens.shape)}, {tuple(batch.kv_lens.shape)}, "
+          f"{tuple(batch.page_table.shape)}, {tuple(num_seqs.shape)}.")
+  for name in ("cu_q_lens", "kv_lens", "page_table", "num_seqs"):
+    _integer(getattr(batch, name), f"batch.{name}")
+
+
+def _validate_positions_only(mask: Any, bias: Any, config: AttentionConfig,
+                             num_heads: int) -> None:
+  """A pool has no [T, S] layout: rules and scores over positions and heads only."""
+  if mask is not None:
+    if not isinstance(mask, _objects.Mask):
+      _fail("`mask` of a paged call must be a mask object over positions (splash_hk.masks: "
+            "Causal(), SlidingWindow(w), Chunked(c), MaskFn(fn), combined with & and |); a dense "
+            f"array has no meaning over a pool of pages, got {type(mask).__name__}.")
+    _one_rule_place(mask, config)
+    if mask.array_sides():
+      _fail(f"`mask` ({mask.name}) holds per-token arrays, which a paged call cannot place; "
+            "pass a rule over positions (a MaskFn of q_pos and kv_pos).")
+    for part in mask.parts():
+      part.check(1, 1, 1)
+  if bias is not None:
+    if not isinstance(bias, Score) or bias.array_sides() & {"q", "kv", "qk"}:
+      _fail("`bias` of a paged call must be a position score object (splash_hk.scores: Alibi, "
+            "RelativePosition, ScoreFn, added with +); a dense bias has no meaning over a pool "
+            f"of pages, got {getattr(bias, 'name', type(bias).__name__)}.")
+    for term in bias.parts():  # each term checks itself, naming `bias`
+      term.check(1, num_heads, 1, 1)

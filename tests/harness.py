@@ -15,6 +15,7 @@ from jax.sharding import AxisType
 import numpy as np
 
 import oracle
+import splash_hk as sh
 
 
 class Tolerance(NamedTuple):
@@ -126,3 +127,38 @@ def check_against_oracle(f: Callable[..., jax.Array], q, k, v, cot, *, sinks=Non
   args = (q, k, v) if sinks is None else (q, k, v, sinks)
   got = values_and_grads(f, args, cot)
   assert_close(got, oracle_values_and_grads(q, k, v, cot, sinks=sinks, **rules), grad=grad)
+
+
+def score_case(kind, q_pos, kv_pos, num_heads):
+  """(params, fn(params) -> dense [B|1, Hq, T, S] float64 in jnp) for each kind of score
+  ("alibi", "t5_bi", "t5_uni", "fn"): the oracle's side of `score_object(kind, params)`."""
+  dist = lambda: jnp.abs(q_pos[:, None, :, None] - kv_pos[:, None, None, :])  # [B, 1, T, S]
+  rel = lambda: kv_pos[:, None, :] - q_pos[:, :, None]  # [B, T, S]
+  if kind == "alibi":
+    return (np.asarray(sh.scores.alibi_slopes(num_heads)) * 1.5,
+            lambda s: -s[None, :, None, None] * dist())
+  if kind.startswith("t5"):
+    bidirectional = kind == "t5_bi"
+    table = np.random.default_rng(5).normal(size=(32, num_heads)).astype(np.float32)
+    bucket = oracle.t5_bucket(np.asarray(rel()), 32, 20, bidirectional, np)  # [B, T, S]
+    return table, lambda t: jnp.moveaxis(t[bucket], -1, 1)
+  if kind == "fn":
+    params = {"w": np.linspace(0.5, 1.0, num_heads).astype(np.float32), "c": np.float32(0.3)}
+    head = jnp.arange(num_heads)[None, :, None, None]
+    return params, lambda p: p["c"] * jnp.cos(p["w"][head] * dist()) - 0.01 * head
+  raise ValueError(kind)
+
+
+def score_object(kind, params):
+  """The library's score object of `kind` holding `params`."""
+  if kind == "alibi":
+    return sh.scores.Alibi(params)
+  if kind.startswith("t5"):
+    return sh.scores.RelativePosition(params, max_distance=20, bidirectional=kind == "t5_bi")
+  if kind == "fn":
+    return sh.scores.ScoreFn(_score_fn, params)
+  raise ValueError(kind)
+
+
+def _score_fn(params, q_pos, kv_pos, head):
+  return params["c"] * jnp.cos(params["w"][head] * jnp.abs(q_pos - kv_pos)) - 0.01 * head

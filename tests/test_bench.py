@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from benchmarks import bench
+from benchmarks import bench_paged
 from benchmarks import bench_report
 from benchmarks import bench_workloads
 from examples.train import paths
@@ -136,3 +137,15 @@ def test_visible_interval_is_exactly_the_visible_keys(rules, query_len, kv_len):
   got = (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])
   np.testing.assert_array_equal(got, want)
   assert bench_workloads.visible_pairs(query_len, kv_len, **rules) == want.sum()
+
+
+def test_paged_bench_prints_its_ratios_and_bytes(capsys):
+  figures = bench_paged.report(repeats=1, max_len=256)
+  out = capsys.readouterr().out
+  assert "pages_per_seq for 2048 / for 256 tokens" in out and "paged / KVCache(max_len=256)" in out
+  assert all(figures[k] > 0 for k in ("decode_wide_over_narrow", "decode_paged_over_kv_cache",
+                                      "mixed_over_apart"))
+  # 16 sequences of 64..255 tokens (+1 new each) in pages of 16, against 16 rows of 256 slots.
+  used = sum(-(-(n + 1) // 16) for n in np.linspace(64, 255, 16).astype(int)) * 16
+  assert figures["paged_mib"] == pytest.approx(used * 2 * 64 * 4 * 2 / 2**20)
+  assert figures["kv_cache_mib"] == pytest.approx(16 * 256 * 2 * 64 * 4 * 2 / 2**20)

@@ -22,39 +22,6 @@ S = sh.scores
 TILES = sh.BlockSizes(16, 8, 8, 16)  # T = 72: partial blocks at both ends
 
 
-def _oracle_bias(kind, q_pos, kv_pos, num_heads):
-  """(params, fn(params) -> dense [B|1, Hq, T, S] float64 in jnp) for each kind of score."""
-  dist = lambda: jnp.abs(q_pos[:, None, :, None] - kv_pos[:, None, None, :])  # [B, 1, T, S]
-  rel = lambda: kv_pos[:, None, :] - q_pos[:, :, None]  # [B, T, S]
-  if kind == "alibi":
-    return (np.asarray(S.alibi_slopes(num_heads)) * 1.5,
-            lambda s: -s[None, :, None, None] * dist())
-  if kind.startswith("t5"):
-    bidirectional = kind == "t5_bi"
-    table = np.random.default_rng(5).normal(size=(32, num_heads)).astype(np.float32)
-    bucket = oracle.t5_bucket(np.asarray(rel()), 32, 20, bidirectional, np)  # [B, T, S]
-    return table, lambda t: jnp.moveaxis(t[bucket], -1, 1)
-  if kind == "fn":
-    params = {"w": np.linspace(0.5, 1.0, num_heads).astype(np.float32), "c": np.float32(0.3)}
-    head = jnp.arange(num_heads)[None, :, None, None]
-    return params, lambda p: p["c"] * jnp.cos(p["w"][head] * dist()) - 0.01 * head
-  raise ValueError(kind)
-
-
-def _score(kind, params):
-  if kind == "alibi":
-    return S.Alibi(params)
-  if kind.startswith("t5"):
-    return S.RelativePosition(params, max_distance=20, bidirectional=kind == "t5_bi")
-  if kind == "fn":
-    return S.ScoreFn(_fn, params)
-  raise ValueError(kind)
-
-
-def _fn(params, q_pos, kv_pos, head):
-  return params["c"] * jnp.cos(params["w"][head] * jnp.abs(q_pos - kv_pos)) - 0.01 * head
-
-
 def _inputs(seed, batch=2, length=72, hq=4, hkv=2, head_dim=16, value_dim=24):
   rng = np.random.default_rng(seed)
   q = rng.normal(size=(batch, length, hq, head_dim)).astype(np.float32)
@@ -73,13 +40,13 @@ def _inputs(seed, batch=2, length=72, hq=4, hkv=2, head_dim=16, value_dim=24):
 def test_each_score_object_matches_the_oracle(kind, platform):
   q, k, v, seg, sinks, cot = _inputs(1)
   pos = np.arange(q.shape[1])[None].repeat(q.shape[0], 0)
-  params, dense = _oracle_bias(kind, pos, pos, q.shape[2])
+  params, dense = harness.score_case(kind, pos, pos, q.shape[2])
   config = sh.AttentionConfig(platform=platform, allow_fallback=False, block_sizes=TILES,
                               sliding_window=(30, 0), logits_soft_cap=6.0)
 
   def f(q, k, v, s, p):
     return sh.attention(q, k, v, config=config, q_segment_ids=seg, softmax_aux=s,
-                        bias=_score(kind, p)).attention_outputs
+                        bias=harness.score_object(kind, p)).attention_outputs
 
   got = harness.values_and_grads(f, (q, k, v, sinks, params), cot)
   want = oracle.out_and_vjp(q, k, v, cot, sinks=sinks, bias=dense, bias_params=params,
@@ -110,7 +77,7 @@ def test_dense_plus_alibi_reads_only_visible_pairs(shape, platform):
                    else seen_here.any(axis=1, keepdims=True), dense, np.nan).astype(np.float32)
   slopes = np.asarray(S.alibi_slopes(hq))
   pos = np.arange(length)[None].repeat(batch, 0)
-  _, alibi = _oracle_bias("alibi", pos, pos, hq)
+  _, alibi = harness.score_case("alibi", pos, pos, hq)
   config = sh.AttentionConfig(platform=platform, allow_fallback=False, block_sizes=TILES,
                               logits_soft_cap=6.0)
 
@@ -208,8 +175,8 @@ def test_sharded_bias_matches_the_oracle(strategy, mesh_name, kinds, balanced):
       p, fn = rng.normal(size=(batch, hq, length, length)).astype(np.float32), (lambda d: d)
       terms.append(S.Dense)
     else:
-      p, fn = _oracle_bias(kind, pos, pos, hq)
-      terms.append(lambda p, kind=kind: _score(kind, p))
+      p, fn = harness.score_case(kind, pos, pos, hq)
+      terms.append(lambda p, kind=kind: harness.score_object(kind, p))
     params.append(p)
     oracles.append(fn)
   axes = sh.MeshAxes(batch="dp", heads="tp", sequence="sp" if "sp" in mesh_name else None,
@@ -291,7 +258,7 @@ def test_position_objects_hold_no_t_by_s_buffer(kind):
             else jax.ShapeDtypeStruct((32, heads), jnp.float32))
 
   def loss(q, k, v, p):
-    return jnp.sum(sh.attention(q, k, v, bias=_score(kind, p)).attention_outputs)
+    return jnp.sum(sh.attention(q, k, v, bias=harness.score_object(kind, p)).attention_outputs)
 
   program = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
   compiled = program.lower(spec, spec, spec, params).compile()
@@ -310,15 +277,15 @@ def test_a_bias_with_a_mask_object_and_a_cache_free_prefill():
   ids = np.where(np.arange(length) < 13, 0, -1)[None].repeat(batch, 0).astype(np.int32)
   pos = np.where(np.arange(length) < 23, np.arange(length), np.arange(length) - 23)
   pos = pos[None].repeat(batch, 0).astype(np.int32)
-  slopes, alibi = _oracle_bias("alibi", pos, pos, hq)
-  table, t5 = _oracle_bias("t5_bi", pos, pos, hq)
+  slopes, alibi = harness.score_case("alibi", pos, pos, hq)
+  table, t5 = harness.score_case("t5_bi", pos, pos, hq)
   rule = (pos[:, None, None, :] <= pos[:, None, :, None]) | (
       (ids[:, None, :, None] == ids[:, None, None, :]) & (ids[:, None, :, None] >= 0))
   config = sh.AttentionConfig(block_sizes=TILES, allow_fallback=False, platform="xla")
   mask = sh.masks.Causal() | sh.masks.Bidirectional(ids)
   f = lambda q, k, v, p: sh.attention(
       q, k, v, config=config, mask=mask, q_positions=pos, q_segment_ids=seg,
-      bias=S.Alibi(p[0]) + _score("t5_bi", p[1])).attention_outputs
+      bias=S.Alibi(p[0]) + harness.score_object("t5_bi", p[1])).attention_outputs
   out, grads = harness.values_and_grads(f, (q, k, v, (slopes, table)), cot)
   want_out, want_grads = oracle.out_and_vjp(
       q, k, v, cot, bias=lambda p: alibi(p[0]) + t5(p[1]), bias_params=(slopes, table),

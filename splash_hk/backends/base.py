@@ -24,6 +24,7 @@ import jax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 import jax.numpy as jnp
 
+from splash_hk import pages
 from splash_hk.masks import _rules
 from splash_hk.masks._objects import Mask
 from splash_hk.scores import Score
@@ -91,6 +92,10 @@ class Backend:
       (and after an explicitly requested one) on any hardware.
     rank: its place in the order of choice (lower first) among the backends made
       for the hardware, and among the portable ones.
+    paged_why_not, paged_attend: the same two for a paged call (`splash_hk.pages`:
+      (PagedFacts, hardware) -> reason or None; (PagedInputs, PagedFacts) -> out
+      [N, Hq, Dv] over the cache with the call's tokens written); `paged_attend`
+      None for a backend without a paged kernel (its `paged_why_not` may say why).
   """
 
   name: str
@@ -102,6 +107,8 @@ class Backend:
   backward: BackwardHalf | None = None
   count_pairs: Callable[..., int] | None = None
   plan: Callable[[KernelInputs, Facts], Any] | None = None
+  paged_why_not: Callable[[pages.PagedFacts, str], str | None] | None = None
+  paged_attend: Callable[[pages.PagedInputs, pages.PagedFacts], jax.Array] | None = None
 
 
 def rule_refusal(facts: Facts, kernel: str, serves: Callable[[Mask], bool],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from splash_hk import pages
 from splash_hk.backends import base
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
@@ -95,4 +96,27 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   return KernelOutput(out, jnp.swapaxes(lse, 1, 2), asked)  # [B, T, Hq, Dv], [B, T, Hq]
 
 
-BACKEND = base.Backend(name="reference", why_not=why_not, attend=attend, rank=100)  # last resort
+def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> jax.Array:
+  """Dense gather: each row against its sequence's whole page table, as a one-query call of
+  `attend` (keys past the sequence's length are padding). out [N, Hq, Dv]."""
+  layout, page_size = x.layout, facts.page_size
+  num_tokens, kv_len = facts.num_tokens, facts.pages_per_seq * page_size
+  table = jnp.clip(x.batch.page_table, 0, facts.num_pages - 1)[layout.seq]  # [N, pages_per_seq]
+  gather = lambda pool: pool[table].reshape(num_tokens, kv_len, *pool.shape[2:])  # [N, S, Hkv, .]
+  kv_positions = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (num_tokens, kv_len))
+  inputs = KernelInputs(
+      query=x.query[:, None],  # [N, 1, Hq, D]
+      key=gather(x.cache.key),  # [N, S, Hkv, D]
+      value=gather(x.cache.value),  # [N, S, Hkv, Dv]
+      q_positions=layout.pos[:, None],  # [N, 1]
+      kv_positions=kv_positions,  # [N, S]
+      q_segment_ids=jnp.where(layout.row_live, 0, -1)[:, None],  # [N, 1]
+      kv_segment_ids=jnp.where(kv_positions < layout.kv_len_after[layout.seq][:, None], 0, -1),
+      rule=x.rule, sinks=x.sinks, bias=x.bias, heads=x.heads)
+  call = Facts.from_shapes(facts.config, inputs.query.shape, inputs.key.shape, facts.value_dim,
+                           default_positions=False, mask=facts.rule, bias=facts.bias)
+  return attend(inputs, call).out[:, 0]  # [N, Hq, Dv]
+
+
+BACKEND = base.Backend(name="reference", why_not=why_not, attend=attend, rank=100,  # last resort
+                       paged_why_not=lambda facts, hardware: None, paged_attend=paged_attend)

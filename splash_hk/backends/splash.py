@@ -276,5 +276,11 @@ def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool) -> jax.Array:
   return out.astype(x.query.dtype)
 
 
+# JAX's paged kernel (ragged_paged_attention) fails in jax 0.10.2's TPU interpret mode (its
+# interpreter has no reshaped refs), so no CPU test can hold it to the oracle: not served.
+PAGED_REFUSAL = ("JAX's ragged_paged_attention is not served: it does not run in interpret mode "
+                 "on jax 0.10.2, and no kernel is served unchecked")
+
 BACKEND = base.Backend(name="splash", why_not=why_not,
-                       attend=base.guard_garbage(attend, xla.attend), hardware=("tpu",), rank=0)
+                       attend=base.guard_garbage(attend, xla.attend), hardware=("tpu",), rank=0,
+                       paged_why_not=lambda facts, hardware: PAGED_REFUSAL)

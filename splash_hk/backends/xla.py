@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from splash_hk.backends import base
 from splash_hk.backends import xla_bias
+from splash_hk.backends import xla_paged
 from splash_hk.backends import xla_plan
 from splash_hk.backends.xla_blocks import Pair, Views
 from splash_hk.masks import _plan
@@ -308,6 +309,7 @@ def count_pairs(facts: Facts, q_positions, kv_positions, q_segment_ids=None,
 
 BACKEND = base.Backend(
     name="xla", why_not=why_not, attend=attend, rank=10,
+    paged_why_not=lambda facts, hardware: None, paged_attend=xla_paged.attend,
     forward=lambda x, facts: forward(x, facts, tiles_for(facts), jnp.float32, kv_in_place=True),
     backward=lambda x, facts, lse, d_out, delta, into=None: backward(
         x, facts, tiles_for(facts), lse, d_out, delta, into, kv_in_place=True),

@@ -8,7 +8,7 @@ serve a call (its `why_not`), and the first that can, does.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 from absl import logging
 import jax
@@ -17,6 +17,7 @@ from splash_hk import kernel
 from splash_hk.backends import base
 from splash_hk import platforms
 from splash_hk.config import AttentionConfig
+from splash_hk.pages import PagedFacts
 from splash_hk.types import Decision, Facts
 
 _LOGGED_REASONS: set[str] = set()  # a cache: each fallback reason is logged once
@@ -61,19 +62,39 @@ def select(facts: Facts, hardware: str | None = None) -> Decision:
 
 def _pick(facts: Facts, hardware: str) -> Decision:
   """The first backend of `candidates` that serves the call; the others' refusals as reason."""
-  config, mode = facts.config, facts.mode.value
+  return _first(facts.config, hardware, lambda b: b.why_not(facts, hardware),
+                f"{facts.mode.value} mode", _plan_note(facts))
+
+
+def select_paged(facts: PagedFacts, hardware: str | None = None) -> Decision:
+  """The backend of a paged call: the first of `candidates` with a paged kernel that serves it."""
+  hardware = hardware or jax.default_backend()
+
+  def why_not(backend: base.Backend) -> str | None:
+    said = None if backend.paged_why_not is None else backend.paged_why_not(facts, hardware)
+    if backend.paged_attend is None:
+      return said or "it has no paged kernel"
+    return said
+
+  return _first(facts.config, hardware, why_not, "paged")
+
+
+def _first(config: AttentionConfig, hardware: str, why_not: Callable[[base.Backend], str | None],
+           what: str, note: str = "") -> Decision:
+  """The first backend of `candidates` that `why_not` lets serve; the others' refusals as reason
+  (`what`: the kind of call, in words; `note`: words said of it whichever backend serves)."""
   refusals = []
-  for backend in candidates(config.platform, hardware):
-    why_not = kernel.backend(backend).why_not(facts, hardware)
-    if why_not is None:
+  for name in candidates(config.platform, hardware):
+    refusal = why_not(kernel.backend(name))
+    if refusal is None:
       break
-    refusals.append(f"{backend}: {why_not}")
+    refusals.append(f"{name}: {refusal}")
   if not refusals:
-    asked = "requested" if config.platform == backend else f"first choice on {hardware}"
-    return Decision(backend, f"{backend} is the {asked} ({mode} mode){_plan_note(facts)}")
+    asked = "requested" if config.platform == name else f"first choice on {hardware}"
+    return Decision(name, f"{name} is the {asked} ({what}){note}")
   return _fallback(config, Decision(
-      backend, f"falling back to {backend} ({mode} mode) because " + "; ".join(refusals)
-      + _plan_note(facts), fallback=True))
+      name, f"falling back to {name} ({what}) because " + "; ".join(refusals) + note,
+      fallback=True))
 
 
 def _plan_note(facts: Facts) -> str:

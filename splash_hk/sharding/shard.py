@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from splash_hk.sharding.axes import AxisEntry, MeshAxes
+from splash_hk.pages import PagedCall, PagedFacts, PagedKVCache
 from splash_hk.sharding.specs import attention_specs
+from splash_hk.sharding.specs import entry_size, stable_spec
 from splash_hk.sharding.specs import repeat_kv_heads
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
@@ -54,3 +57,39 @@ def shard_kernel(
   per_shard = lambda x: body(x, sequence)._replace(lse=None)
   return jax.shard_map(per_shard, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs,
                        check_vma=False)(x)
+
+
+def shard_paged(
+    step: Callable[[PagedCall, PagedFacts], tuple[jax.Array, PagedKVCache]],
+    call: PagedCall,
+    facts: PagedFacts,
+    *,
+    mesh: Mesh,
+    axes: MeshAxes,
+) -> tuple[jax.Array, PagedKVCache]:
+  """Runs a paged `step` on every shard of heads: the query heads and the pool's kv heads over
+  the head axis (`MeshAxes.heads`) where it divides the kv heads (else whole), the rest whole
+  on every device.
+
+  Returns:
+    (out [N, Hq, Dv] sharded like the query, the cache sharded like the given one).
+  """
+  heads = stable_spec((None, axes.heads), (facts.num_tokens, facts.num_kv_heads), mesh,
+                      keep=(1,))[1]
+  shards, whole = entry_size(heads, mesh), PartitionSpec()
+  at_heads = lambda axis, ndim: PartitionSpec(*(heads if d == axis % ndim else None
+                                                for d in range(ndim)))
+  by_side = lambda side, a, axis=0: at_heads(axis, a.ndim) if side == "head" else whole
+  specs: PagedCall[PartitionSpec] = PagedCall(
+      query=at_heads(1, 3), key=at_heads(1, 3), value=at_heads(1, 3),
+      cache=jax.tree.map(lambda a: at_heads(2, 4), call.cache),
+      batch=jax.tree.map(lambda a: whole, call.batch),
+      rule=None if call.rule is None else call.rule.map_arrays(lambda side, a: whole),
+      bias=None if call.bias is None else call.bias.map_arrays(by_side),
+      sinks=None if call.sinks is None else at_heads(0, 2), heads=at_heads(0, 1))
+  n, num_heads, head_dim = facts.query_shape
+  local = dataclasses.replace(
+      facts, query_shape=(n, num_heads // shards, head_dim),
+      cache_shape=(*facts.cache_shape[:2], facts.num_kv_heads // shards, facts.cache_shape[3]))
+  return jax.shard_map(lambda c: step(c, local), mesh=mesh, in_specs=(specs,),
+                       out_specs=(at_heads(1, 3), specs.cache), check_vma=False)(call)

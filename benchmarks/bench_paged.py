@@ -1,0 +1,112 @@
+"""The paged cache's figures, as same-run ratios (f32, Hq = 8, Hkv = 2, D = 64, pages of 16).
+
+  python -m benchmarks.bench_paged [--repeats=5]
+
+- decode: one new token for each of 16 sequences whose lengths spread over 64..max_len (4096),
+  with page tables wide enough for max_len and for 8 * max_len tokens (the work follows the
+  lengths, not the table), against the same step with `KVCache` of max_len (`attention` over
+  its slots);
+- mixed: 2 prefill chunks of max_len / 16 (256) tokens after as many cached ones, and 14
+  decodes, in one step, against the two steps done separately;
+- memory: the KV bytes each cache holds for those 16 sequences.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import timing
+import splash_hk as sh
+
+HQ, HKV, D, PAGE = 8, 2, 64, 16
+
+
+def pool_for(lens: Sequence[int], q_lens: Sequence[int], pages_per_seq: int, seed: int = 0
+             ) -> tuple[sh.PagedKVCache, sh.RaggedBatch]:
+  """A pool holding exactly the sequences' pages (shuffled) and the step's batch."""
+  rng = np.random.default_rng(seed)
+  need = [-(-(n + q) // PAGE) for n, q in zip(lens, q_lens)]
+  order = rng.permutation(sum(need))
+  table = np.zeros((len(lens), pages_per_seq), np.int32)
+  start = 0
+  for s, n in enumerate(need):
+    table[s, :n] = order[start:start + n]
+    start += n
+  pool = sum(need)
+  cache = sh.PagedKVCache(
+      jnp.asarray(rng.normal(size=(pool, PAGE, HKV, D)), jnp.float32),
+      jnp.asarray(rng.normal(size=(pool, PAGE, HKV, D)), jnp.float32))
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  batch = sh.RaggedBatch(jnp.asarray(cu), jnp.asarray(lens, jnp.int32), jnp.asarray(table),
+                         jnp.asarray(len(lens), jnp.int32))
+  return cache, batch
+
+
+def _paged_seconds(lens, q_lens, pages_per_seq, repeats) -> float:
+  cache, batch = pool_for(lens, q_lens, pages_per_seq)
+  rng = np.random.default_rng(1)
+  n = int(sum(q_lens))
+  q = jnp.asarray(rng.normal(size=(n, HQ, D)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(n, HKV, D)), jnp.float32)
+  step = jax.jit(lambda q, k, c, b: sh.paged_attention(q, k, k, c, b)[0])
+  return timing.median_seconds(step, q, k, cache, batch, repeats=repeats)
+
+
+def _fixed_seconds(lens, max_len, repeats) -> float:
+  """One decode token per row against a [16, max_len] KVCache's slots (`attention`)."""
+  rng = np.random.default_rng(2)
+  rows = len(lens)
+  q = jnp.asarray(rng.normal(size=(rows, 1, HQ, D)), jnp.float32)
+  kv = jnp.asarray(rng.normal(size=(rows, max_len, HKV, D)), jnp.float32)
+  slots = np.arange(max_len)
+  extras = dict(q_positions=jnp.asarray(np.asarray(lens)[:, None], jnp.int32),
+                kv_positions=jnp.asarray(np.tile(slots, (rows, 1)), jnp.int32),
+                q_segment_ids=jnp.zeros((rows, 1), jnp.int32),
+                kv_segment_ids=jnp.asarray(np.where(slots[None] <= np.asarray(lens)[:, None],
+                                                    0, -1), jnp.int32))
+  step = jax.jit(lambda q, kv, e: sh.attention(q, kv, kv, **e).attention_outputs)
+  return timing.median_seconds(step, q, kv, extras, repeats=repeats)
+
+
+def report(repeats: int, max_len: int = 4096) -> dict[str, float]:
+  """Prints and returns the ratios and bytes (sequences of 64..max_len tokens)."""
+  lens = np.linspace(64, max_len - 1, 16).astype(np.int32)  # cached tokens before the step
+  narrow_pages, chunk = max_len // PAGE, max_len // 16  # the prefill chunks: 256 at 4096
+  ones = [1] * 16
+  wide = _paged_seconds(lens, ones, 8 * narrow_pages, repeats)
+  narrow = _paged_seconds(lens, ones, narrow_pages, repeats)
+  fixed = _fixed_seconds(lens, max_len, repeats)
+  mixed_lens, mixed_q = [chunk, chunk] + list(lens[:14]), [chunk, chunk] + [1] * 14
+  mixed = _paged_seconds(mixed_lens, mixed_q, narrow_pages, repeats)
+  apart = (_paged_seconds([chunk, chunk], [chunk, chunk], narrow_pages, repeats)
+           + _paged_seconds(lens[:14], [1] * 14, narrow_pages, repeats))
+  used = sum(-(-(int(n) + 1) // PAGE) for n in lens) * PAGE
+  paged_bytes, fixed_bytes = used * HKV * D * 4 * 2, 16 * max_len * HKV * D * 4 * 2
+  figures = {"decode_wide_over_narrow": wide / narrow, "decode_paged_over_kv_cache": narrow / fixed,
+             "mixed_over_apart": mixed / apart, "paged_mib": paged_bytes / 2**20,
+             "kv_cache_mib": fixed_bytes / 2**20}
+  print(f"decode, 16 sequences of 64..{max_len} tokens: pages_per_seq for {8 * max_len} / for "
+        f"{max_len} tokens: {figures['decode_wide_over_narrow']:.2f}x; paged / "
+        f"KVCache(max_len={max_len}): {figures['decode_paged_over_kv_cache']:.2f}x")
+  print(f"mixed step (2 prefill chunks of {chunk} after {chunk} cached + 14 decodes) / the two "
+        f"apart: {figures['mixed_over_apart']:.2f}x")
+  print(f"KV bytes for those 16 sequences: paged {figures['paged_mib']:.1f} MiB (their tokens, "
+        f"rounded up to pages of {PAGE}), KVCache {figures['kv_cache_mib']:.1f} MiB")
+  return figures
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  report(flags.FLAGS.repeats, flags.FLAGS.max_len)
+
+
+if __name__ == "__main__":  # flags defined here: the bench (imported beside) has its own
+  flags.DEFINE_integer("repeats", 5, "Timed calls per measurement (the median).")
+  flags.DEFINE_integer("max_len", 4096, "The longest sequence (KVCache's max_len).")
+  app.run(main)

@@ -1,0 +1,147 @@
+"""`paged_attention` and `explain_paged`: one serving step over a paged KV cache.
+
+A step's new tokens (prefills, chunked prefills and decodes of many sequences, concatenated)
+are written into their sequences' pages, then each attends to its sequence's keys, in one call.
+The page allocator and the scheduler are the caller's (`examples/serve/`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from splash_hk import inputs
+from splash_hk import kernel
+from splash_hk import sharding
+from splash_hk import validation
+from splash_hk.config import AttentionConfig
+from splash_hk.fallback import selector
+from splash_hk.masks import Mask
+from splash_hk.masks import _rules
+from splash_hk.nodes import skeleton
+from splash_hk import pages
+from splash_hk.pages import Layout, PagedCall, PagedFacts, PagedInputs, PagedKVCache, RaggedBatch
+from splash_hk.scores import Score
+from splash_hk.types import Array, Decision, Shaped, as_score
+
+__all__ = ("PagedKVCache", "RaggedBatch", "explain_paged", "paged_attention")
+
+
+def paged_facts(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: Any, *,
+           config: AttentionConfig, mask: Any, bias: Any, softmax_aux: Any) -> PagedFacts:
+  """Validates a paged call's arguments (shapes and dtypes only); returns its facts."""
+  validation.validate_paged(query, key, value, cache, batch, config, mask, bias, softmax_aux)
+  rule = _rules.call_rule(**config.rules, mask=mask)
+  return PagedFacts(config=config, query_shape=tuple(query.shape),
+                    cache_shape=tuple(cache.key.shape), value_dim=cache.value.shape[-1],
+                    max_seqs=batch.kv_lens.shape[0], pages_per_seq=batch.page_table.shape[1],
+                    rule=skeleton(rule), bias=skeleton(as_score(bias)))
+
+
+def explain_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: Any, *,
+                  config: AttentionConfig = AttentionConfig(), mask: Mask | None = None,
+                  bias: Score | None = None, softmax_aux: Shaped | None = None) -> Decision:
+  """The backend `paged_attention` would use for these arguments, and why (arrays may be
+  `jax.ShapeDtypeStruct`s)."""
+  facts = paged_facts(query, key, value, cache, batch, config=config, mask=mask, bias=bias,
+                 softmax_aux=softmax_aux)
+  return selector.select_paged(facts)
+
+
+def _concrete(tree: Any) -> bool:
+  return not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+
+
+def _write(cache: PagedKVCache, key: jax.Array, value: jax.Array, batch: RaggedBatch,
+           layout: Layout) -> PagedKVCache:
+  """Each live row's key/value at its position in its sequence's pages; others write nothing."""
+  num_pages, page_size = cache.num_pages, cache.page_size
+  logical = jnp.clip(layout.pos // page_size, 0, batch.pages_per_seq - 1)  # [N]
+  page = jnp.where(layout.row_live, batch.page_table[layout.seq, logical], num_pages)  # [N]
+  slot = layout.pos % page_size  # [N]
+  put = lambda pool, new: pool.at[page, slot].set(new.astype(pool.dtype), mode="drop")
+  return cache.replace(key=put(cache.key, key), value=put(cache.value, value))
+
+
+def paged_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    cache: PagedKVCache,
+    batch: RaggedBatch,
+    *,
+    config: AttentionConfig = AttentionConfig(),
+    mask: Mask | None = None,
+    bias: Score | None = None,
+    softmax_aux: Array | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    axes: sharding.MeshAxes = sharding.MeshAxes(),
+) -> tuple[jax.Array, PagedKVCache]:
+  """Writes a step's new tokens into their pages, then attends each to its sequence's keys.
+
+  Glossary of shapes: N new tokens (rows) of all sequences, Hq query heads, Hkv kv heads, D
+  key size, Dv value size, P pages of `page_size` slots.
+
+  Args:
+    query: [N, Hq, D], the rows of sequence s at `batch.cu_q_lens[s]:cu_q_lens[s+1]`.
+    key: [N, Hkv, D], written at each row's position (`kv_lens[s]` + its index in s).
+    value: [N, Hkv, Dv].
+    cache: the pool, key [P, page_size, Hkv, D] and value [P, page_size, Hkv, Dv].
+    batch: the step's `RaggedBatch` (row offsets, lengths before the call, page table).
+    config: the rules (default causal: each row sees its sequence up to its own position),
+      soft cap, scale and platform, as for `attention`.
+    mask: a mask object over positions (the whole rule, as for `attention`); objects with
+      per-token arrays cannot describe a pool and are refused.
+    bias: a position score object (Alibi, RelativePosition, ScoreFn, sums of them).
+    softmax_aux: sinks [Hq], [Hq, n] or [Hkv, n].
+    mesh, axes: shard the query heads and the pool's kv heads over the head axis
+      (`MeshAxes.heads`) where it divides the kv heads; the flat token axis, the batch's
+      arrays and the pages stay whole.
+
+  Returns:
+    (out [N, Hq, Dv], the cache with the step written). Padding rows output 0 and write
+    nothing. A sequence that misuses the cache (see README) is a ValueError naming the argument
+    when `batch` is concrete; under `jit` it writes nothing and outputs NaN, the others proceed.
+  """
+  facts = paged_facts(query, key, value, cache, batch, config=config, mask=mask, bias=bias,
+                 softmax_aux=softmax_aux)
+  if mesh is not None:
+    validation.validate_mesh(mesh, axes)
+  decision = selector.select_paged(facts)
+  if _concrete(batch):
+    layout = pages.layout(batch, facts.num_tokens, facts.num_pages, facts.page_size)
+    pages.raise_misuse(layout.misuse, n=facts.num_tokens, max_seqs=facts.max_seqs,
+                       capacity=facts.pages_per_seq * facts.page_size,
+                       num_pages=facts.num_pages)
+  query = jnp.asarray(query)
+  if config.runtime_dtype is not None:
+    query = query.astype(config.runtime_dtype)
+  rule = _rules.call_rule(**config.rules, mask=mask)
+  score = as_score(bias)
+  call = PagedCall(
+      query=query,  # [N, Hq, D]
+      key=jnp.asarray(key),  # [N, Hkv, D]
+      value=jnp.asarray(value),  # [N, Hkv, Dv]
+      cache=cache, batch=batch,
+      rule=None if rule is None else rule.map_arrays(lambda side, a: jnp.asarray(a)),
+      bias=None if score is None else score.map_arrays(lambda side, a, **_: jnp.asarray(a)),
+      sinks=inputs.sinks(softmax_aux, facts.num_heads),  # [Hq, n] or None
+      heads=jnp.arange(facts.num_heads, dtype=jnp.int32))  # [Hq]
+  if mesh is None:
+    return _step(call, facts, decision.backend)
+  return sharding.shard_paged(lambda c, f: _step(c, f, decision.backend), call, facts,
+                              mesh=mesh, axes=axes)
+
+
+def _step(call: PagedCall, facts: PagedFacts, backend: str) -> tuple[jax.Array, PagedKVCache]:
+  """Write, then attend (on one shard of heads, or all): (out [N, Hq, Dv], cache)."""
+  layout = pages.layout(call.batch, facts.num_tokens, facts.num_pages, facts.page_size)
+  cache = _write(call.cache, call.key, call.value, call.batch, layout)
+  x = PagedInputs(query=call.query, cache=cache, batch=call.batch, layout=layout, rule=call.rule,
+                  bias=call.bias, sinks=call.sinks, heads=call.heads)
+  out = kernel.run_paged(backend, x, facts)  # [N, Hq, Dv]
+  out = jnp.where(layout.row_bad[:, None, None], jnp.nan, out)
+  out = jnp.where((layout.row_live | layout.row_bad)[:, None, None], out, 0)
+  return out.astype(call.query.dtype), cache

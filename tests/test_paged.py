@@ -1,0 +1,318 @@
+"""paged_attention against the float64 oracle: mixed steps over shuffled, shared pages."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import harness
+import oracle
+import splash_hk as sh
+from splash_hk import paged
+from splash_hk.fallback import selector
+
+HQ, HKV, D = 4, 2, 16
+PAGE = 4
+
+
+@dataclasses.dataclass
+class Step:
+  """One ragged step over a pool, with every sequence's whole history (for the oracle)."""
+
+  q: np.ndarray  # [N, Hq, D]
+  k: np.ndarray  # [N, Hkv, D]
+  v: np.ndarray  # [N, Hkv, Dv]
+  cache: sh.PagedKVCache
+  batch: sh.RaggedBatch
+  history_k: list  # per sequence [kv_len + q_len, Hkv, D]
+  history_v: list
+  q_lens: list
+
+
+def _step(seed, kv_lens=(5, 0, 12, 3), q_lens=(1, 7, 3, 1), max_seqs=5, pad_rows=2,
+          pages_per_seq=6, num_pages=40, value_dim=D, shared_prefix=True, dtype=np.float32,
+          hq=HQ, hkv=HKV):
+  """Sequences at different stages (a decode, a prefill, a chunked prefill, ...), pages shuffled
+  through the pool, NaN in every slot no sequence holds; sequences 0 and 2 share their first
+  page (their histories agree there) when it lies below both their lengths."""
+  rng = np.random.default_rng(seed)
+  n_seqs, n = len(kv_lens), sum(q_lens) + pad_rows
+  key = np.full((num_pages, PAGE, hkv, D), np.nan, dtype)
+  value = np.full((num_pages, PAGE, hkv, value_dim), np.nan, dtype)
+  free = list(rng.permutation(num_pages))
+  table = np.full((max_seqs, pages_per_seq), -1, np.int32)
+  history_k, history_v = [], []
+  for s, (kv, ql) in enumerate(zip(kv_lens, q_lens)):
+    hk = rng.normal(size=(kv + ql, hkv, D)).astype(dtype)
+    hv = rng.normal(size=(kv + ql, hkv, value_dim)).astype(dtype)
+    for p in range(-(-(kv + ql) // PAGE)):
+      if shared_prefix and s == 2 and p == 0 and min(kv_lens[0], kv_lens[2]) >= PAGE:
+        table[s, p] = table[0, 0]  # the page below both lengths: the same tokens
+        hk[:PAGE], hv[:PAGE] = history_k[0][:PAGE], history_v[0][:PAGE]
+        continue
+      table[s, p] = free.pop()
+    for t in range(kv):
+      key[table[s, t // PAGE], t % PAGE] = hk[t]
+      value[table[s, t // PAGE], t % PAGE] = hv[t]
+    history_k.append(hk)
+    history_v.append(hv)
+  cu = np.zeros(max_seqs + 1, np.int32)
+  cu[1:n_seqs + 1] = np.cumsum(q_lens)
+  cu[n_seqs + 1:] = cu[n_seqs]
+  lens = np.zeros(max_seqs, np.int32)
+  lens[:n_seqs] = kv_lens
+  new = lambda h: np.concatenate([hh[kv:] for hh, kv in zip(h, kv_lens)] +
+                                 [np.full((pad_rows, *h[0].shape[1:]), np.nan, dtype)])
+  q = rng.normal(size=(n, hq, D)).astype(dtype)
+  q[sum(q_lens):] = np.nan
+  batch = sh.RaggedBatch(jnp.asarray(cu), jnp.asarray(lens), jnp.asarray(table),
+                         jnp.asarray(n_seqs, jnp.int32))
+  return Step(q, new(history_k), new(history_v), sh.PagedKVCache(jnp.asarray(key),
+              jnp.asarray(value)), batch, history_k, history_v, list(q_lens))
+
+
+def _oracle(step, sinks=None, bias=None, **rules):
+  """[N, Hq, Dv] float64: each sequence's rows against its whole history; padding rows 0."""
+  outs = []
+  start = 0
+  for hk, hv, ql in zip(step.history_k, step.history_v, step.q_lens):
+    q = step.q[start:start + ql][None]
+    dense = None if bias is None else bias(ql, len(hk))
+    out, _ = oracle.attention(q, hk[None], hv[None], sinks=sinks, bias=dense, **rules)
+    outs.append(out[0])
+    start += ql
+  pad = np.zeros((step.q.shape[0] - start, step.q.shape[1], step.v.shape[-1]))
+  return np.concatenate(outs + [pad])
+
+
+def _check_cache(step, cache):
+  """The new tokens at their slots; every other slot bit for bit as before (NaN included)."""
+  key, value = np.array(step.cache.key), np.array(step.cache.value)
+  table, kv_lens = np.asarray(step.batch.page_table), np.asarray(step.batch.kv_lens)
+  for s, (hk, hv, ql) in enumerate(zip(step.history_k, step.history_v, step.q_lens)):
+    for t in range(kv_lens[s], kv_lens[s] + ql):
+      key[table[s, t // PAGE], t % PAGE] = hk[t]
+      value[table[s, t // PAGE], t % PAGE] = hv[t]
+  np.testing.assert_array_equal(np.asarray(cache.key), key)
+  np.testing.assert_array_equal(np.asarray(cache.value), value)
+
+
+RULES = {
+    "causal": (sh.AttentionConfig(), dict()),
+    "window": (sh.AttentionConfig(sliding_window=(3, 0)), dict(window=(3, 0))),
+    "chunk": (sh.AttentionConfig(chunk_size=5), dict(chunk=5)),
+    "bidirectional": (sh.AttentionConfig(causal=False), dict(causal=False)),
+    "soft_cap": (sh.AttentionConfig(logits_soft_cap=2.0), dict(soft_cap=2.0)),
+}
+
+
+@pytest.mark.parametrize("platform", ["xla", "reference"])
+@pytest.mark.parametrize("rule", list(RULES))
+def test_mixed_step_matches_the_oracle_and_writes_only_its_tokens(platform, rule):
+  config, rules = RULES[rule]
+  step = _step(seed=1)
+  config = dataclasses.replace(config, platform=platform, allow_fallback=False)
+  out, cache = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
+      step.q, step.k, step.v, step.cache, step.batch)
+  np.testing.assert_allclose(np.asarray(out), _oracle(step, **rules), **harness.tol())
+  _check_cache(step, cache)
+
+
+@pytest.mark.parametrize("platform", ["xla", "reference"])
+@pytest.mark.parametrize("kind", ["alibi", "t5_uni", "fn"])
+def test_sinks_gqa_value_size_and_position_bias(platform, kind):
+  step = _step(seed=2, value_dim=24)
+  sinks = np.random.default_rng(3).normal(size=(HKV, 2)).astype(np.float32)  # kv-head sinks
+  params, dense = harness.score_case(kind, np.arange(40)[None], np.arange(40)[None], HQ)
+  bias = lambda ql, s: np.asarray(dense(params))[:, :, s - ql:s, :s]  # end-aligned rows
+  config = sh.AttentionConfig(platform=platform, allow_fallback=False, logits_soft_cap=3.0)
+  out, _ = jax.jit(lambda *a, s, b: sh.paged_attention(*a, config=config, softmax_aux=s, bias=b))(
+      step.q, step.k, step.v, step.cache, step.batch, s=sinks, b=harness.score_object(kind, params))
+  want = _oracle(step, sinks=np.repeat(sinks, HQ // HKV, 0), bias=bias, soft_cap=3.0)
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
+
+
+@pytest.mark.parametrize("platform", ["xla", "reference"])
+def test_mask_objects_over_positions(platform):
+  step = _step(seed=4)
+  rule = (sh.masks.Causal() & sh.masks.MaskFn(lambda q, kv: (q - kv) % 3 != 1)) | sh.masks.MaskFn(
+      lambda q, kv: kv < 2)
+  config = sh.AttentionConfig(platform=platform, allow_fallback=False)
+  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config, mask=rule))(
+      step.q, step.k, step.v, step.cache, step.batch)
+  def dense(ql, s):
+    qp, kp = np.arange(s - ql, s)[:, None], np.arange(s)[None]
+    return (((kp <= qp) & ((qp - kp) % 3 != 1)) | (kp < 2))[None, None]
+  want = _oracle(step, mask=None, bias=lambda ql, s: np.where(dense(ql, s), 0.0, -np.inf),
+                 causal=False)
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
+
+
+def test_long_prefill_chunk_beside_decodes_at_a_real_size():
+  # 300 prefill rows after 77 cached tokens (its rows' pages: thousands of loop items, many loop
+  # steps) beside three decodes; pages of 4 over a pool of 400.
+  step = _step(seed=5, kv_lens=(77, 130, 30, 250), q_lens=(300, 1, 1, 1), pages_per_seq=100,
+               num_pages=400, pad_rows=3)
+  config = sh.AttentionConfig(platform="xla", allow_fallback=False, sliding_window=(200, 0))
+  out, cache = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
+      step.q, step.k, step.v, step.cache, step.batch)
+  np.testing.assert_allclose(np.asarray(out), _oracle(step, window=(200, 0)), **harness.tol())
+  _check_cache(step, cache)
+
+
+def _misuse(kind, step):
+  """(batch with one misuse, the sequences it involves, the words the error names)."""
+  b = step.batch
+  cu, lens, table = (np.array(a) for a in (b.cu_q_lens, b.kv_lens, b.page_table))
+  num_seqs = b.num_seqs
+  if kind == "cu_q_lens":
+    cu[2] = cu[1] - 1
+    involved, words = [0, 1, 2, 3], "`batch.cu_q_lens` decreases"
+  elif kind == "num_seqs":
+    num_seqs, involved, words = jnp.asarray(9, jnp.int32), [0, 1, 2, 3], "`batch.num_seqs`"
+  elif kind == "kv_lens":
+    lens[3] = -2
+    involved, words = [3], "`batch.kv_lens` is negative (sequences [3])"
+  elif kind == "capacity":
+    table[1, :] = table[1, 0]  # a full table (one page repeated is read only below 0 + 7 ...)
+    lens[1] = table.shape[1] * PAGE - 3  # ... but 7 new rows grow past the table
+    involved, words = [1], "grows past pages_per_seq * page_size = 24 tokens (sequences [1])"
+  elif kind == "page_range":
+    table[3, 0] = 40
+    involved, words = [3], "lists a page outside [0, 40) (sequences [3])"
+  else:  # shared_write: sequence 3 writes into a page sequence 1 lists
+    table[3, 0] = table[1, 0]
+    involved, words = [1, 3], "also listed elsewhere"
+  batch = sh.RaggedBatch(jnp.asarray(cu), jnp.asarray(lens), jnp.asarray(table), num_seqs)
+  return batch, involved, words
+
+
+@pytest.mark.parametrize("kind", ["cu_q_lens", "num_seqs", "kv_lens", "capacity", "page_range",
+                                  "shared_write"])
+def test_misuse_is_an_error_eagerly_and_nan_under_jit(kind):
+  step = _step(seed=6)
+  batch, involved, words = _misuse(kind, step)
+  with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(").replace(
+      ")", r"\)").replace("*", r"\*")):
+    sh.paged_attention(step.q, step.k, step.v, step.cache, batch)
+  out, cache = jax.jit(sh.paged_attention)(step.q, step.k, step.v, step.cache, batch)
+  out = np.asarray(out)
+  want = _oracle(step)
+  cu = np.asarray(step.batch.cu_q_lens)
+  for s in range(4):
+    rows = slice(cu[s], cu[s + 1])
+    if s in involved:
+      assert np.isnan(out[rows]).all(), (kind, s)
+    else:
+      np.testing.assert_allclose(out[rows], want[rows], **harness.tol())
+  # Padding rows: 0, unless num_seqs itself is wrong (then which rows are padding is unknown).
+  np.testing.assert_array_equal(out[cu[4]:], np.nan if kind == "num_seqs" else 0)
+  # The involved sequences wrote nothing: the cache is as if only the others had run.
+  healthy = [s for s in range(4) if s not in involved]
+  expected = dataclasses.replace(step, history_k=[step.history_k[s] for s in healthy],
+                                 history_v=[step.history_v[s] for s in healthy],
+                                 q_lens=[step.q_lens[s] for s in healthy])
+  kept = np.array(healthy, int)
+  expected.batch = sh.RaggedBatch(step.batch.cu_q_lens, step.batch.kv_lens[kept],
+                                  step.batch.page_table[kept], step.batch.num_seqs)
+  _check_cache(expected, cache)
+
+
+def test_decode_loop_equals_the_oracle_over_the_whole_history():
+  # Three prompts prefilled together, then decoded together step by step, a fourth admitted
+  # mid-stream (its prefill in the same step as the others' decodes); pages handed out from a
+  # shuffled free list as sequences grow. Every step's rows equal the oracle over each
+  # sequence's whole history.
+  rng = np.random.default_rng(7)
+  pages_per_seq, max_seqs, config = 12, 4, sh.AttentionConfig(platform="xla")
+  cache = sh.PagedKVCache.zeros(48, PAGE, HKV, D)
+  free, table = list(rng.permutation(48)), np.full((max_seqs, pages_per_seq), -1, np.int32)
+  hist_k, hist_v, lens = [], [], []
+  step_fn = jax.jit(lambda q, k, v, c, b: sh.paged_attention(q, k, v, c, b, config=config),
+                    donate_argnums=3)
+  for t in range(14):
+    new = [10, 3, 17] if t == 0 else [1] * len(lens) + ([6] if t == 5 else [])
+    for s, n in enumerate(new):
+      if s == len(lens):
+        lens.append(0)
+        hist_k.append(np.zeros((0, HKV, D), np.float32))
+        hist_v.append(np.zeros((0, HKV, D), np.float32))
+      while (table[s] >= 0).sum() * PAGE < lens[s] + n:
+        table[s, (table[s] >= 0).sum()] = free.pop()
+    q = rng.normal(size=(sum(new), HQ, D)).astype(np.float32)
+    k = rng.normal(size=(sum(new), HKV, D)).astype(np.float32)
+    v = rng.normal(size=(sum(new), HKV, D)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(new), np.full(max_seqs - len(new), sum(new))])
+    kv_lens = np.array(lens + [0] * (max_seqs - len(lens)), np.int32)
+    batch = sh.RaggedBatch(jnp.asarray(cu, jnp.int32), jnp.asarray(kv_lens),
+                           jnp.asarray(table), jnp.asarray(len(new), jnp.int32))
+    out, cache = step_fn(q, k, v, cache, batch)
+    start = 0
+    for s, n in enumerate(new):
+      hist_k[s] = np.concatenate([hist_k[s], k[start:start + n]])
+      hist_v[s] = np.concatenate([hist_v[s], v[start:start + n]])
+      want, _ = oracle.attention(q[None, start:start + n], hist_k[s][None], hist_v[s][None])
+      np.testing.assert_allclose(np.asarray(out[start:start + n]), want[0], **harness.tol(),
+                                 err_msg=f"step {t}, sequence {s}")
+      lens[s] += n
+      start += n
+
+
+def test_explain_paged_names_the_backend_and_the_refusals():
+  step = _step(seed=8)
+  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+  args = jax.tree.map(spec, (step.q, step.k, step.v, step.cache, step.batch))
+  decision = sh.explain_paged(*args)
+  assert decision.backend == "xla" and "paged" in decision.reason, decision
+  decision = sh.explain_paged(*args, config=sh.AttentionConfig(platform="reference"))
+  assert decision == sh.Decision("reference", "reference is the requested (paged)")
+  splash = sh.explain_paged(*args, config=sh.AttentionConfig(platform="splash", interpret=True))
+  assert splash.fallback and splash.backend == "xla", splash
+  assert "splash: JAX's ragged_paged_attention is not served" in splash.reason, splash
+  gpu = selector.select_paged(
+      paged.paged_facts(*args, config=sh.AttentionConfig(), mask=None, bias=None, softmax_aux=None),
+      hardware="gpu")
+  assert gpu.backend == "xla" and "triton: no GPU paged kernel" in gpu.reason, gpu
+  with pytest.raises(ValueError, match="forbids fallbacks"):
+    sh.explain_paged(*args, config=sh.AttentionConfig(platform="triton", allow_fallback=False))
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(q=np.zeros((14, 4, 8), np.float32)), "`key` must be"),
+    (dict(k=np.zeros((14, 2, 16), np.float16)), "`key` is float16 and the cache holds float32"),
+    (dict(cache=sh.KVCache.zeros(1, 8, 2, 16)), "`cache` must be a splash_hk.PagedKVCache"),
+    (dict(mask=np.ones((1, 1, 13, 24), bool)), "a dense array has no meaning over a pool"),
+    (dict(mask=sh.masks.Causal() | sh.masks.Bidirectional(np.zeros((1, 13), np.int32))),
+     "per-token arrays"),
+    (dict(bias=sh.scores.Dense(np.zeros((1, 4, 13, 24), np.float32))), "a dense bias"),
+    (dict(bias=sh.scores.Alibi(np.ones(3, np.float32))), "Alibi.slopes"),
+    (dict(softmax_aux=np.zeros(3, np.float32)), "`softmax_aux`"),
+    (dict(batch=(1, 2)), "`batch` must be a splash_hk.RaggedBatch"),
+])
+def test_bad_arguments_name_what_to_pass(change, words):
+  step = _step(seed=9)
+  args = dict(q=step.q, k=step.k, v=step.v, cache=step.cache, batch=step.batch)
+  kwargs = {key: change.pop(key) for key in ("mask", "bias", "softmax_aux") if key in change}
+  args.update(change)
+  with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+    sh.paged_attention(*args.values(), **kwargs)
+
+
+@pytest.mark.parametrize("mesh_name", ["4x2", "2x4"])
+def test_heads_shard_over_the_head_axis(mesh_name):
+  # tp = 2 and 4 over 8 query and 4 kv heads (the flat token axis and the pages whole), with
+  # kv-head sinks and learnable-per-head ALiBi slopes sharded with their heads.
+  step = _step(seed=10, hq=8, hkv=4)
+  mesh = harness.mesh(mesh_name)
+  sinks = np.random.default_rng(11).normal(size=(4, 1)).astype(np.float32)
+  slopes, dense = harness.score_case("alibi", np.arange(40)[None], np.arange(40)[None], 8)
+  call = jax.jit(lambda q, k, v, c, b, s, a: sh.paged_attention(
+      q, k, v, c, b, softmax_aux=s, bias=sh.scores.Alibi(a), mesh=mesh))
+  out, cache = call(step.q, step.k, step.v, step.cache, step.batch, sinks, slopes)
+  assert out.sharding.spec[1] == "tp" and cache.key.sharding.spec[2] == "tp"
+  bias = lambda ql, s: np.asarray(dense(slopes))[:, :, s - ql:s, :s]
+  want = _oracle(step, sinks=np.repeat(sinks, 2, 0), bias=bias)
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
+  _check_cache(step, cache)
