@@ -1,6 +1,6 @@
 """The paged cache's figures, as same-run ratios (f32, Hq = 8, Hkv = 2, D = 64, pages of 16).
 
-  python -m benchmarks.bench_paged [--repeats=5]
+  python -m benchmarks.bench_paged [--repeats=7] [--max_len=4096]
 
 - decode: one new token for each of 16 sequences whose lengths spread over 64..max_len (4096),
   with page tables wide enough for max_len and for 8 * max_len tokens (the work follows the
@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from absl import app
 from absl import flags
@@ -48,17 +48,18 @@ def pool_for(lens: Sequence[int], q_lens: Sequence[int], pages_per_seq: int, see
   return cache, batch
 
 
-def _paged_seconds(lens, q_lens, pages_per_seq, repeats) -> float:
+def _paged_call(lens, q_lens, pages_per_seq) -> Callable[[], Any]:
+  """A compiled paged step over such sequences, and its arguments, as a thunk."""
   cache, batch = pool_for(lens, q_lens, pages_per_seq)
   rng = np.random.default_rng(1)
   n = int(sum(q_lens))
   q = jnp.asarray(rng.normal(size=(n, HQ, D)), jnp.float32)
   k = jnp.asarray(rng.normal(size=(n, HKV, D)), jnp.float32)
   step = jax.jit(lambda q, k, c, b: sh.paged_attention(q, k, k, c, b)[0])
-  return timing.median_seconds(step, q, k, cache, batch, repeats=repeats)
+  return lambda: step(q, k, cache, batch)
 
 
-def _fixed_seconds(lens, max_len, repeats) -> float:
+def _fixed_call(lens, max_len) -> Callable[[], Any]:
   """One decode token per row against a [16, max_len] KVCache's slots (`attention`)."""
   rng = np.random.default_rng(2)
   rows = len(lens)
@@ -71,7 +72,15 @@ def _fixed_seconds(lens, max_len, repeats) -> float:
                 kv_segment_ids=jnp.asarray(np.where(slots[None] <= np.asarray(lens)[:, None],
                                                     0, -1), jnp.int32))
   step = jax.jit(lambda q, kv, e: sh.attention(q, kv, kv, **e).attention_outputs)
-  return timing.median_seconds(step, q, kv, extras, repeats=repeats)
+  return lambda: step(q, kv, extras)
+
+
+def _ratio(first: Sequence[Callable[[], Any]], second: Sequence[Callable[[], Any]],
+           repeats: int) -> float:
+  """Median over `repeats` rounds of (time of the `first` calls) / (time of the `second`),
+  the two timed one after the other in each round (the machine's drift cancels)."""
+  seconds = lambda calls: sum(timing.timed_call(call)[0] for call in calls)
+  return float(np.median([seconds(first) / seconds(second) for _ in range(repeats)]))
 
 
 def report(repeats: int, max_len: int = 4096) -> dict[str, float]:
@@ -79,18 +88,19 @@ def report(repeats: int, max_len: int = 4096) -> dict[str, float]:
   lens = np.linspace(64, max_len - 1, 16).astype(np.int32)  # cached tokens before the step
   narrow_pages, chunk = max_len // PAGE, max_len // 16  # the prefill chunks: 256 at 4096
   ones = [1] * 16
-  wide = _paged_seconds(lens, ones, 8 * narrow_pages, repeats)
-  narrow = _paged_seconds(lens, ones, narrow_pages, repeats)
-  fixed = _fixed_seconds(lens, max_len, repeats)
+  narrow = _paged_call(lens, ones, narrow_pages)
   mixed_lens, mixed_q = [chunk, chunk] + list(lens[:14]), [chunk, chunk] + [1] * 14
-  mixed = _paged_seconds(mixed_lens, mixed_q, narrow_pages, repeats)
-  apart = (_paged_seconds([chunk, chunk], [chunk, chunk], narrow_pages, repeats)
-           + _paged_seconds(lens[:14], [1] * 14, narrow_pages, repeats))
+  apart = [_paged_call([chunk, chunk], [chunk, chunk], narrow_pages),
+           _paged_call(lens[:14], [1] * 14, narrow_pages)]
   used = sum(-(-(int(n) + 1) // PAGE) for n in lens) * PAGE
   paged_bytes, fixed_bytes = used * HKV * D * 4 * 2, 16 * max_len * HKV * D * 4 * 2
-  figures = {"decode_wide_over_narrow": wide / narrow, "decode_paged_over_kv_cache": narrow / fixed,
-             "mixed_over_apart": mixed / apart, "paged_mib": paged_bytes / 2**20,
-             "kv_cache_mib": fixed_bytes / 2**20}
+  figures = {
+      "decode_wide_over_narrow": _ratio([_paged_call(lens, ones, 8 * narrow_pages)], [narrow],
+                                        repeats),
+      "decode_paged_over_kv_cache": _ratio([narrow], [_fixed_call(lens, max_len)], repeats),
+      "mixed_over_apart": _ratio([_paged_call(mixed_lens, mixed_q, narrow_pages)], apart,
+                                 repeats),
+      "paged_mib": paged_bytes / 2**20, "kv_cache_mib": fixed_bytes / 2**20}
   print(f"decode, 16 sequences of 64..{max_len} tokens: pages_per_seq for {8 * max_len} / for "
         f"{max_len} tokens: {figures['decode_wide_over_narrow']:.2f}x; paged / "
         f"KVCache(max_len={max_len}): {figures['decode_paged_over_kv_cache']:.2f}x")
@@ -107,6 +117,6 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":  # flags defined here: the bench (imported beside) has its own
-  flags.DEFINE_integer("repeats", 5, "Timed calls per measurement (the median).")
+  flags.DEFINE_integer("repeats", 7, "Rounds per ratio (the median).")
   flags.DEFINE_integer("max_len", 4096, "The longest sequence (KVCache's max_len).")
   app.run(main)

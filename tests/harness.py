@@ -59,7 +59,7 @@ MESHES = {
 # they are held to: one set of flags, so that run compiles once (conftest: the subprocesses
 # share a compilation cache).
 SHARDED_TRAINING_FLAGS = ("--steps=20", "--log_every=20", "--seq_len=32", "--prefix_lm",
-                          "--num_heads=8")
+                          "--num_heads=8", "--num_layers=1")
 
 
 def mesh(name: str, explicit: bool = False) -> jax.sharding.Mesh:

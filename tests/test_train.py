@@ -45,15 +45,17 @@ def test_defaults_learn_the_task_and_sample_decodes_with_the_cache():
 # the defaults' accuracy bar (README: ALiBi at 1200 steps, T5 at 2000), too long to run here.
 @pytest.mark.parametrize("bias", ["alibi", "t5"])
 def test_position_biases_train_and_decode(bias):
-  proc = _train(f"--position_bias={bias}", "--steps=60", "--log_every=20", "--sample")
+  proc = _train(f"--position_bias={bias}", "--steps=60", "--log_every=20", "--sample",
+                "--num_layers=1")
   losses = _losses(proc)
   assert losses[60] < losses[40] < losses[20], losses
   assert "sample batch: 8 prompts" in proc.stdout, proc.stdout
 
 
 def test_splash_and_reference_attention_give_the_same_losses():
-  splash = _losses(_train("--steps=25", "--log_every=1", "--attention=splash"))
-  reference = _losses(_train("--steps=25", "--log_every=1", "--attention=reference"))
+  flags = ("--steps=25", "--log_every=1", "--num_layers=1")
+  splash = _losses(_train(*flags, "--attention=splash"))
+  reference = _losses(_train(*flags, "--attention=reference"))
   assert sorted(splash) == list(range(1, 26)) and sorted(reference) == list(range(1, 26))
   for step in splash:
     assert abs(splash[step] - reference[step]) < 1e-3, (step, splash[step], reference[step])
@@ -73,7 +75,7 @@ def test_sharded_training_matches_single_device():
 
 
 def test_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
-  flags = ("--steps=20", "--log_every=5", "--checkpoint_every=5")
+  flags = ("--steps=20", "--log_every=5", "--checkpoint_every=5", "--num_layers=1")
   whole = _train(*flags, f"--checkpoint_dir={tmp_path / 'whole'}")
   first = _train(*flags, f"--checkpoint_dir={tmp_path / 'split'}", "--stop_after_steps=10")
   assert "final step=" not in first.stdout and max(_losses(first)) == 10
@@ -85,7 +87,7 @@ def test_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
 
 
 def test_bfloat16_compute_trains():
-  losses = _losses(_train("--steps=10", "--log_every=5", "--dtype=bfloat16"))
+  losses = _losses(_train("--steps=10", "--log_every=5", "--dtype=bfloat16", "--num_layers=1"))
   assert losses[10] < losses[5] < 4.5
 
 

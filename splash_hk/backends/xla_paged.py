@@ -58,7 +58,7 @@ def _fold(state, item: jax.Array, x: pages.PagedInputs, facts: pages.PagedFacts,
   if x.rule is not None:
     visible = visible & x.rule.visible(q_pos[:, None], kv_pos)  # [I, page]
   query = x.query[row].reshape(-1, num_kv_heads, groups, facts.head_dim)  # [I, Hkv, G, D]
-  key = jnp.where(visible[:, :, None, None], x.cache.key[physical], 0)  # [I, page, Hkv, D]
+  key = x.cache.key[physical]  # [I, page, Hkv, D]; garbage's logits are masked below
   value = jnp.where(visible[:, :, None, None], x.cache.value[physical], 0)  # [I, page, Hkv, Dv]
   logits = jnp.einsum("ikgd,iskd->ikgs", query, key, precision=_HIGHEST,
                       preferred_element_type=jnp.float32) * facts.scale  # [I, Hkv, G, page]
