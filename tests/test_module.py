@@ -196,21 +196,22 @@ def test_transform_with_state_remat_layer_stack_and_vmap():
   mha = lambda name=None: sh.MultiHeadAttention(2, 4, num_kv_heads=1, w_init=W_INIT, name=name)
   plain = hk.transform(lambda x: mha()(x))
   params = plain.init(jax.random.PRNGKey(3), x)
-  want = plain.apply(params, None, x)
+  want = jax.jit(plain.apply)(params, None, x)
 
   with_state = hk.transform_with_state(lambda x: mha()(x) + 0 * hk.get_state(
       "count", [], init=jnp.zeros))
-  out, _ = with_state.apply(params, with_state.init(jax.random.PRNGKey(3), x)[1], None, x)
+  out, _ = jax.jit(with_state.apply)(params, with_state.init(jax.random.PRNGKey(3), x)[1], None,
+                                     x)
   np.testing.assert_allclose(out, want, atol=1e-6)
 
   remat = hk.transform(lambda x: hk.remat(lambda y: mha()(y))(x))
-  np.testing.assert_allclose(remat.apply(params, None, x), want, atol=1e-6)
-  g1 = jax.grad(lambda p: remat.apply(p, None, x).sum())(params)
-  g2 = jax.grad(lambda p: plain.apply(p, None, x).sum())(params)
+  np.testing.assert_allclose(jax.jit(remat.apply)(params, None, x), want, atol=1e-6)
+  g1 = jax.jit(jax.grad(lambda p: remat.apply(p, None, x).sum()))(params)
+  g2 = jax.jit(jax.grad(lambda p: plain.apply(p, None, x).sum()))(params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **harness.tol()), g1, g2)
 
   vmapped = hk.transform(lambda x: hk.vmap(lambda y: mha()(y), split_rng=False)(x))
-  np.testing.assert_allclose(vmapped.apply(params, None, x), want, **harness.tol())
+  np.testing.assert_allclose(jax.jit(vmapped.apply)(params, None, x), want, **harness.tol())
 
   def stacked(x):
     layer = lambda h: h + sh.MultiHeadAttention(2, 4, model_size=8, w_init=W_INIT)(h)
@@ -220,12 +221,13 @@ def test_transform_with_state_remat_layer_stack_and_vmap():
   sp = stack.init(jax.random.PRNGKey(4), x)
   prefix = "__layer_stack_no_per_layer/"
   assert sp[prefix + "multi_head_attention/query"]["w"].shape == (3, 8, 8)
-  out = stack.apply(sp, None, x)
+  out = jax.jit(stack.apply)(sp, None, x)
   unrolled = x
+  single = hk.transform(lambda h: sh.MultiHeadAttention(2, 4, model_size=8, w_init=W_INIT)(h))
+  apply_single = jax.jit(single.apply)
   for i in range(3):
     layer_params = {k.removeprefix(prefix): jax.tree.map(lambda a: a[i], v) for k, v in sp.items()}
-    single = hk.transform(lambda h: sh.MultiHeadAttention(2, 4, model_size=8, w_init=W_INIT)(h))
-    unrolled = unrolled + single.apply(layer_params, None, unrolled)
+    unrolled = unrolled + apply_single(layer_params, None, unrolled)
   np.testing.assert_allclose(out, unrolled, **harness.tol())
 
 
