@@ -23,6 +23,12 @@ assert "site-packages" in location.parts, f"splash_hk imported from {location}, 
 assert importlib.resources.files("splash_hk").joinpath("py.typed").is_file(), "py.typed is missing"
 for stray in ("examples", "benchmarks"):
   assert not (location.parent.parent / stray / "__init__.py").exists(), f"{stray} was installed"
+assert "flax" not in sys.modules, "importing splash_hk imported flax (only splash_hk.flax may)"
+try:
+  import splash_hk.flax  # noqa: F401  (the [flax] extra is not installed here)
+  raise AssertionError("splash_hk.flax imported without flax installed")
+except ImportError as e:
+  assert "pip install 'splash_hk[flax]'" in str(e), e
 q = jnp.ones((1, 128, 4, 32))
 out = sh.attention(q, q, q, config=sh.AttentionConfig(sliding_window=16)).attention_outputs
 assert out.shape == (1, 128, 4, 32) and bool(jnp.all(jnp.abs(out - 1) < 1e-5))

@@ -1,8 +1,7 @@
-"""Haiku modules: thin compositions over `splash_hk.attention`."""
+"""Haiku modules: thin compositions over `splash_hk.attention` and `splash_hk.layer`."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import haiku as hk
@@ -11,9 +10,10 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from splash_hk import kv_cache as kv_cache_lib
+from splash_hk import layer as layer_lib
 from splash_hk.attention import attend
 from splash_hk.config import AttentionConfig, require_int
-from splash_hk.kv_cache import KVCache, row_lengths
+from splash_hk.kv_cache import KVCache
 from splash_hk.masks import Mask
 from splash_hk.scores import Score
 from splash_hk.sharding.axes import MeshAxes
@@ -79,12 +79,19 @@ class SplashAttention(hk.Module):
   def attend(self, query: jax.Array, key: jax.Array, value: jax.Array,
              extras: Extras) -> jax.Array:
     """As `__call__`, with the call's arrays as one `Extras` (its sinks are this module's)."""
-    if self.num_sinks:
-      sinks = hk.get_parameter("sinks", (query.shape[-2], self.num_sinks), jnp.float32,
-                               init=jnp.zeros)  # [Hq, n]
-      extras = extras._replace(softmax_aux=sinks)
+    extras = extras._replace(softmax_aux=self.sinks(query.shape[-2]))
     return attend(query, key, value, extras, config=self.config, mesh=self.mesh,
                   axes=self.axes).attention_outputs  # [B, T, Hq, Dv]
+
+  def sinks(self, num_heads: int) -> jax.Array | None:
+    """This module's sinks parameter [Hq, num_sinks] (zeros init), or None without sinks."""
+    if not self.num_sinks:
+      return None
+    return hk.get_parameter("sinks", (num_heads, self.num_sinks), jnp.float32, init=jnp.zeros)
+
+  def settings(self, layer: str) -> layer_lib.Settings:
+    """What `splash_hk.layer` needs of this module, for the layer named `layer`."""
+    return layer_lib.Settings(self.config, self.mesh, self.axes, layer)
 
 
 class MultiHeadAttention(hk.Module):
@@ -212,76 +219,22 @@ class MultiHeadAttention(hk.Module):
     """
     key = query if key is None else key
     value = key if value is None else value
-    *lead, query_len, _ = query.shape
-    kv_len = key.shape[-2]
-    flat = lambda x: x.reshape(-1, *x.shape[len(lead):])  # [..., X] -> [B, X]
-    q = self._projection(flat(query), self.num_heads, self.key_size, "query")  # [B, T, H, K]
-    k = self._projection(flat(key), self.num_kv_heads, self.key_size, "key")  # [B, S, Hkv, K]
-    v = self._projection(flat(value), self.num_kv_heads, self.value_size, "value")  # [B, S, Hkv, V]
-    rows = lambda x: None if x is None else flat(jnp.broadcast_to(x, (*lead, x.shape[-1])))
-    extras = Extras(q_segment_ids=rows(q_segment_ids), kv_segment_ids=rows(kv_segment_ids),
-                    q_positions=rows(q_positions), kv_positions=rows(kv_positions))
-    step = None
-    if kv_cache is not None:
-      if any(x is not None for x in extras):
-        raise ValueError("`kv_cache` derives positions and padding itself: do not pass "
-                         "q_segment_ids, kv_segment_ids, q_positions or kv_positions with it.")
-      step = kv_cache_lib.append_to(kv_cache, k, v, row_lengths(lengths, tuple(lead), query_len),
-                                    self.module_name)
-      k, v, extras, kv_len = step.key, step.value, step.extras, step.key.shape[1]
-    elif lengths is not None:
-      raise ValueError("`lengths` says how many tokens each row appends to `kv_cache`; pass "
-                       "it with a kv_cache (or use q_segment_ids to mark padding).")
-    if isinstance(mask, Mask):
-      mask = _flat_mask_object(mask, lead, self.num_heads, query_len, kv_len, step)
-    elif mask is not None:
-      mask = _haiku_mask(mask, lead, self.num_heads, query_len, kv_len)  # [B, 1|H, T, S]
-    out = self.splash.attend(q, k, v, extras._replace(mask=mask, bias=bias))  # [B, T, H, V]
-    if step is not None:  # a row that could not append says so: NaN, never a finite wrong answer
-      out = jnp.where(step.failed[:, None, None, None], jnp.nan, out)  # [B, T, H, V]
-    out = out.reshape(*lead, query_len, self.num_heads * self.value_size)  # [..., T, H*V]
+    q = self._projection(query, self.num_heads, self.key_size, "query")  # [..., T, H, K]
+    k = self._projection(key, self.num_kv_heads, self.key_size, "key")  # [..., S, Hkv, K]
+    v = self._projection(value, self.num_kv_heads, self.value_size, "value")  # [..., S, Hkv, V]
+    call = layer_lib.Call(mask=mask, bias=bias, q_segment_ids=q_segment_ids,
+                      kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+                      kv_positions=kv_positions, kv_cache=kv_cache, lengths=lengths)
+    out, cache = layer_lib.attend(q, k, v, call, self.splash.settings(self.module_name),
+                              self.splash.sinks(self.num_heads))  # [..., T, H, V]
+    out = out.reshape(*out.shape[:-2], self.num_heads * self.value_size)  # [..., T, H*V]
     out = hk.Linear(self.model_size, w_init=self.w_init, with_bias=self.with_bias,
                     b_init=self.b_init, name="linear")(out)  # [..., T, D']
-    return out if step is None else (out, step.cache)
+    return out if cache is None else (out, cache)
 
   @hk.transparent
   def _projection(self, x: jax.Array, heads: int, head_size: int, name: str) -> jax.Array:
     y = hk.Linear(heads * head_size, w_init=self.w_init, with_bias=self.with_bias,
-                  b_init=self.b_init, name=name)(x)  # [B, T, heads * head_size]
-    return y.reshape(*x.shape[:-1], heads, head_size)  # [B, T, heads, head_size]
+                  b_init=self.b_init, name=name)(x)  # [..., T, heads * head_size]
+    return y.reshape(*x.shape[:-1], heads, head_size)  # [..., T, heads, head_size]
 
-
-def _flat_mask_object(mask: Mask, lead: list[int], num_heads: int, query_len: int,
-                      kv_len: int, step: kv_cache_lib.Append | None) -> Mask:
-  """A mask object's arrays with the leading dims flattened ([..., T] -> [B, T]); with a cache,
-  over its slots (`Mask.over_slots`: where the new tokens are written)."""
-  def flat(side: str, a: jax.Array) -> jax.Array:
-    if side == "qk":
-      return _haiku_mask(a, lead, num_heads, query_len, kv_len)  # [B, 1|H, T, S]
-    a = jnp.asarray(a)
-    return jnp.broadcast_to(a, (*lead, a.shape[-1])).reshape(-1, a.shape[-1])  # [B, T|S]
-
-  mask = mask.map_arrays(flat)
-  if step is None:
-    return mask
-  slots = step.extras.q_positions  # [B, T]: where each new token is written
-  return mask.map_parts(lambda part: part.over_slots(slots, kv_len))
-
-
-def _haiku_mask(mask: ArrayLike, lead: list[int], num_heads: int, query_len: int,
-                kv_len: int) -> jax.Array:
-  """A Haiku-style mask (any dtype, nonzero = attend, broadcastable to [..., H, T, S])
-  -> bool [B, 1 or H, T, S] with the leading dims flattened into B."""
-  mask = jnp.asarray(mask)
-  given = tuple(mask.shape)  # errors report what the caller passed
-  full = (*lead, num_heads, query_len, kv_len)
-  if mask.ndim > len(full):
-    raise ValueError(f"`mask` of shape {given} has more dims than [..., H, T, S] = {full}.")
-  mask = mask.reshape((1,) * (len(full) - mask.ndim) + mask.shape)
-  heads = 1 if mask.shape[-3] == 1 else num_heads
-  try:
-    mask = jnp.broadcast_to(mask != 0, (*lead, heads, query_len, kv_len))
-  except ValueError as e:
-    raise ValueError(f"`mask` of shape {given} does not broadcast to [..., H, T, S] = "
-                     f"{full}.") from e
-  return mask.reshape(math.prod(lead), heads, query_len, kv_len)

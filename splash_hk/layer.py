@@ -1,0 +1,131 @@
+"""The attention layer without a framework: what the Haiku and Flax modules share.
+
+A module projects its inputs to heads and its output back; everything between
+is here: leading batch dims, module-style masks (Haiku's and Flax's: any dtype,
+nonzero = attend, broadcastable to [..., H, T, S]) and mask objects, the KV
+cache append with its failure rules, and ids over the cache's slots.
+
+Glossary of shapes:
+- ...: any leading batch dims, flattened to B for the attention call.
+- T: query length; S: key/value length (the cache's slots with a cache).
+- H, Hkv: query and key/value heads; K: key size; V: value size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from splash_hk import kv_cache as kv_cache_lib
+from splash_hk.attention import attend as attend_heads
+from splash_hk.config import AttentionConfig
+from splash_hk.kv_cache import KVCache, row_lengths
+from splash_hk.masks import Mask
+from splash_hk.scores import Score
+from splash_hk.sharding.axes import MeshAxes
+from splash_hk.types import Array, Extras
+
+
+class Call(NamedTuple):
+  """One layer call's arguments beside the heads, as the modules take them."""
+
+  mask: ArrayLike | Mask | None = None  # [..., H|1, T, S] any dtype, or a mask object
+  bias: Array | Score | None = None  # [B|1, H|1, T, S] float, or a score object
+  q_segment_ids: Array | None = None  # [..., T] int
+  kv_segment_ids: Array | None = None  # [..., S] int
+  q_positions: Array | None = None  # [..., T] int
+  kv_positions: Array | None = None  # [..., S] int
+  kv_cache: kv_cache_lib.Cache | None = None
+  lengths: ArrayLike | None = None  # [...] or [] int: tokens each row appends
+
+
+class Settings(NamedTuple):
+  """What a layer fixes at construction: its rules, mesh and name (the cache's owner)."""
+
+  config: AttentionConfig
+  mesh: jax.sharding.Mesh | None
+  axes: MeshAxes
+  layer: str
+
+
+def attend(query: jax.Array, key: jax.Array, value: jax.Array, call: Call, settings: Settings,
+           sinks: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+  """query [..., T, H, K], key [..., S, Hkv, K], value [..., S, Hkv, V] -> [..., T, H, V].
+
+  With `call.kv_cache` the new keys/values are appended first (row b's first `lengths[b]`
+  at its length) and the queries attend to the row's filled slots; the new cache comes
+  back beside the output (None without a cache). A row that could not append outputs NaN.
+  `sinks`: [H, n] float or None.
+  """
+  *lead, query_len, num_heads, _ = query.shape
+  flat = lambda x: x.reshape(-1, *x.shape[len(lead):])  # [..., X] -> [B, X]
+  q, k, v = flat(query), flat(key), flat(value)  # [B, T, H, K], [B, S, Hkv, K], [B, S, Hkv, V]
+  rows = lambda x: None if x is None else flat(jnp.broadcast_to(x, (*lead, x.shape[-1])))
+  extras = Extras(q_segment_ids=rows(call.q_segment_ids), kv_segment_ids=rows(call.kv_segment_ids),
+                  q_positions=rows(call.q_positions), kv_positions=rows(call.kv_positions))
+  step = None
+  if call.kv_cache is not None:
+    if any(x is not None for x in extras):
+      raise ValueError("`kv_cache` derives positions and padding itself: do not pass "
+                       "q_segment_ids, kv_segment_ids, q_positions or kv_positions with it.")
+    step = kv_cache_lib.append_to(call.kv_cache, k, v,
+                                  row_lengths(call.lengths, tuple(lead), query_len), settings.layer)
+    k, v, extras = step.key, step.value, step.extras  # [B, S_max, Hkv, *]
+  elif call.lengths is not None:
+    raise ValueError("`lengths` says how many tokens each row appends to `kv_cache`; pass "
+                     "it with a kv_cache (or use q_segment_ids to mark padding).")
+  mask = flat_mask(call.mask, lead, num_heads, query_len, k.shape[1], step)
+  extras = extras._replace(mask=mask, bias=call.bias, softmax_aux=sinks)
+  out = attend_heads(q, k, v, extras, config=settings.config, mesh=settings.mesh,
+                     axes=settings.axes).attention_outputs  # [B, T, H, V]
+  if step is not None:  # a row that could not append says so: NaN, never a finite wrong answer
+    out = jnp.where(step.failed[:, None, None, None], jnp.nan, out)  # [B, T, H, V]
+  out = out.reshape(*lead, *out.shape[1:])  # [..., T, H, V]
+  return out, None if step is None else step.cache
+
+
+def flat_mask(mask: ArrayLike | Mask | None, lead: list[int], num_heads: int, query_len: int,
+              kv_len: int, step: kv_cache_lib.Append | None = None) -> jax.Array | Mask | None:
+  """A module's `mask` with the leading dims flattened: a module-style array as bool
+  [B, 1|H, T, S]; a mask object with its arrays [..., T] -> [B, T] (with a cache, over its
+  slots: `Mask.over_slots`, where the new tokens are written)."""
+  if mask is None:
+    return None
+  if not isinstance(mask, Mask):
+    return module_mask(mask, lead, num_heads, query_len, kv_len)
+
+  def flat(side: str, a: jax.Array) -> jax.Array:
+    if side == "qk":
+      return module_mask(a, lead, num_heads, query_len, kv_len)  # [B, 1|H, T, S]
+    a = jnp.asarray(a)
+    return jnp.broadcast_to(a, (*lead, a.shape[-1])).reshape(-1, a.shape[-1])  # [B, T|S]
+
+  mask = mask.map_arrays(flat)
+  if step is None:
+    return mask
+  slots = step.extras.q_positions  # [B, T]: where each new token is written
+  return mask.map_parts(lambda part: part.over_slots(slots, kv_len))
+
+
+def module_mask(mask: ArrayLike, lead: list[int], num_heads: int, query_len: int,
+                kv_len: int) -> jax.Array:
+  """A module-style mask (any dtype, nonzero = attend, broadcastable to [..., H, T, S])
+  -> bool [B, 1 or H, T, S] with the leading dims flattened into B."""
+  mask = jnp.asarray(mask)
+  given = tuple(mask.shape)  # errors report what the caller passed
+  full = (*lead, num_heads, query_len, kv_len)
+  if mask.ndim > len(full):
+    raise ValueError(f"`mask` of shape {given} has more dims than [..., H, T, S] = {full}.")
+  mask = mask.reshape((1,) * (len(full) - mask.ndim) + mask.shape)
+  heads = 1 if mask.shape[-3] == 1 else num_heads
+  try:
+    mask = jnp.broadcast_to(mask != 0, (*lead, heads, query_len, kv_len))
+  except ValueError as e:
+    raise ValueError(f"`mask` of shape {given} does not broadcast to [..., H, T, S] = "
+                     f"{full}.") from e
+  return mask.reshape(math.prod(lead), heads, query_len, kv_len)
+

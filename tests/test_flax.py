@@ -1,0 +1,301 @@
+"""splash_hk.flax: the NNX module and attention_fn against the float64 oracle, Flax and Haiku."""
+
+import functools
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import splash_hk as sh
+from splash_hk import flax as shx
+from tests import harness
+from tests import oracle
+
+W_INIT = hk.initializers.VarianceScaling(1.0)
+
+
+def _module(num_heads=4, num_kv_heads=2, num_sinks=0, seed=0, **kw):
+  m = shx.MultiHeadAttention(num_heads=num_heads, in_features=12, qkv_features=num_heads * 8,
+                             out_features=10, num_kv_heads=num_kv_heads, num_sinks=num_sinks,
+                             bias_init=nnx.initializers.normal(0.1), rngs=nnx.Rngs(seed), **kw)
+  if num_sinks:
+    m.sinks[...] = jnp.linspace(-1.0, 1.0, num_heads * num_sinks).reshape(num_heads, num_sinks)
+  return m
+
+
+def _params(m: shx.MultiHeadAttention) -> dict:
+  """The module's parameters as a plain dict of arrays (query/key/value/out kernel and bias)."""
+  p = {n: {"kernel": getattr(m, n).kernel[...], "bias": getattr(m, n).bias[...]}
+       for n in ("query", "key", "value", "out")}
+  if m.sinks is not None:
+    p["sinks"] = m.sinks[...]
+  return p
+
+
+def _oracle_mha(p, x, *, xp=np, **rules):
+  """float64 MHA from the Flax kernels ([in, H, D] projections, [H, D, out] output)."""
+  f64 = lambda a: xp.asarray(a, xp.float64)
+  proj = lambda n: xp.einsum("btf,fhd->bthd", f64(x), f64(p[n]["kernel"])) + f64(p[n]["bias"])
+  o, _ = oracle.attention(proj("query"), proj("key"), proj("value"), xp=xp,
+                          sinks=None if "sinks" not in p else f64(p["sinks"]), **rules)
+  return xp.einsum("bthd,hdo->bto", o, f64(p["out"]["kernel"])) + f64(p["out"]["bias"])
+
+
+CASES = {
+    "causal": (dict(), dict()),
+    "window_sinks": (dict(config=sh.AttentionConfig(sliding_window=(3, 0)), num_sinks=2),
+                     dict(window=(3, 0))),
+    "dense_mask": (dict(config=sh.AttentionConfig(causal=False)), dict(causal=False)),
+    "prefix_object": (dict(), dict()),
+    "alibi": (dict(num_kv_heads=4), dict()),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_module_values_and_parameter_grads_against_oracle(case):
+  kw, rules = CASES[case]
+  m = _module(**kw)
+  x = np.random.default_rng(1).normal(size=(2, 11, 12)).astype(np.float32)
+  call, rules = {}, dict(rules)
+  if case == "dense_mask":
+    mask = np.random.default_rng(2).random((2, 1, 11, 11)) < 0.6
+    call["mask"] = mask.astype(np.float32)  # Haiku's and Flax's meaning: nonzero = attend
+    rules["mask"] = mask
+  if case == "prefix_object":
+    ids = np.where(np.arange(11) < np.array([[4], [7]]), 0, -1).astype(np.int32)  # [2, 11]
+    call["mask"] = sh.masks.Causal() | sh.masks.Bidirectional(ids)
+    rules.update(causal=False, mask=(np.tril(np.ones((11, 11), bool))
+                                     | ((ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)))
+                 [:, None])
+  if case == "alibi":
+    pos = jnp.arange(11)[None]  # [1, T]
+    slopes, dense = harness.score_case("alibi", pos, pos, 4)
+    call["bias"] = harness.score_object("alibi", slopes)
+    with jax.enable_x64(True):
+      rules["bias"] = np.asarray(dense(jnp.asarray(slopes, jnp.float64)))  # [1, H, T, S]
+
+  @nnx.jit
+  def loss(m, x):
+    y = m(x, **call)
+    return jnp.sum(y ** 2), y
+
+  (_, y), grads = nnx.value_and_grad(loss, has_aux=True)(m, x)
+  np.testing.assert_allclose(np.asarray(y), _oracle_mha(_params(m), x, **rules), **harness.tol())
+  with jax.enable_x64(True):
+    want = jax.grad(lambda p: jnp.sum(_oracle_mha(p, x, xp=jnp, **rules) ** 2))(
+        jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), _params(m)))
+  got = {n: {"kernel": grads[n]["kernel"][...], "bias": grads[n]["bias"][...]}
+         for n in ("query", "key", "value", "out")}
+  if m.sinks is not None:
+    got["sinks"] = grads["sinks"][...]
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), err_msg=str(path), **harness.tol("grad"))
+
+
+def _haiku(num_heads=4, num_kv_heads=2, num_sinks=0, with_bias=True, name="attn"):
+  return hk.transform(lambda x, **kw: sh.MultiHeadAttention(
+      num_heads, 8, num_kv_heads=num_kv_heads, model_size=10, w_init=W_INIT,
+      with_bias=with_bias, b_init=hk.initializers.RandomNormal(0.1), num_sinks=num_sinks,
+      name=name)(x, **kw))
+
+
+@pytest.mark.parametrize("num_sinks,use_bias,lead", [(0, True, (2,)), (2, False, (2, 3))])
+def test_haiku_params_round_trip_with_the_same_numbers(num_sinks, use_bias, lead):
+  x = np.random.default_rng(3).normal(size=(*lead, 9, 12)).astype(np.float32)
+  f = _haiku(num_sinks=num_sinks, with_bias=use_bias)
+  params = hk.data_structures.to_mutable_dict(f.init(jax.random.PRNGKey(0), x))
+  if num_sinks:
+    params["attn/~/splash_attention"]["sinks"] = jnp.full((4, num_sinks), 0.5)
+  m = shx.from_haiku({"other/linear": {"w": 0}, **params},
+                     _module(num_sinks=num_sinks, use_bias=use_bias, seed=9))
+  np.testing.assert_allclose(np.asarray(m(x)), np.asarray(f.apply(params, None, x)),
+                             **harness.tol())
+  back = shx.to_haiku(m, name="attn")
+  assert jax.tree.structure(back) == jax.tree.structure(params)
+  for g, w in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_from_haiku_says_what_does_not_fit():
+  x = np.zeros((1, 4, 12), np.float32)
+  params = _haiku(name="a").init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match=r"`a/query/w` has shape \(12, 32\).*expects \(12, 2, 8\)"):
+    shx.from_haiku(params, _module(num_heads=2, num_kv_heads=2))
+  with pytest.raises(ValueError, match="one Haiku MultiHeadAttention.*found 2"):
+    shx.from_haiku({**params, **_haiku(name="b").init(jax.random.PRNGKey(0), x)}, _module())
+  with pytest.raises(ValueError, match="0 sinks and the Flax module 1"):
+    shx.from_haiku(params, _module(num_sinks=1))
+  with pytest.raises(ValueError, match="use_bias=False"):
+    shx.from_haiku(params, _module(use_bias=False))
+
+
+@pytest.mark.parametrize("word,value,needle", [
+    ("dropout_rate", 0.1, "dropout_rate=0.1.*drop out the layer's output"),
+    ("decode", True, "decode=True.*kv_cache=mha.init_cache"),
+    ("normalize_qk", True, "normalize_qk=True"),
+])
+def test_flax_words_it_cannot_serve_are_refused(word, value, needle):
+  _module(**{word: 0.0 if word == "dropout_rate" else False})  # Flax's defaults are accepted
+  with pytest.raises(ValueError, match=needle):
+    _module(**{word: value})
+
+
+def test_unknown_word_and_bad_sizes():
+  with pytest.raises(TypeError, match="unexpected keyword `attention_fn`"):
+    _module(attention_fn=shx.attention_fn)
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    _module(num_heads=4, num_kv_heads=3)
+  with pytest.raises(ValueError, match="config"):
+    _module(config={"causal": True})
+
+
+def test_cache_prefill_with_lengths_then_decode_equals_full_forward():
+  m = _module(num_sinks=1)
+  x = np.random.default_rng(4).normal(size=(2, 7, 12)).astype(np.float32)
+  full = np.asarray(m(x))
+  step = nnx.jit(lambda m, x, c, n: m(x, kv_cache=c, lengths=n))
+  # Row 0 prefills 4 tokens, row 1 only 2 (its other rows are padding), then both decode.
+  out, cache = step(m, x[:, :4], m.init_cache(2, 16), jnp.array([4, 2]))
+  np.testing.assert_allclose(np.asarray(out[0]), full[0, :4], **harness.tol())
+  np.testing.assert_allclose(np.asarray(out[1, :2]), full[1, :2], **harness.tol())
+  _, cache = step(m, x[1:, 2:4][[0, 0]], cache, jnp.array([0, 2]))  # row 1 catches up
+  for t in range(4, 7):
+    out, cache = step(m, x[:, t:t + 1], cache, jnp.array([1, 1]))
+    np.testing.assert_allclose(np.asarray(out[:, 0]), full[:, t], **harness.tol())
+  other = _module()
+  with pytest.raises(ValueError, match="kv_cache"):
+    other(x[:, :1], kv_cache=cache)
+
+
+def _flax_mha(attention_fn, **kw):
+  return nnx.MultiHeadAttention(num_heads=4, in_features=12, qkv_features=32, num_kv_heads=2,
+                                decode=False, attention_fn=attention_fn, rngs=nnx.Rngs(0), **kw)
+
+
+def test_attention_fn_equals_flax_default_on_random_masks_and_bias():
+  ours, flax_own = _flax_mha(shx.attention_fn), _flax_mha(nnx.dot_product_attention)
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(2, 3, 10, 12)).astype(np.float32)  # two leading batch dims
+  mask = rng.random((2, 3, 4, 10, 10)) < 0.3
+  mask[..., 0, :] = False  # a row that sees nothing: 0 here, mean(v) in Flax
+  for kw in (dict(), dict(is_causal=True), dict(mask=mask), dict(mask=mask, is_causal=True)):
+    got, want = np.asarray(ours(x, **kw)), np.asarray(flax_own(x, **kw))
+    vis = mask if "mask" in kw else np.ones_like(mask)
+    vis = vis & np.tril(np.ones((10, 10), bool)) if "is_causal" in kw else vis
+    seen, none = vis.any(-1).all(-2), ~vis.any(-1).any(-2)  # [2, 3, T]: every head / no head
+    np.testing.assert_allclose(got[seen], want[seen], **harness.tol())
+    # A row no head sees anything from is the out projection's bias: attention gave 0.
+    np.testing.assert_allclose(got[none], np.broadcast_to(ours.out.bias[...], got[none].shape),
+                               atol=1e-6)
+    assert none.any() == ("mask" in kw)
+  bias = rng.normal(size=(1, 3, 4, 10, 10)).astype(np.float32)  # broadcast over the first dim
+  got = nnx.jit(lambda m, x: m.attention_fn(m.query(x), m.key(x), m.value(x), bias=bias))(ours, x)
+  want = nnx.dot_product_attention(ours.query(x), ours.key(x)[..., [0, 0, 1, 1], :],
+                                   ours.value(x)[..., [0, 0, 1, 1], :],
+                                   bias=np.broadcast_to(bias, (2, 3, 4, 10, 10)))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **harness.tol())
+
+
+def test_attention_fn_in_flax_decode_equals_flax_default():
+  x = np.random.default_rng(6).normal(size=(2, 9, 12)).astype(np.float32)
+  outs = []
+  for fn in (shx.attention_fn, nnx.dot_product_attention):
+    m = _flax_mha(fn)
+    m.init_cache(x.shape)
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    outs.append(np.concatenate([np.asarray(step(m, x[:, t:t + 1])) for t in range(9)], axis=1))
+  np.testing.assert_allclose(outs[0], outs[1], **harness.tol())
+  np.testing.assert_allclose(outs[0], np.asarray(m(x, mask=nnx.make_causal_mask(x[..., 0]))),
+                             **harness.tol())
+
+
+def test_attention_fn_config_and_object_and_refusals():
+  rng = np.random.default_rng(7)
+  q, k, v = (rng.normal(size=(2, 8, 4, 8)).astype(np.float32) for _ in range(3))
+  windowed = functools.partial(shx.attention_fn, config=sh.AttentionConfig(causal=False,
+                                                                           sliding_window=2))
+  want, _ = oracle.attention(q, k, v, causal=False, window=(2, 2))
+  np.testing.assert_allclose(np.asarray(windowed(q, k, v)), want, **harness.tol())
+  got = shx.attention_fn(q, k, v, mask=sh.masks.SlidingWindow(2), is_causal=True)
+  want, _ = oracle.attention(q, k, v, causal=True, window=(2, 2))
+  np.testing.assert_allclose(np.asarray(got), want, **harness.tol())
+  # is_causal with T != S is top-left, as Flax's: query i sees keys 0..i.
+  got = shx.attention_fn(q[:, :3], k, v, is_causal=True)
+  want, _ = oracle.attention(q[:, :3], k, v, causal=True, q_pos=np.arange(3)[None],
+                             kv_pos=np.arange(8)[None])
+  np.testing.assert_allclose(np.asarray(got), want, **harness.tol())
+  with pytest.raises(ValueError, match="deterministic=True"):
+    shx.attention_fn(q, k, v, dropout_rate=0.1)
+  shx.attention_fn(q, k, v, dropout_rate=0.1, deterministic=True)
+  with pytest.raises(ValueError, match="sow_weights"):
+    _flax_mha(shx.attention_fn)(rng.normal(size=(1, 4, 12)), sow_weights=True)
+
+
+def test_module_under_nnx_jit_on_a_2x4_mesh():
+  mesh = harness.mesh("2x4", explicit=True)
+  x = np.random.default_rng(8).normal(size=(4, 16, 12)).astype(np.float32)
+  plain = _module(num_heads=8, num_kv_heads=4, num_sinks=1)
+  sharded = _module(num_heads=8, num_kv_heads=4, num_sinks=1, mesh=mesh)
+  nnx.update(sharded, nnx.state(plain))
+  got = nnx.jit(lambda m, x: m(x))(sharded, x)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(plain(x)), **harness.tol())
+  np.testing.assert_allclose(np.asarray(got), _oracle_mha(_params(plain), x), **harness.tol())
+
+
+VOCAB, WIDTH = 16, 32
+
+
+class FlaxLM(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+    self.attn = shx.MultiHeadAttention(num_heads=4, in_features=WIDTH, num_kv_heads=2, rngs=rngs)
+    self.head = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
+
+  def __call__(self, tokens):
+    h = self.embed(tokens)  # [B, T, W]
+    return self.head(h + self.attn(h))  # [B, T, V]
+
+
+def _haiku_lm(tokens):
+  h = hk.Embed(VOCAB, WIDTH, name="embed")(tokens)  # [B, T, W]
+  h = h + sh.MultiHeadAttention(4, WIDTH // 4, num_kv_heads=2, w_init=W_INIT, name="attn")(h)
+  return hk.Linear(VOCAB, name="head")(h)  # [B, T, V]
+
+
+def test_flax_and_haiku_language_models_train_alike_for_20_steps():
+  tokens = np.random.default_rng(9).integers(0, VOCAB, size=(4, 24)).astype(np.int32)
+  xent = lambda logits: optax.softmax_cross_entropy_with_integer_labels(
+      logits[:, :-1], tokens[:, 1:]).mean()
+  flax_lm = FlaxLM(nnx.Rngs(0))
+  hk_lm = hk.transform(_haiku_lm)
+  params = {**shx.to_haiku(flax_lm.attn, "attn"),
+            "embed": {"embeddings": flax_lm.embed.embedding[...]},
+            "head": {"w": flax_lm.head.kernel[...], "b": flax_lm.head.bias[...]}}
+  assert jax.tree.structure(params) == jax.tree.structure(
+      hk.data_structures.to_mutable_dict(hk_lm.init(jax.random.PRNGKey(0), tokens)))
+  opt = optax.adam(1e-2)
+  flax_opt = nnx.Optimizer(flax_lm, opt, wrt=nnx.Param)
+
+  @nnx.jit
+  def flax_step(model, optimizer):
+    loss, grads = nnx.value_and_grad(lambda m: xent(m(tokens)))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  @jax.jit
+  def hk_step(params, state):
+    loss, grads = jax.value_and_grad(lambda p: xent(hk_lm.apply(p, None, tokens)))(params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  state, flax_losses, hk_losses = opt.init(params), [], []
+  for _ in range(20):
+    flax_losses.append(float(flax_step(flax_lm, flax_opt)))
+    params, state, loss = hk_step(params, state)
+    hk_losses.append(float(loss))
+  assert flax_losses[-1] < 0.8 * flax_losses[0]  # it trains
+  np.testing.assert_allclose(flax_losses, hk_losses, rtol=2e-5)
