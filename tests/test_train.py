@@ -74,8 +74,10 @@ def test_sharded_training_matches_single_device():
   assert abs(single[20] - sharded[20]) < 1e-3, (single, sharded)
 
 
-def test_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
-  flags = ("--steps=20", "--log_every=5", "--checkpoint_every=5", "--num_layers=1")
+def test_resumed_bfloat16_run_trains_and_ends_like_an_uninterrupted_one(tmp_path):
+  # bfloat16 compute here too: one run of each program serves both checks.
+  flags = ("--steps=20", "--log_every=5", "--checkpoint_every=5", "--num_layers=1",
+           "--dtype=bfloat16")
   whole = _train(*flags, f"--checkpoint_dir={tmp_path / 'whole'}")
   first = _train(*flags, f"--checkpoint_dir={tmp_path / 'split'}", "--stop_after_steps=10")
   assert "final step=" not in first.stdout and max(_losses(first)) == 10
@@ -84,11 +86,8 @@ def test_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
   assert _final(second) == _final(whole)
   assert {s: l for s, l in _losses(second).items()} == {
       s: l for s, l in _losses(whole).items() if s >= 15}
-
-
-def test_bfloat16_compute_trains():
-  losses = _losses(_train("--steps=10", "--log_every=5", "--dtype=bfloat16", "--num_layers=1"))
-  assert losses[10] < losses[5] < 4.5
+  losses = _losses(whole)
+  assert losses[20] < losses[10] < losses[5] < 4.5, losses
 
 
 @pytest.mark.parametrize("flags,needle", [
