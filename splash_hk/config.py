@@ -32,6 +32,16 @@ def static(name: str, value: Any, instead: str = "") -> Any:
   return value
 
 
+def traced(tree: Any) -> bool:
+  """Whether a leaf of `tree` is traced (under jit, vmap, scan): its values are not known now."""
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+
+
+def known_now(x: Any) -> np.ndarray | None:
+  """x's values if they are known now (eager), else None (traced)."""
+  return None if traced(x) else np.asarray(x)
+
+
 def require_int(name: str, value: Any, minimum: int = 1, allow_none: bool = False) -> None:
   """Raises ValueError naming `name` unless `value` is an int >= `minimum` (or None if allowed)."""
   if value is None and allow_none:

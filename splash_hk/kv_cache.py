@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from splash_hk.config import known_now
 from splash_hk.types import Extras
 
 
@@ -87,7 +88,7 @@ class KVCache:
     if not jnp.issubdtype(rows.dtype, jnp.integer) or rows.ndim > 1:
       raise ValueError(f"`rows` must be row indices (an int or [n] ints) or a bool mask "
                        f"[{batch}], got {rows.dtype}{list(rows.shape)}.")
-    known = _concrete(rows)
+    known = known_now(rows)
     if known is not None and known.size and (known.min() < -batch or known.max() >= batch):
       raise ValueError(f"`rows` must be indices in [-{batch}, {batch}) of this cache's {batch} "
                        f"rows, got {known.tolist()}.")
@@ -144,7 +145,7 @@ def row_lengths(lengths: Any, lead: tuple[int, ...], query_len: int) -> jax.Arra
   if not jnp.issubdtype(lengths.dtype, jnp.integer) or lengths.shape not in ((), tuple(lead)):
     raise ValueError(f"`lengths` must be ints of shape [] or {tuple(lead)} (one per row), got "
                      f"{lengths.dtype}{list(lengths.shape)}.")
-  known = _concrete(lengths)
+  known = known_now(lengths)
   if known is not None and (known.min() < 0 or known.max() > query_len):
     raise ValueError(f"`lengths` must lie in [0, T] = [0, {query_len}] (tokens each row appends "
                      f"out of the T it is given), got {known.tolist()}.")
@@ -209,13 +210,13 @@ def _check_cache(cache: KVCache, k: jax.Array, v: jax.Array, layer: str) -> jax.
 
 def _check_room(start: jax.Array, lengths: jax.Array, max_len: int) -> None:
   """Where the lengths are concrete: a row that would write past the capacity is a ValueError."""
-  known_start = _concrete(start)
+  known_start = known_now(start)
   if known_start is None:
     return
   if known_start.min() < 0 or known_start.max() > max_len:
     raise ValueError(f"`kv_cache.length` must lie in [0, max_len] = [0, {max_len}], got "
                      f"{known_start.tolist()}.")
-  known = _concrete(lengths)
+  known = known_now(lengths)
   if known is not None and (known_start + known).max() > max_len:
     rows = np.flatnonzero(known_start + known > max_len).tolist()
     raise ValueError(
@@ -223,8 +224,3 @@ def _check_room(start: jax.Array, lengths: jax.Array, max_len: int) -> None:
         f"in a cache of max_len {max_len} (length {known_start.tolist()} + lengths "
         f"{known.tolist()}); build a larger cache (KVCache.zeros(..., max_len=...)) or append "
         "fewer tokens (lengths=0 leaves a finished row unchanged).")
-
-
-def _concrete(x: jax.Array) -> np.ndarray | None:
-  """x's values if they are known now (eager), else None (traced under jit/vmap/scan)."""
-  return None if isinstance(x, jax.core.Tracer) else np.asarray(x)

@@ -16,7 +16,7 @@ from splash_hk import inputs
 from splash_hk import kernel
 from splash_hk import sharding
 from splash_hk import validation
-from splash_hk.config import AttentionConfig
+from splash_hk.config import AttentionConfig, traced
 from splash_hk.fallback import selector
 from splash_hk.masks import Mask
 from splash_hk.masks import _rules
@@ -48,10 +48,6 @@ def explain_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: 
   facts = paged_facts(query, key, value, cache, batch, config=config, mask=mask, bias=bias,
                  softmax_aux=softmax_aux)
   return selector.select_paged(facts)
-
-
-def _concrete(tree: Any) -> bool:
-  return not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
 
 
 def _write(cache: PagedKVCache, key: jax.Array, value: jax.Array, batch: RaggedBatch,
@@ -110,7 +106,8 @@ def paged_attention(
   if mesh is not None:
     validation.validate_mesh(mesh, axes)
   decision = selector.select_paged(facts)
-  if _concrete(batch):
+  layout = None  # computed once here when the batch is known now, else in the step
+  if not traced(batch):
     layout = pages.layout(batch, facts.num_tokens, facts.num_pages, facts.page_size)
     pages.raise_misuse(layout.misuse, n=facts.num_tokens, max_seqs=facts.max_seqs,
                        capacity=facts.pages_per_seq * facts.page_size,
@@ -130,15 +127,18 @@ def paged_attention(
       sinks=inputs.sinks(softmax_aux, facts.num_heads),  # [Hq, n] or None
       heads=jnp.arange(facts.num_heads, dtype=jnp.int32))  # [Hq]
   if mesh is None:
-    return _step(call, facts, decision.backend)
+    return _step(call, facts, decision.backend, layout)
   # Jitted as `attention`'s shard_map is: eager, it would run op by op.
   return jax.jit(lambda c: sharding.shard_paged(lambda c, f: _step(c, f, decision.backend), c,
                                                 facts, mesh=mesh, axes=axes))(call)
 
 
-def _step(call: PagedCall, facts: PagedFacts, backend: str) -> tuple[jax.Array, PagedKVCache]:
-  """Write, then attend (on one shard of heads, or all): (out [N, Hq, Dv], cache)."""
-  layout = pages.layout(call.batch, facts.num_tokens, facts.num_pages, facts.page_size)
+def _step(call: PagedCall, facts: PagedFacts, backend: str,
+          layout: Layout | None = None) -> tuple[jax.Array, PagedKVCache]:
+  """Write, then attend (on one shard of heads, or all): (out [N, Hq, Dv], cache). `layout`:
+  the batch's, when already computed."""
+  if layout is None:
+    layout = pages.layout(call.batch, facts.num_tokens, facts.num_pages, facts.page_size)
   cache = _write(call.cache, call.key, call.value, call.batch, layout)
   x = PagedInputs(query=call.query, cache=cache, batch=call.batch, layout=layout, rule=call.rule,
                   bias=call.bias, sinks=call.sinks, heads=call.heads)

@@ -152,6 +152,35 @@ def test_mask_objects_over_positions(platform):
   np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
 
 
+def _late_and_causal(q_pos, kv_pos):
+  return (q_pos >= 8) & (kv_pos <= q_pos)
+
+
+def test_a_visible_nan_value_shows_and_a_row_seeing_nothing_outputs_0():
+  # Rows before position 8 see nothing (0); sequence 2's rows (positions 12..14) see a NaN in
+  # value column 0 of its cached token 5 (not the shared page): NaN there, finite elsewhere.
+  step = _step(seed=21)
+  table = np.asarray(step.batch.page_table)
+  value = np.array(step.cache.value)
+  value[table[2, 5 // PAGE], 5 % PAGE, 0, 0] = np.nan
+  step.history_v[2][5, 0, 0] = np.nan
+  step.cache = sh.PagedKVCache(step.cache.key, jnp.asarray(value))
+  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, mask=sh.masks.MaskFn(_late_and_causal)))(
+      step.q, step.k, step.v, step.cache, step.batch)
+
+  def dense(ql, s):
+    qp, kp = np.arange(s - ql, s)[:, None], np.arange(s)[None]
+    return _late_and_causal(qp, kp)[None, None]
+
+  want = _oracle(step, bias=lambda ql, s: np.where(dense(ql, s), 0.0, -np.inf), causal=False)
+  out = np.asarray(out)
+  rows_2 = slice(sum(step.q_lens[:2]), sum(step.q_lens[:3]))
+  assert np.isnan(out[rows_2, :2, 0]).all() and np.isfinite(out[rows_2, :, 1:]).all()
+  assert np.isfinite(out[rows_2, 2:]).all()  # query heads of the other kv head
+  assert (out[:rows_2.start] == 0).all() and (out[rows_2.stop:] == 0).all()
+  np.testing.assert_allclose(out, want, **harness.tol())
+
+
 def test_long_prefill_chunk_beside_decodes_at_a_real_size():
   # 300 prefill rows after 77 cached tokens (its rows' pages: thousands of loop items, many loop
   # steps) beside three decodes; pages of 4 over a pool of 400.
