@@ -31,6 +31,7 @@ from splash_hk import layer
 from splash_hk.config import AttentionConfig, require_int
 from splash_hk.kv_cache import KVCache
 from splash_hk.masks import Causal, Mask
+from splash_hk.pages import PagedKVCache, RaggedBatch
 from splash_hk.scores import Score
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Array
@@ -142,11 +143,13 @@ class MultiHeadAttention(nnx.Module):
       kv_segment_ids: Array | None = None,
       q_positions: Array | None = None,
       kv_positions: Array | None = None,
-      kv_cache: KVCache | None = None,
+      kv_cache: KVCache | PagedKVCache | None = None,
       lengths: ArrayLike | None = None,
-  ) -> jax.Array | tuple[jax.Array, KVCache]:
+      batch: RaggedBatch | None = None,
+  ) -> jax.Array | tuple[jax.Array, KVCache | PagedKVCache]:
     """inputs_q [..., T, in], inputs_k / inputs_v [..., S, in_kv] (default: self-attention)
-    -> [..., T, out], or ([..., T, out], KVCache) with `kv_cache`.
+    -> [..., T, out], or ([..., T, out], KVCache) with `kv_cache`; with a `PagedKVCache` and
+    `batch` (a serving step: inputs [N, in], the step's tokens flat), ([N, out], PagedKVCache).
 
     The arguments after `inputs_v` are those of `splash_hk.MultiHeadAttention.__call__`.
     """
@@ -161,7 +164,8 @@ class MultiHeadAttention(nnx.Module):
     v = self.value(inputs_v)  # [..., S, Hkv, D]
     call = layer.Call(mask=mask, bias=bias, q_segment_ids=q_segment_ids,
                       kv_segment_ids=kv_segment_ids, q_positions=q_positions,
-                      kv_positions=kv_positions, kv_cache=kv_cache, lengths=lengths)
+                      kv_positions=kv_positions, kv_cache=kv_cache, lengths=lengths,
+                      batch=batch)
     sinks = None if self.sinks is None else self.sinks[...]  # [H, n]
     out, cache = layer.attend(q, k, v, call, self.settings, sinks)  # [..., T, H, D]
     y = self.out(out)  # [..., T, out]

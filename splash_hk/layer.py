@@ -3,18 +3,20 @@
 A module projects its inputs to heads and its output back; everything between
 is here: leading batch dims, module-style masks (Haiku's and Flax's: any dtype,
 nonzero = attend, broadcastable to [..., H, T, S]) and mask objects, the KV
-cache append with its failure rules, and ids over the cache's slots.
+cache append with its failure rules, ids over the cache's slots, and a serving
+step over a `PagedKVCache` (the step's tokens flat, as `paged_attention` takes them).
 
 Glossary of shapes:
 - ...: any leading batch dims, flattened to B for the attention call.
 - T: query length; S: key/value length (the cache's slots with a cache).
+- N: a paged step's tokens, every sequence's new ones concatenated.
 - H, Hkv: query and key/value heads; K: key size; V: value size.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,8 @@ from splash_hk.attention import attend as attend_heads
 from splash_hk.config import AttentionConfig
 from splash_hk.kv_cache import KVCache, row_lengths
 from splash_hk.masks import Mask
+from splash_hk.paged import paged_attention
+from splash_hk.pages import PagedKVCache, RaggedBatch
 from splash_hk.scores import Score
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Array, Extras
@@ -39,8 +43,9 @@ class Call(NamedTuple):
   kv_segment_ids: Array | None = None  # [..., S] int
   q_positions: Array | None = None  # [..., T] int
   kv_positions: Array | None = None  # [..., S] int
-  kv_cache: kv_cache_lib.Cache | None = None
+  kv_cache: kv_cache_lib.Cache | PagedKVCache | None = None
   lengths: ArrayLike | None = None  # [...] or [] int: tokens each row appends
+  batch: RaggedBatch | None = None  # with a PagedKVCache: the step's sequences
 
 
 class Settings(NamedTuple):
@@ -53,14 +58,17 @@ class Settings(NamedTuple):
 
 
 def attend(query: jax.Array, key: jax.Array, value: jax.Array, call: Call, settings: Settings,
-           sinks: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+           sinks: jax.Array | None = None) -> tuple[jax.Array, Any]:
   """query [..., T, H, K], key [..., S, Hkv, K], value [..., S, Hkv, V] -> [..., T, H, V].
 
   With `call.kv_cache` the new keys/values are appended first (row b's first `lengths[b]`
   at its length) and the queries attend to the row's filled slots; the new cache comes
   back beside the output (None without a cache). A row that could not append outputs NaN.
-  `sinks`: [H, n] float or None.
+  With a `PagedKVCache` and `call.batch`, the heads are a serving step's tokens ([N, H, K]:
+  `attend_paged`). `sinks`: [H, n] float or None.
   """
+  if isinstance(call.kv_cache, PagedKVCache) or call.batch is not None:
+    return attend_paged(query, key, value, call, settings, sinks)
   *lead, query_len, num_heads, _ = query.shape
   flat = lambda x: x.reshape(-1, *x.shape[len(lead):])  # [..., X] -> [B, X]
   q, k, v = flat(query), flat(key), flat(value)  # [B, T, H, K], [B, S, Hkv, K], [B, S, Hkv, V]
@@ -86,6 +94,31 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, call: Call, setti
     out = jnp.where(step.failed[:, None, None, None], jnp.nan, out)  # [B, T, H, V]
   out = out.reshape(*lead, *out.shape[1:])  # [..., T, H, V]
   return out, None if step is None else step.cache
+
+
+def attend_paged(query: jax.Array, key: jax.Array, value: jax.Array, call: Call,
+                 settings: Settings, sinks: jax.Array | None = None
+                 ) -> tuple[jax.Array, PagedKVCache]:
+  """One serving step: query [N, H, K], key [N, Hkv, K], value [N, Hkv, V] (every sequence's
+  new tokens, flat) written into `call.kv_cache`'s pages and attended (`paged_attention`)
+  -> ([N, H, V], the new cache)."""
+  if not isinstance(call.kv_cache, PagedKVCache) or not isinstance(call.batch, RaggedBatch):
+    raise ValueError("A serving step takes kv_cache=sh.PagedKVCache(...) and "
+                     "batch=sh.RaggedBatch(...) together; got kv_cache of type "
+                     f"{type(call.kv_cache).__name__} and batch of type {type(call.batch).__name__}.")
+  if query.ndim != 3:
+    raise ValueError(f"With a PagedKVCache the inputs are the step's tokens, flat: [N, D] (every "
+                     f"sequence's new tokens concatenated), got {query.ndim - 1} dims before the "
+                     "heads.")
+  given = [name for name in ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions",
+                             "lengths") if getattr(call, name) is not None]
+  if given:
+    raise ValueError(f"With a PagedKVCache, `batch` says each token's sequence and position: do "
+                     f"not pass {', '.join(given)}.")
+  rules: Any = dict(mask=call.mask, bias=call.bias)  # arrays: paged validation says what to pass
+  return paged_attention(query, key, value, call.kv_cache, call.batch, config=settings.config,
+                         softmax_aux=sinks, mesh=settings.mesh, axes=settings.axes,
+                         **rules)  # [N, H, V], the cache
 
 
 def flat_mask(mask: ArrayLike | Mask | None, lead: list[int], num_heads: int, query_len: int,

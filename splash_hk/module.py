@@ -15,6 +15,7 @@ from splash_hk.attention import attend
 from splash_hk.config import AttentionConfig, require_int
 from splash_hk.kv_cache import KVCache
 from splash_hk.masks import Mask
+from splash_hk.pages import PagedKVCache, RaggedBatch
 from splash_hk.scores import Score
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Array, Extras
@@ -184,9 +185,10 @@ class MultiHeadAttention(hk.Module):
       kv_segment_ids: Array | None = None,
       q_positions: Array | None = None,
       kv_positions: Array | None = None,
-      kv_cache: kv_cache_lib.Cache | None = None,
+      kv_cache: kv_cache_lib.Cache | PagedKVCache | None = None,
       lengths: ArrayLike | None = None,
-  ) -> jax.Array | tuple[jax.Array, KVCache]:
+      batch: RaggedBatch | None = None,
+  ) -> jax.Array | tuple[jax.Array, KVCache | PagedKVCache]:
     """Attends `query` to `key`/`value` (default: self-attention).
 
     Args:
@@ -213,6 +215,11 @@ class MultiHeadAttention(hk.Module):
         first `lengths[b]` tokens (its other query rows are padding and output
         0); default T for every row. `lengths=0` leaves a finished row
         unchanged. Outside [0, T]: a ValueError, or under `jit` a NaN row.
+      batch: with a `PagedKVCache` as `kv_cache`, the serving step's sequences
+        (`splash_hk.RaggedBatch`); `query` is then the step's tokens flat,
+        [N, D_q], and the call is `splash_hk.paged_attention` between the
+        projections: returns ([N, D'], new PagedKVCache). `mask` and `bias`
+        are then objects over positions.
 
     Returns:
       [..., T, D'], or ([..., T, D'], KVCache) with `kv_cache`.
@@ -224,7 +231,8 @@ class MultiHeadAttention(hk.Module):
     v = self._projection(value, self.num_kv_heads, self.value_size, "value")  # [..., S, Hkv, V]
     call = layer_lib.Call(mask=mask, bias=bias, q_segment_ids=q_segment_ids,
                       kv_segment_ids=kv_segment_ids, q_positions=q_positions,
-                      kv_positions=kv_positions, kv_cache=kv_cache, lengths=lengths)
+                      kv_positions=kv_positions, kv_cache=kv_cache, lengths=lengths,
+                      batch=batch)
     out, cache = layer_lib.attend(q, k, v, call, self.splash.settings(self.module_name),
                               self.splash.sinks(self.num_heads))  # [..., T, H, V]
     out = out.reshape(*out.shape[:-2], self.num_heads * self.value_size)  # [..., T, H*V]

@@ -162,3 +162,25 @@ def score_object(kind, params):
 
 def _score_fn(params, q_pos, kv_pos, head):
   return params["c"] * jnp.cos(params["w"][head] * jnp.abs(q_pos - kv_pos)) - 0.01 * head
+
+
+def paged_module_steps(num_pages=16, seed=11):
+  """Two serving steps over shuffled pages of 4: A (4 tokens) and B (5) prefill; then A decodes
+  one, B prefills a chunk of 4 and C starts with 5. (inputs, batch, rows) per step, rows as
+  (sequence, first token, tokens) in step order; every sequence's token inputs."""
+  rng = np.random.default_rng(seed)
+  xs = {name: rng.normal(size=(n, 16)).astype(np.float32) for name, n in zip("ABC", (5, 9, 5))}
+  free = list(rng.permutation(num_pages))
+  table = np.full((3, 4), -1, np.int32)
+  for s in range(3):
+    table[s, :3] = [free.pop() for _ in range(3)]
+  steps = []
+  for rows in ([("A", 0, 4), ("B", 0, 5)], [("A", 4, 1), ("B", 5, 4), ("C", 0, 5)]):
+    x = np.concatenate([xs[n][t:t + k] for n, t, k in rows] + [np.zeros((1, 16), np.float32)])
+    cu = np.concatenate([[0], np.cumsum([k for *_, k in rows])])
+    cu = np.pad(cu, (0, 4 - len(cu)), mode="edge").astype(np.int32)
+    kv = np.array([t for _, t, _ in rows] + [0] * (3 - len(rows)), np.int32)
+    batch = sh.RaggedBatch(jnp.asarray(cu), jnp.asarray(kv), jnp.asarray(table),
+                           jnp.asarray(len(rows), jnp.int32))
+    steps.append((x, batch, rows))
+  return xs, steps

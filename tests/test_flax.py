@@ -12,8 +12,8 @@ from flax import nnx
 
 import splash_hk as sh
 from splash_hk import flax as shx
-from tests import harness
-from tests import oracle
+import harness
+import oracle
 
 W_INIT = hk.initializers.VarianceScaling(1.0)
 
@@ -169,6 +169,24 @@ def test_cache_prefill_with_lengths_then_decode_equals_full_forward():
   other = _module()
   with pytest.raises(ValueError, match="kv_cache"):
     other(x[:, :1], kv_cache=cache)
+
+
+def test_module_serves_paged_steps_as_the_oracle_attends():
+  m = shx.MultiHeadAttention(num_heads=4, in_features=16, qkv_features=32, num_kv_heads=2,
+                             num_sinks=1, bias_init=nnx.initializers.normal(0.1),
+                             rngs=nnx.Rngs(3))
+  m.sinks[...] = jnp.full((4, 1), 0.5)
+  xs, steps = harness.paged_module_steps()
+  cache = sh.PagedKVCache.zeros(16, 4, 2, 8)
+  step = nnx.jit(lambda m, x, c, b: m(x, kv_cache=c, batch=b))
+  for x, batch, rows in steps:
+    out, cache = step(m, x, cache, batch)  # [N, 16]
+    start = 0
+    for name, t, k in rows:
+      want = _oracle_mha(_params(m), xs[name][None, :t + k])[0, t:]
+      np.testing.assert_allclose(np.asarray(out[start:start + k]), want, err_msg=name,
+                                 **harness.tol())
+      start += k
 
 
 def _flax_mha(attention_fn, **kw):

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -347,3 +348,30 @@ def test_heads_shard_over_the_head_axis(mesh_name):
   want = _oracle(step, sinks=np.repeat(sinks, 2, 0), bias=bias)
   np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
   _check_cache(step, cache)
+
+
+def test_the_haiku_module_serves_paged_steps_as_the_oracle_attends():
+  mha = lambda: sh.MultiHeadAttention(HQ, 8, num_kv_heads=HKV, num_sinks=1,
+                                      w_init=hk.initializers.VarianceScaling(1.0),
+                                      b_init=hk.initializers.RandomNormal(0.1))
+  f = hk.without_apply_rng(hk.transform(lambda x, c, b: mha()(x, kv_cache=c, batch=b)))
+  xs, steps = harness.paged_module_steps()
+  params = hk.data_structures.to_mutable_dict(f.init(jax.random.PRNGKey(0), steps[0][0],
+                                                     sh.PagedKVCache.zeros(16, 4, HKV, 8),
+                                                     steps[0][1]))
+  sinks = params["multi_head_attention/~/splash_attention"]["sinks"] = jnp.full((HQ, 1), 0.5)
+  cache = sh.PagedKVCache.zeros(16, 4, HKV, 8)
+  step = jax.jit(f.apply)
+  for x, batch, rows in steps:
+    out, cache = step(params, x, cache, batch)  # [N, 16]
+    start = 0
+    for name, t, k in rows:
+      want = oracle.mha(params, xs[name][None, :t + k], num_heads=HQ, num_kv_heads=HKV,
+                        key_size=8, value_size=8, sinks=np.asarray(sinks))[0, t:]
+      np.testing.assert_allclose(np.asarray(out[start:start + k]), want, err_msg=name,
+                                 **harness.tol())
+      start += k
+  with pytest.raises(ValueError, match="RaggedBatch"):
+    f.apply(params, x, cache, None)
+  with pytest.raises(ValueError, match="flat: \\[N, D\\]"):
+    f.apply(params, x[None], cache, batch)
