@@ -253,11 +253,15 @@ def test_attention_fn_config_and_object_and_refusals():
     _flax_mha(shx.attention_fn)(rng.normal(size=(1, 4, 12)), sow_weights=True)
 
 
-def test_module_under_nnx_jit_on_a_2x4_mesh():
-  mesh = harness.mesh("2x4", explicit=True)
+@pytest.mark.parametrize("mesh_name,axes", [
+    ("2x4", sh.MeshAxes()),  # batch over dp, heads over tp
+    ("dp2_sp4", sh.MeshAxes(heads=None, sequence="sp", sequence_strategy="ring")),
+])
+def test_module_under_nnx_jit_on_a_mesh(mesh_name, axes):
+  mesh = harness.mesh(mesh_name, explicit=mesh_name == "2x4")
   x = np.random.default_rng(8).normal(size=(4, 16, 12)).astype(np.float32)
   plain = _module(num_heads=8, num_kv_heads=4, num_sinks=1)
-  sharded = _module(num_heads=8, num_kv_heads=4, num_sinks=1, mesh=mesh)
+  sharded = _module(num_heads=8, num_kv_heads=4, num_sinks=1, mesh=mesh, axes=axes)
   nnx.update(sharded, nnx.state(plain))
   got = nnx.jit(lambda m, x: m(x))(sharded, x)
   np.testing.assert_allclose(np.asarray(got), np.asarray(plain(x)), **harness.tol())
