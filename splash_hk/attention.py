@@ -150,10 +150,6 @@ def attend(query: Array, key: Array, value: Array, extras: Extras, *,
       body = functools.partial(ulysses.attend, decision.backend, facts=facts.on_whole_sequence())
     else:
       body = lambda y, _: kernel.run(decision.backend, y, facts)
-    # Jitted: an eager shard_map runs op by op (~10x a compile here), and the xla path's custom
-    # VJP of a dense bias needs a traced one. Under an outer jit this is inlined.
-    sharded = jax.jit(lambda y: sharding.shard_kernel(body, y, mesh=mesh, axes=axes, facts=facts,
-                                                      ring=decision.ring,
-                                                      ulysses=decision.ulysses))
-    result = sharded(x)
+    result = sharding.shard_kernel(body, x, mesh=mesh, axes=axes, facts=facts,
+                                   ring=decision.ring, ulysses=decision.ulysses)
   return AttentionOutput(result.out, result.weights)  # [B, T, Hq, Dv], [B, Hq, T, S] or None

@@ -128,9 +128,8 @@ def paged_attention(
       heads=jnp.arange(facts.num_heads, dtype=jnp.int32))  # [Hq]
   if mesh is None:
     return _step(call, facts, decision.backend, layout)
-  # Jitted as `attention`'s shard_map is: eager, it would run op by op.
-  return jax.jit(lambda c: sharding.shard_paged(lambda c, f: _step(c, f, decision.backend), c,
-                                                facts, mesh=mesh, axes=axes))(call)
+  return sharding.shard_paged(lambda c, f: _step(c, f, decision.backend), call, facts,
+                              mesh=mesh, axes=axes)
 
 
 def _step(call: PagedCall, facts: PagedFacts, backend: str,

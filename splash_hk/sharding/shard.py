@@ -18,6 +18,12 @@ from splash_hk.types import Facts, KernelInputs, KernelOutput
 _is_spec = lambda s: isinstance(s, PartitionSpec)
 
 
+def _jitted(sharded: Callable) -> Callable:
+  """A shard_map, jitted: eagerly it runs op by op (~10x a compile here), and the xla path's
+  custom VJP of a dense bias needs a traced one. Under the caller's jit it is inlined."""
+  return jax.jit(sharded)
+
+
 def shard_kernel(
     body: Callable[[KernelInputs, AxisEntry], KernelOutput],
     x: KernelInputs,
@@ -55,8 +61,8 @@ def shard_kernel(
                                  weights=out_specs.weights if facts.return_weights else None)
   sequence: AxisEntry = in_specs.query[1]
   per_shard = lambda x: body(x, sequence)._replace(lse=None)
-  return jax.shard_map(per_shard, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs,
-                       check_vma=False)(x)
+  return _jitted(jax.shard_map(per_shard, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs,
+                               check_vma=False))(x)
 
 
 def shard_paged(
@@ -91,5 +97,5 @@ def shard_paged(
   local = dataclasses.replace(
       facts, query_shape=(n, num_heads // shards, head_dim),
       cache_shape=(*facts.cache_shape[:2], facts.num_kv_heads // shards, facts.cache_shape[3]))
-  return jax.shard_map(lambda c: step(c, local), mesh=mesh, in_specs=(specs,),
-                       out_specs=(at_heads(1, 3), specs.cache), check_vma=False)(call)
+  return _jitted(jax.shard_map(lambda c: step(c, local), mesh=mesh, in_specs=(specs,),
+                               out_specs=(at_heads(1, 3), specs.cache), check_vma=False))(call)
