@@ -16,9 +16,10 @@ from splash_hk import kernel
 from splash_hk import ring
 from splash_hk import sharding
 from splash_hk import ulysses
-from splash_hk.config import AttentionConfig
+from splash_hk.config import AttentionConfig, staged
 from splash_hk.fallback import selector
 from splash_hk.masks import Mask
+from splash_hk.nodes import Static
 from splash_hk.scores import Score
 from splash_hk.sharding.axes import AxisEntry
 from splash_hk.types import Array, AttentionOutput, Decision, Extras, KernelInputs, KernelOutput
@@ -131,6 +132,13 @@ def attention(
                 return_weights=return_weights)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _whole(backend: str, x: KernelInputs, facts: Static) -> KernelOutput:
+  """A backend on the whole eager call, jitted: one compile (cached per facts) instead of one
+  per operation."""
+  return kernel.run(backend, x, facts.value)
+
+
 def attend(query: Array, key: Array, value: Array, extras: Extras, *,
            config: AttentionConfig, mesh: jax.sharding.Mesh | None = None,
            axes: sharding.MeshAxes = sharding.MeshAxes(),
@@ -140,8 +148,10 @@ def attend(query: Array, key: Array, value: Array, extras: Extras, *,
                               axes=axes, return_weights=return_weights)
   decision = selector.select(facts)
   selector.log_fallback(decision)
-  if mesh is None:
+  if mesh is None and staged(x):
     result = kernel.run(decision.backend, x, facts)
+  elif mesh is None:
+    result = _whole(decision.backend, x, Static(facts))
   else:
     body: Callable[[KernelInputs, AxisEntry], KernelOutput]
     if decision.ring:

@@ -37,6 +37,12 @@ def traced(tree: Any) -> bool:
   return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
 
 
+def staged(tree: Any) -> bool:
+  """Whether `tree` is traced or a jit is tracing here (a new constant is then its tracer):
+  what the call computes then joins the caller's program."""
+  return traced(tree) or isinstance(jnp.zeros((), jnp.int32), jax.core.Tracer)
+
+
 def known_now(x: Any) -> np.ndarray | None:
   """x's values if they are known now (eager), else None (traced)."""
   return None if traced(x) else np.asarray(x)

@@ -109,7 +109,39 @@ N = TypeVar("N", bound=Node)
 
 
 def skeleton(node: N | None) -> N | None:
-  """`node` with its arrays as ShapeDtypeStructs: hashable and static (for `Facts`)."""
+  """`node` with its arrays as ShapeDtypeStructs: static (for `Facts`; hashable, or through
+  `Static` when it holds a dict)."""
   if node is None:
     return None
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), node)
+
+
+def _static_key(value: Any) -> Any:
+  """`value` if hashable, else a hashable equivalent: a dataclass by its fields, any other
+  pytree (a ScoreFn's dict of params) by its structure and leaves."""
+  try:
+    hash(value)
+    return value
+  except TypeError:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+      return (type(value), *(_static_key(getattr(value, f.name))
+                             for f in dataclasses.fields(value)))
+    leaves, treedef = jax.tree.flatten(value)
+    return treedef, tuple(_static_key(leaf) for leaf in leaves)
+
+
+class Static:
+  """A static `jax.jit` argument (a call's facts) hashed and compared by value, also when a
+  skeleton in it holds a dict (a `ScoreFn`'s params), which has no hash of its own."""
+
+  __slots__ = ("value", "_key")
+
+  def __init__(self, value: Any):
+    self.value = value
+    self._key = _static_key(value)
+
+  def __hash__(self) -> int:
+    return hash(self._key)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, Static) and self._key == other._key

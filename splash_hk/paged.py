@@ -7,6 +7,7 @@ The page allocator and the scheduler are the caller's (`examples/serve/`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -16,11 +17,11 @@ from splash_hk import inputs
 from splash_hk import kernel
 from splash_hk import sharding
 from splash_hk import validation
-from splash_hk.config import AttentionConfig, traced
+from splash_hk.config import AttentionConfig, staged, traced
 from splash_hk.fallback import selector
 from splash_hk.masks import Mask
 from splash_hk.masks import _rules
-from splash_hk.nodes import skeleton
+from splash_hk.nodes import Static, skeleton
 from splash_hk import pages
 from splash_hk.pages import Layout, PagedCall, PagedFacts, PagedInputs, PagedKVCache, RaggedBatch
 from splash_hk.scores import Score
@@ -126,10 +127,20 @@ def paged_attention(
       bias=None if score is None else score.map_arrays(lambda side, a, **_: jnp.asarray(a)),
       sinks=inputs.sinks(softmax_aux, facts.num_heads),  # [Hq, n] or None
       heads=jnp.arange(facts.num_heads, dtype=jnp.int32))  # [Hq]
-  if mesh is None:
+  if mesh is None and staged(call):
     return _step(call, facts, decision.backend, layout)
+  if mesh is None:
+    return _whole(call, Static(facts), decision.backend, layout)
   return sharding.shard_paged(lambda c, f: _step(c, f, decision.backend), call, facts,
                               mesh=mesh, axes=axes)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _whole(call: PagedCall, facts: Static, backend: str,
+           layout: Layout | None) -> tuple[jax.Array, PagedKVCache]:
+  """`_step` on all heads of an eager call, jitted: one compile (cached per facts) instead of
+  one per operation."""
+  return _step(call, facts.value, backend, layout)
 
 
 def _step(call: PagedCall, facts: PagedFacts, backend: str,
