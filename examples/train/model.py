@@ -67,7 +67,10 @@ class ModelConfig:
 
 
 class Transformer(hk.Module):
-  """Tokens [B, T] -> logits [B, T, V]; with `caches`, also returns the new caches."""
+  """Tokens [B, T] -> logits [B, T, V]; with `caches`, also returns the new caches.
+
+  A serving step (`batch=`, paged `caches`) takes the step's tokens flat: [N] -> [N, V].
+  """
 
   def __init__(self, config: ModelConfig, mesh: jax.sharding.Mesh | None = None, name=None):
     super().__init__(name=name)
@@ -106,43 +109,76 @@ class Transformer(hk.Module):
     return [sh.KVCache.zeros(batch, capacity or c.max_len, c.num_kv_heads or c.num_heads,
                              c.model_size // c.num_heads) for _ in range(c.num_layers)]
 
+  def init_paged_caches(self, num_pages: int, page_size: int) -> list[sh.PagedKVCache]:
+    """One empty pool of `num_pages` pages of `page_size` slots per layer."""
+    c = self.config
+    return [sh.PagedKVCache.zeros(num_pages, page_size, c.num_kv_heads or c.num_heads,
+                                  c.model_size // c.num_heads) for _ in range(c.num_layers)]
+
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               caches: list[sh.KVCache] | None = None, segment_ids: jax.Array | None = None,
-               lengths: jax.Array | None = None):
+               caches: list[sh.KVCache] | list[sh.PagedKVCache] | None = None,
+               segment_ids: jax.Array | None = None, lengths: jax.Array | None = None,
+               batch: sh.RaggedBatch | None = None):
     """tokens [B, T] -> logits [B, T, V] (and the new caches, with `caches`).
 
     Args:
-      tokens: [B, T] token ids.
-      positions: [B, T] token positions (default arange(T)).
-      caches: one KVCache per layer: append the tokens and attend to the cache.
+      tokens: [B, T] token ids; with `batch`, a serving step's tokens flat, [N].
+      positions: [B, T] token positions (default arange(T)); with `batch`, [N], each token's
+        position in its sequence (what `batch` says: kv_lens[s] + its index in s).
+      caches: one KVCache per layer: append the tokens and attend to the cache; with `batch`,
+        one PagedKVCache per layer.
       segment_ids: [B, T] documents packed in a row (negative = padding); not with caches.
       lengths: with caches, [B] how many of the T tokens each row appends.
+      batch: a serving step's sequences over the flat tokens (with paged `caches`).
     """
     c = self.config
-    batch, seq_len = tokens.shape
+    if batch is not None and (caches is None or positions is None or c.prefix_len
+                              or c.attention != "splash"):
+      raise ValueError("A serving step (batch=) needs paged caches, the tokens' positions, "
+                       "and a causal splash model (no --prefix_lm, --attention=splash).")
     if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(seq_len), (batch, seq_len))
-    h = hk.Embed(c.vocab_size, c.model_size, name="embed")(tokens)  # [B, T, D]
-    if c.position_bias == "none":
-      h = h + hk.Embed(c.max_len, c.model_size, name="position")(positions)  # [B, T, D]
-    new_caches, mask, bias = [], c.mask(positions, segment_ids), self._position_bias()
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)  # [B, T]
+    h = _embed(c, tokens, positions)  # [B, T, D]; serving: [N, D]
+    new_caches, bias = [], self._position_bias()
+    mask = None if batch is not None else c.mask(positions, segment_ids)
     for i in range(c.num_layers):
       x = hk.LayerNorm(-1, True, True, name=f"ln_attn_{i}")(h)
       attend = self._attention(i)
-      if caches is not None:
+      if batch is not None:
+        a, cache = attend(x, kv_cache=caches[i], batch=batch, bias=bias(i))
+        new_caches.append(cache)
+      elif caches is not None:
         a, cache = attend(x, kv_cache=caches[i], lengths=lengths, mask=mask, bias=bias(i))
         new_caches.append(cache)
       elif c.attention == "reference":
-        a = attend(x, x, x, mask=_reference_mask(seq_len, c.attention_config.window, segment_ids))
+        a = attend(x, x, x, mask=_reference_mask(tokens.shape[1], c.attention_config.window,
+                                                 segment_ids))
       else:
         a = attend(x, q_segment_ids=segment_ids, mask=mask, bias=bias(i))
-      h = h + a
-      x = hk.LayerNorm(-1, True, True, name=f"ln_mlp_{i}")(h)
-      h = h + hk.nets.MLP([4 * c.model_size, c.model_size], activation=jax.nn.gelu,
-                          name=f"mlp_{i}")(x)
-    h = hk.LayerNorm(-1, True, True, name="ln_final")(h)
-    logits = hk.Linear(c.vocab_size, name="unembed")(h)  # [B, T, V]
+      h = _mlp(c, i, h + a)  # [B, T, D]
+    logits = _unembed(c, h)  # [B, T, V]; serving: [N, V]
     return logits if caches is None else (logits, new_caches)
+
+
+def _embed(c: ModelConfig, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+  """[...] tokens at [...] positions -> [..., D] (positions learned unless a bias says them)."""
+  h = hk.Embed(c.vocab_size, c.model_size, name="embed")(tokens)  # [..., D]
+  if c.position_bias == "none":
+    h = h + hk.Embed(c.max_len, c.model_size, name="position")(positions)  # [..., D]
+  return h
+
+
+def _mlp(c: ModelConfig, i: int, h: jax.Array) -> jax.Array:
+  """Layer i's MLP block on the residual stream [..., D]."""
+  x = hk.LayerNorm(-1, True, True, name=f"ln_mlp_{i}")(h)
+  return h + hk.nets.MLP([4 * c.model_size, c.model_size], activation=jax.nn.gelu,
+                         name=f"mlp_{i}")(x)
+
+
+def _unembed(c: ModelConfig, h: jax.Array) -> jax.Array:
+  """The residual stream [..., D] -> logits [..., V]."""
+  h = hk.LayerNorm(-1, True, True, name="ln_final")(h)
+  return hk.Linear(c.vocab_size, name="unembed")(h)
 
 
 def _recency_table(c: ModelConfig) -> jax.Array:

@@ -267,13 +267,9 @@ def train(state: TrainState, train_step, evaluate, batches, eval_batch, seq_len:
 # Main.
 
 
-def run() -> None:
-  """Builds the run from the flags, trains, then (optionally) samples and evaluates."""
-  mesh = make_mesh()
-  axes = make_axes(mesh)
-  task, config = make_task_and_model(axes)
-  if jax.process_count() > 1 and _SAMPLE.value:
-    _fail("--sample decodes in one process; run it without --num_processes.")
+def fit(mesh, axes: sh.MeshAxes, task: recall.RecallTask, config: model_lib.ModelConfig):
+  """Builds the model and trains it to --steps, resuming from --checkpoint_dir: (state,
+  evaluate, eval_batch), or None when --stop_after_steps ended the run first."""
   if _BATCH_SIZE.value % jax.process_count():
     _fail(f"--batch_size ({_BATCH_SIZE.value}) must divide over {jax.process_count()} processes.")
   if _DTYPE.value == "bfloat16":
@@ -302,7 +298,21 @@ def run() -> None:
                task.num_pairs, task.seq_len, task.vocab_size, _ATTENTION.value, _MESH.value,
                decision.reason)
   if not train(state, train_step, evaluate, batches, eval_batch, task.seq_len, checkpoint):
+    return None
+  return state, evaluate, eval_batch
+
+
+def run() -> None:
+  """Builds the run from the flags, trains, then (optionally) samples and evaluates."""
+  mesh = make_mesh()
+  axes = make_axes(mesh)
+  task, config = make_task_and_model(axes)
+  if jax.process_count() > 1 and _SAMPLE.value:
+    _fail("--sample decodes in one process; run it without --num_processes.")
+  fitted = fit(mesh, axes, task, config)
+  if fitted is None:
     return
+  state, evaluate, eval_batch = fitted
   if _SAMPLE.value:
     sampling.sample(task, config, state.params, mesh, rows=_SAMPLE_ROWS.value,
                     capacity=_SAMPLE_CACHE_LEN.value or task.seq_len + 1, seed=_SEED.value + 2)
