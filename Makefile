@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test typecheck wheel-check bazel-install bazel-test bazel-smoke demo multihost-demo bench quickcheck clean gpu-wheels gpu-check
+.PHONY: setup test typecheck wheel-check bazel-install bazel-test bazel-smoke demo multihost-demo serve-demo bench quickcheck clean gpu-wheels gpu-check
 
 LOCK := requirements-lock.txt
 
@@ -19,7 +19,7 @@ setup: $(STAMP)
 # Two pytest workers: most of the suite is XLA compilation, which runs on one core.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests
 
 # mypy over splash_hk/ (mypy.ini): every public signature typed as what it takes.
 typecheck: $(STAMP)
@@ -52,12 +52,17 @@ bazel-test: $(STAMP) bazel-install
 BAZEL_SMOKE := //:test_build //:test_masks //:test_inputs //:test_package //:test_gpu
 bazel-smoke: $(STAMP) bazel-install
 	bazel build //...
-	bazel test //... --test_arg=--collect-only
+	bazel test //... --test_arg=--collect-only --test_sharding_strategy=disabled
 	bazel test $(BAZEL_SMOKE)
 	bazel run //examples/train:train -- --steps=20 --log_every=20
 
 demo: $(STAMP)
 	$(PY) -m examples.train --sample
+
+# Trains the demo model briefly (ALiBi positions), serves 64 requests with continuous
+# batching over pages, then the same requests as static batches with KVCache.
+serve-demo: $(STAMP)
+	$(PY) -m examples.serve --check
 
 multihost-demo: $(STAMP)
 	$(PY) -m examples.train.launch --num_processes=2 --devices_per_process=4 -- \

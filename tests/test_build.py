@@ -132,8 +132,8 @@ def test_every_test_file_has_a_sized_py_test_of_its_own():
 
 def test_binaries_live_in_their_own_packages():
   targets = read_targets(ROOT)
-  for label in ("//examples/train:train", "//examples/train:launch", "//benchmarks:bench",
-                "quickcheck"):
+  for label in ("//examples/train:train", "//examples/train:launch", "//examples/serve:serve",
+                "//benchmarks:bench", "quickcheck"):
     assert targets[label]["rule"] == "py_binary", label
   library = {s.resolve() for s in targets["splash_hk"]["srcs"]}
   assert not [s for s in library if s.is_relative_to(ROOT / "examples")

@@ -1,0 +1,279 @@
+"""Continuous batching: which tokens of which requests each step computes, over which pages.
+
+Each step the scheduler
+  1. gives every running sequence its next tokens, oldest first: one when it decodes, up to
+     `prefill_chunk` when it (re)computes its prompt, within `step_tokens` for the step; when the
+     pool cannot hold them it preempts the newest running sequence (its pages freed, its tokens
+     recomputed when it is admitted again), the sequence itself if it is the newest;
+  2. admits waiting sequences in order while pages, `max_seqs` and the step's tokens allow;
+     with prefix sharing, a sequence first takes the registered full pages that hold its
+     first tokens, and waits while the next page it needs is being computed by another;
+  3. lays the step out as `paged_attention` takes it (`Plan`): flat tokens and positions, a
+     `RaggedBatch`'s arrays, the pages to copy before the step (a shared page a sequence is
+     about to write), and the rows whose logits give a sequence its next token.
+After the step, `complete` appends each sampled token, registers the pages now full, and ends
+(and frees) the sequences that have all their tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+
+import numpy as np
+
+from examples.serve.allocator import OutOfPages, PageAllocator
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  id: int
+  prompt: tuple[int, ...]
+  max_new_tokens: int
+  arrival: int = 0  # the step at which it arrives
+  answer: int | None = None  # a recall prompt's expected first token (scored)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+  page_size: int = 16
+  max_seqs: int = 32  # sequences in one step
+  step_tokens: int = 256  # tokens in one step
+  prefill_chunk: int = 64  # prompt tokens a sequence computes in one step
+  pages_per_seq: int = 24  # the page table's width: a sequence's longest length / page_size
+  prefix_sharing: bool = True
+
+  def __post_init__(self):
+    if min(self.page_size, self.max_seqs, self.prefill_chunk, self.pages_per_seq) < 1:
+      raise ValueError(f"page_size, max_seqs, prefill_chunk and pages_per_seq must be >= 1: {self}")
+    if self.step_tokens < self.max_seqs:
+      raise ValueError(f"--step_tokens ({self.step_tokens}) must be at least --max_seqs "
+                       f"({self.max_seqs}): every running sequence decodes each step.")
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+  """A request being served: its tokens so far (prompt, then generated) and its pages."""
+
+  request: Request
+  tokens: list[int]
+  pages: list[int] = dataclasses.field(default_factory=list)  # physical, in logical order
+  computed: int = 0  # tokens whose keys and values are in `pages`
+  generated: list[int] = dataclasses.field(default_factory=list)
+  admitted: int = -1  # admission counter: the newest running sequence has the largest
+
+  @property
+  def done(self) -> bool:
+    return len(self.generated) >= self.request.max_new_tokens
+
+
+@dataclasses.dataclass
+class Plan:
+  """One step, laid out for the model (arrays unpadded: the engine pads the token axis)."""
+
+  tokens: np.ndarray  # [n] int32, the step's tokens, sequence by sequence
+  positions: np.ndarray  # [n] int32
+  cu_q_lens: np.ndarray  # [max_seqs + 1] int32
+  kv_lens: np.ndarray  # [max_seqs] int32: tokens of each sequence in its pages before the step
+  page_table: np.ndarray  # [max_seqs, pages_per_seq] int32
+  num_seqs: int
+  copies: list[tuple[int, int]]  # (source, destination) pages to copy before the step
+  work: list[tuple[Sequence, int]]  # each scheduled sequence and its tokens this step
+  samples: list[tuple[Sequence, int]]  # sequences that get a token, and the row that gives it
+
+
+@dataclasses.dataclass
+class Stats:
+  steps: int = 0
+  preemptions: int = 0
+  prefill_tokens: int = 0  # prompt tokens computed (recomputation included)
+  decode_tokens: int = 0
+  shared_pages: int = 0  # pages taken from the prefix cache instead of computed
+  skipped_tokens: int = 0  # prompt tokens those pages held
+  copies: int = 0
+  peak_pages: int = 0
+  pages_allocated: int = 0  # pages taken from the free list for computing (copies included)
+
+
+class Scheduler:
+  """Requests in, `Plan`s out; `complete` feeds each step's sampled tokens back."""
+
+  def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
+    self.config = config
+    self.allocator = allocator
+    self.waiting: collections.deque[Sequence] = collections.deque()
+    self.running: list[Sequence] = []  # admission order
+    self.finished: list[Sequence] = []
+    self.stats = Stats()
+    self._admissions = itertools.count()
+
+  def add(self, request: Request) -> None:
+    c, size = self.config, len(request.prompt) + request.max_new_tokens
+    if not request.prompt or request.max_new_tokens < 1:
+      raise ValueError(f"request {request.id} needs a prompt and max_new_tokens >= 1.")
+    if size > c.pages_per_seq * c.page_size or -(-size // c.page_size) > self.allocator.num_pages:
+      raise ValueError(f"request {request.id} needs {size} tokens; the page table holds "
+                       f"{c.pages_per_seq * c.page_size} and the pool {self.allocator.num_pages} "
+                       f"pages of {c.page_size}: raise --num_pages or shorten the workload.")
+    self.waiting.append(Sequence(request, list(request.prompt)))
+
+  @property
+  def idle(self) -> bool:
+    return not self.waiting and not self.running
+
+  def schedule(self) -> Plan | None:
+    """The next step's plan (None when nothing can run)."""
+    budget, work, copies = self.config.step_tokens, [], []
+    for seq in list(self.running):
+      if seq not in self.running:  # preempted for an older one
+        continue
+      q = min(budget, self._chunk(seq))
+      if q and self._reserve(seq, q, copies):
+        work.append((seq, q))
+        budget -= q
+    self._admit(work, copies, budget)
+    return self._plan(work, copies) if work else None
+
+  def complete(self, plan: Plan, sampled: np.ndarray) -> list[Sequence]:
+    """Feeds back the step's sampled tokens ([n], read at the sample rows); returns the
+    sequences that got a token."""
+    ps, prompt = self.config.page_size, lambda s: len(s.request.prompt)
+    for seq, q in plan.work:
+      start, seq.computed = seq.computed, seq.computed + q
+      self.stats.prefill_tokens += max(0, min(seq.computed, prompt(seq)) - start)
+      self.stats.decode_tokens += max(0, seq.computed - max(start, prompt(seq)))
+      if self.config.prefix_sharing:
+        for p in range(start // ps, seq.computed // ps):
+          self.allocator.register(seq.pages[p], self._content(seq, p))
+    for seq, row in plan.samples:
+      seq.generated.append(int(sampled[row]))
+      seq.tokens.append(int(sampled[row]))
+      if seq.done:
+        self._free(seq)
+        self.running.remove(seq)
+        self.finished.append(seq)
+    self.stats.steps += 1
+    self.stats.pages_allocated = self.allocator.allocated
+    return [seq for seq, _ in plan.samples]
+
+  def _chunk(self, seq: Sequence) -> int:
+    """Tokens `seq` computes next: 1 when decoding, else up to a prefill chunk."""
+    return min(self.config.prefill_chunk, len(seq.tokens) - seq.computed)
+
+  def _reserve(self, seq: Sequence, q: int, copies: list[tuple[int, int]]) -> bool:
+    """Pages for `seq`'s next `q` tokens (a shared page it writes copied first), preempting
+    the newest sequences while the pool is short; False if `seq` itself was preempted."""
+    ps = self.config.page_size
+    written = range(seq.computed // ps, len(seq.pages))  # its pages this step writes into
+    shared = [p for p in written if self.allocator.refs(seq.pages[p]) > 1]
+    need = -(-(seq.computed + q) // ps) - len(seq.pages) + len(shared)
+    while self.allocator.num_free < need:
+      victim = self.running[-1]
+      self._preempt(victim)
+      if victim is seq:
+        return False
+    for p in written:
+      if p in shared:
+        fresh = self.allocator.allocate()
+        copies.append((seq.pages[p], fresh))
+        self.allocator.release(seq.pages[p])
+        seq.pages[p] = fresh
+      else:
+        self.allocator.unregister(seq.pages[p])  # its content changes under it
+    while len(seq.pages) * ps < seq.computed + q:
+      seq.pages.append(self.allocator.allocate())
+    self.stats.copies += len(shared)
+    self.stats.peak_pages = max(self.stats.peak_pages, self.allocator.in_use)
+    return True
+
+  def _admit(self, work: list[tuple[Sequence, int]], copies: list[tuple[int, int]],
+             budget: int) -> None:
+    """Admits waiting sequences in order while the pool, max_seqs and `budget` allow."""
+    deferred = []
+    while self.waiting and budget and len(self.running) < self.config.max_seqs:
+      seq = self.waiting.popleft()
+      if self._next_page_pending(seq):
+        deferred.append(seq)
+        continue
+      if not self._take_shared(seq, budget):
+        self.waiting.appendleft(seq)
+        break
+      seq.admitted = next(self._admissions)
+      self.running.append(seq)
+      q = min(budget, self._chunk(seq))
+      if not self._reserve(seq, q, copies):  # cannot happen: _take_shared checked the pool
+        raise OutOfPages()
+      work.append((seq, q))
+      budget -= q
+    self.waiting.extendleft(reversed(deferred))
+
+  def _take_shared(self, seq: Sequence, budget: int) -> bool:
+    """Takes the registered pages of `seq`'s first tokens when the pool also holds the rest of
+    its first step; False (nothing taken) when it does not."""
+    ps, found = self.config.page_size, self._cached_pages(seq)
+    computed = min(len(found) * ps, len(seq.tokens) - 1)  # at least one token computes
+    q = min(budget, self.config.prefill_chunk, len(seq.tokens) - computed)
+    fresh = -(-(computed + q) // ps) - len(found) + (computed < len(found) * ps)
+    reusable = sum(self.allocator.refs(p) == 0 for p in found)  # free now, held once taken
+    if self.allocator.num_free - reusable < fresh:
+      return False
+    seq.pages = [self.allocator.share(self._content(seq, i)) for i in range(len(found))]
+    seq.computed = computed
+    self.stats.shared_pages += len(found)
+    self.stats.skipped_tokens += min(computed, len(seq.request.prompt))
+    return True
+
+  def _cached_pages(self, seq: Sequence) -> list[int]:
+    """The registered pages holding `seq`'s first full pages (none without prefix sharing)."""
+    found: list[int] = []
+    while self.config.prefix_sharing and (len(found) + 1) * self.config.page_size <= len(seq.tokens):
+      page = self.allocator.find(self._content(seq, len(found)))
+      if page is None:
+        break
+      found.append(page)
+    return found
+
+  def _content(self, seq: Sequence, page: int) -> tuple[int, ...]:
+    """What logical page `page` of `seq` holds: its tokens from 0 to the page's end."""
+    return tuple(seq.tokens[:(page + 1) * self.config.page_size])
+
+  def _next_page_pending(self, seq: Sequence) -> bool:
+    """Whether the first page of `seq` not in the prefix cache is being computed by a running
+    sequence (then waiting a step or two shares it instead of computing it again)."""
+    n = len(self._cached_pages(seq))
+    end = (n + 1) * self.config.page_size
+    if not self.config.prefix_sharing or end > len(seq.tokens):
+      return False
+    return any(other.computed < end <= len(other.tokens) and other.tokens[:end] == seq.tokens[:end]
+               for other in self.running)
+
+  def _preempt(self, seq: Sequence) -> None:
+    self._free(seq)
+    seq.computed = 0
+    self.running.remove(seq)
+    self.waiting.appendleft(seq)
+    self.stats.preemptions += 1
+
+  def _free(self, seq: Sequence) -> None:
+    for page in seq.pages:
+      self.allocator.release(page)
+    seq.pages = []
+
+  def _plan(self, work: list[tuple[Sequence, int]], copies: list[tuple[int, int]]) -> Plan:
+    c = self.config
+    cu = np.zeros(c.max_seqs + 1, np.int32)
+    kv_lens = np.zeros(c.max_seqs, np.int32)
+    table = np.zeros((c.max_seqs, c.pages_per_seq), np.int32)
+    tokens, positions, samples = [], [], []
+    for s, (seq, q) in enumerate(work):
+      tokens += seq.tokens[seq.computed:seq.computed + q]
+      positions += range(seq.computed, seq.computed + q)
+      cu[s + 1], kv_lens[s] = cu[s] + q, seq.computed
+      table[s, :len(seq.pages)] = seq.pages
+      if seq.computed + q == len(seq.tokens):
+        samples.append((seq, int(cu[s + 1]) - 1))
+    cu[len(work) + 1:] = cu[len(work)]
+    return Plan(tokens=np.asarray(tokens, np.int32), positions=np.asarray(positions, np.int32),
+                cu_q_lens=cu, kv_lens=kv_lens, page_table=table, num_seqs=len(work),
+                copies=copies, work=work, samples=samples)

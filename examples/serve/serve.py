@@ -1,0 +1,177 @@
+r"""Serves the demo model with continuous batching over a paged KV cache.
+
+  python -m examples.serve                        # trains briefly, serves 64 requests, compares
+  python -m examples.serve --checkpoint_dir=/tmp/ckpt --position_bias=alibi
+  python -m examples.serve --shared_prefix_len=256 --num_requests=32 --recall_fraction=0
+
+Requests (random-token prompts of mixed lengths, and recall prompts whose first answer is
+scored) arrive all at once or at --arrival_rate per step. Each step runs one
+`paged_attention` call per layer over a flat batch that mixes prefill chunks and one decode
+token per running request (examples/serve/scheduler.py). The model is the training binary's
+(every training flag applies): restored from --checkpoint_dir, training until --steps first
+when the checkpoint has fewer. Without a checkpoint it trains from scratch, as `make demo`
+does; the serving default is --position_bias=alibi, so prompts may pass --seq_len.
+
+The summary's last lines compare the same requests served as static batches with `KVCache`
+(--compare_static) and, with --check, each output against greedy decoding with a full forward.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+import numpy as np
+
+from examples.serve import engine as engine_lib
+from examples.serve import workload as workload_lib
+from examples.serve.scheduler import SchedulerConfig
+from examples.train import train
+
+_NUM_REQUESTS = flags.DEFINE_integer("num_requests", 64, "Requests to serve.")
+_PROMPT_LENS = flags.DEFINE_list("prompt_lens", ["5", "300"],
+                                 "Random-token prompts: lengths uniform in [lo, hi].")
+_NEW_TOKENS = flags.DEFINE_list("new_tokens", ["1", "40"],
+                                "Tokens each request generates: uniform in [lo, hi].")
+_RECALL_FRACTION = flags.DEFINE_float(
+    "recall_fraction", 0.5, "Of the requests: recall prompts (the task's lengths), whose first "
+    "generated token is scored against the answer.")
+_SHARED_PREFIX_LEN = flags.DEFINE_integer(
+    "shared_prefix_len", 0, "Random tokens in front of every prompt (a system prompt).")
+_ARRIVAL_RATE = flags.DEFINE_float("arrival_rate", 0.0,
+                                   "Requests arriving per step (Poisson); 0: all at once.")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Slots per page.")
+_NUM_PAGES = flags.DEFINE_integer(
+    "num_pages", None, "Pages per layer's pool (default: half the slots the static batches "
+    "reserve, or what the longest request needs if more).")
+_MAX_SEQS = flags.DEFINE_integer("max_seqs", 32, "Requests one step serves.")
+_STEP_TOKENS = flags.DEFINE_integer("step_tokens", 256, "Tokens one step computes.")
+_PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 64,
+                                      "Prompt tokens a request computes in one step.")
+_PREFIX_SHARING = flags.DEFINE_bool(
+    "prefix_sharing", True, "Reuse the pool's full pages of an equal prompt prefix.")
+_COMPARE_STATIC = flags.DEFINE_bool(
+    "compare_static", True, "Also serve the requests as static batches of --max_seqs with KVCache.")
+_CHECK = flags.DEFINE_bool("check", False, "Check every output against greedy decoding of its "
+                           "prompt with a full forward.")
+_SERVE_SEED = flags.DEFINE_integer("serve_seed", 0, "Seed of the requests.")
+_LOG_EVERY_STEPS = flags.DEFINE_integer("log_every_steps", 25, "Steps between progress lines.")
+
+flags.FLAGS.set_default("position_bias", "alibi")
+
+
+def _fail(message: str):
+  sys.stderr.write(f"error: {message}\n")
+  sys.exit(1)
+
+
+def _pair(values: list[str], name: str) -> tuple[int, int]:
+  if len(values) != 2 or not all(v.strip().isdigit() for v in values):
+    _fail(f"--{name} takes two integers lo,hi; got {','.join(values)!r}.")
+  return int(values[0]), int(values[1])
+
+
+def _percentiles(seconds: list[float]) -> str:
+  if not seconds:
+    return "n/a"
+  p50, p99 = np.percentile(np.asarray(seconds) * 1e3, [50, 99])
+  return f"median {p50:.0f} ms, p99 {p99:.0f} ms"
+
+
+def _config(requests: list[workload_lib.Request]) -> SchedulerConfig:
+  longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+  try:
+    return SchedulerConfig(page_size=_PAGE_SIZE.value, max_seqs=_MAX_SEQS.value,
+                           step_tokens=_STEP_TOKENS.value, prefill_chunk=_PREFILL_CHUNK.value,
+                           pages_per_seq=-(-longest // _PAGE_SIZE.value),
+                           prefix_sharing=_PREFIX_SHARING.value)
+  except ValueError as e:
+    _fail(str(e))
+
+
+def _default_pages(requests, sched: SchedulerConfig) -> int:
+  """Half the slots static batches of max_seqs reserve (at least the longest request)."""
+  static = engine_lib.static_slots(requests, sched.max_seqs)
+  return max(static // 2 // sched.page_size, sched.pages_per_seq)
+
+
+def report(served: engine_lib.Served, requests, static: engine_lib.Served | None,
+           mismatches: list[int] | None) -> None:
+  """The summary: throughput, latency, pages, sharing, accuracy, and the comparisons."""
+  s = served.stats
+  print(f"served {len(served.outputs)} requests: {served.tokens} tokens in {served.seconds:.2f} s "
+        f"= {served.tokens / served.seconds:.0f} tokens/s ({served.steps} steps)")
+  print(f"time to first token: {_percentiles(served.first_token)}; per-token latency: "
+        f"{_percentiles(served.token_gaps)}")
+  print(f"pages: peak {s.peak_pages} of {served.num_pages} in use, {s.pages_allocated} "
+        f"allocated over the run; KV pool "
+        f"{served.kv_bytes / 2**20:.2f} MiB (at the peak {served.peak_bytes / 2**20:.2f} MiB in "
+        f"use); preemptions {s.preemptions}")
+  print(f"prefill: {s.prefill_tokens} prompt tokens computed; prefix sharing: {s.shared_pages} "
+        f"pages shared, {s.skipped_tokens} prompt tokens skipped, {s.copies} pages copied")
+  scored = [r for r in requests if r.answer is not None]
+  right = sum(served.outputs[r.id][0] == r.answer for r in scored)
+  print(f"recall answers: {right}/{len(scored)} right")
+  if static is not None:
+    print(f"static batches (KVCache): {static.tokens} tokens in {static.seconds:.2f} s = "
+          f"{static.tokens / static.seconds:.0f} tokens/s; time to first token: "
+          f"{_percentiles(static.first_token)}; KV {static.kv_bytes / 2**20:.2f} MiB")
+    print(f"continuous / static: {served.tokens / served.seconds / (static.tokens / static.seconds):.2f}x "
+          f"tokens/s, {served.kv_bytes / static.kv_bytes:.2f}x KV bytes")
+  if mismatches is not None:
+    print(f"outputs equal to greedy decoding with a full forward: "
+          f"{len(requests) - len(mismatches)}/{len(requests)}"
+          + (f" (not: requests {mismatches})" if mismatches else ""))
+
+
+def run() -> None:
+  axes = train.make_axes(None)
+  task, config = train.make_task_and_model(axes)
+  if config.prefix_len or config.attention != "splash":
+    _fail("serving takes a causal splash model: drop --prefix_lm and --attention=reference.")
+  try:
+    work = workload_lib.Workload(
+        num_requests=_NUM_REQUESTS.value, prompt_lens=_pair(_PROMPT_LENS.value, "prompt_lens"),
+        new_tokens=_pair(_NEW_TOKENS.value, "new_tokens"), recall_fraction=_RECALL_FRACTION.value,
+        shared_prefix_len=_SHARED_PREFIX_LEN.value, arrival_rate=_ARRIVAL_RATE.value,
+        max_len=config.max_len if config.position_bias == "none" else None,
+        seed=_SERVE_SEED.value)
+  except ValueError as e:
+    _fail(str(e))
+  requests = workload_lib.requests(work, task)
+  fitted = train.fit(None, axes, task, config)
+  if fitted is None:
+    return
+  params = fitted[0].params
+  sched = _config(requests)
+  num_pages = _NUM_PAGES.value or _default_pages(requests, sched)
+  paged = engine_lib.PagedEngine(config, params, sched, num_pages)
+  paged.warm_up()
+  logging.info("serving %d requests: pool of %d pages of %d slots per layer, steps of %d "
+               "tokens (buckets %s), prefill chunks of %d, prefix sharing %s", len(requests),
+               num_pages, sched.page_size, sched.step_tokens, paged.buckets, sched.prefill_chunk,
+               sched.prefix_sharing)
+  try:
+    served = engine_lib.serve(paged, requests, prefix_sharing=sched.prefix_sharing,
+                              log_every=_LOG_EVERY_STEPS.value)
+  except ValueError as e:
+    _fail(str(e))
+  static = None
+  if _COMPARE_STATIC.value:
+    static_engine = engine_lib.StaticEngine(config, params, sched.max_seqs)
+    static_engine.warm_up(engine_lib.static_batches(requests, sched.max_seqs))
+    static = engine_lib.serve_static(static_engine, requests)
+  mismatches = (engine_lib.greedy_mismatches(config, params, requests, served.outputs)
+                if _CHECK.value else None)
+  report(served, requests, static, mismatches)
+
+
+def main(argv):
+  del argv
+  run()
+
+
+if __name__ == "__main__":
+  app.run(main)
