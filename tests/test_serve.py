@@ -56,7 +56,7 @@ def test_a_request_the_pool_cannot_hold_is_refused_with_what_to_change():
     scheduler.add(Request(1, (1, 2), 0))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # kept while other files' tests run between its users
 def served_model():
   """A random ALiBi demo model (positions past the task's 31), its engine (compiled once: the
   runs below change only host-side scheduling) and 64 requests of prompts 5..300 tokens and

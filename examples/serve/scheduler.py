@@ -1,10 +1,11 @@
 """Continuous batching: which tokens of which requests each step computes, over which pages.
 
 Each step the scheduler
-  1. gives every running sequence its next tokens, oldest first: one when it decodes, up to
-     `prefill_chunk` when it (re)computes its prompt, within `step_tokens` for the step; when the
-     pool cannot hold them it preempts the newest running sequence (its pages freed, its tokens
-     recomputed when it is admitted again), the sequence itself if it is the newest;
+  1. gives every running sequence its next tokens: one to each decoding sequence, then up to
+     `prefill_chunk` to each that (re)computes its prompt, oldest first, within `step_tokens`;
+     when the pool cannot hold them it preempts the newest running sequence not yet in the
+     step (its pages freed, its tokens recomputed when it is admitted again), the sequence
+     itself if it is that one;
   2. admits waiting sequences in order while pages, `max_seqs` and the step's tokens allow;
      with prefix sharing, a sequence first takes the registered full pages that hold its
      first tokens, and waits while the next page it needs is being computed by another;
@@ -123,13 +124,16 @@ class Scheduler:
     return not self.waiting and not self.running
 
   def schedule(self) -> Plan | None:
-    """The next step's plan (None when nothing can run)."""
+    """The next step's plan (None when nothing can run): every decoding sequence's token
+    first (the step holds them all: step_tokens >= max_seqs), then prompt chunks, oldest
+    first."""
     budget, work, copies = self.config.step_tokens, [], []
-    for seq in list(self.running):
+    decoding = [seq for seq in self.running if self._chunk(seq) == 1]
+    for seq in decoding + [seq for seq in self.running if seq not in decoding]:
       if seq not in self.running:  # preempted for an older one
         continue
       q = min(budget, self._chunk(seq))
-      if q and self._reserve(seq, q, copies):
+      if q and self._reserve(seq, q, copies, [s for s, _ in work]):
         work.append((seq, q))
         budget -= q
     self._admit(work, copies, budget)
@@ -161,15 +165,17 @@ class Scheduler:
     """Tokens `seq` computes next: 1 when decoding, else up to a prefill chunk."""
     return min(self.config.prefill_chunk, len(seq.tokens) - seq.computed)
 
-  def _reserve(self, seq: Sequence, q: int, copies: list[tuple[int, int]]) -> bool:
+  def _reserve(self, seq: Sequence, q: int, copies: list[tuple[int, int]],
+               scheduled: list[Sequence]) -> bool:
     """Pages for `seq`'s next `q` tokens (a shared page it writes copied first), preempting
-    the newest sequences while the pool is short; False if `seq` itself was preempted."""
+    the newest sequences not `scheduled` this step while the pool is short; False if `seq`
+    itself was preempted."""
     ps = self.config.page_size
     written = range(seq.computed // ps, len(seq.pages))  # its pages this step writes into
     shared = [p for p in written if self.allocator.refs(seq.pages[p]) > 1]
     need = -(-(seq.computed + q) // ps) - len(seq.pages) + len(shared)
     while self.allocator.num_free < need:
-      victim = self.running[-1]
+      victim = next(s for s in reversed(self.running) if s not in scheduled)  # at last seq
       self._preempt(victim)
       if victim is seq:
         return False
@@ -202,7 +208,7 @@ class Scheduler:
       seq.admitted = next(self._admissions)
       self.running.append(seq)
       q = min(budget, self._chunk(seq))
-      if not self._reserve(seq, q, copies):  # cannot happen: _take_shared checked the pool
+      if not self._reserve(seq, q, copies, [s for s, _ in work]):  # _take_shared checked the pool
         raise OutOfPages()
       work.append((seq, q))
       budget -= q
@@ -227,7 +233,8 @@ class Scheduler:
   def _cached_pages(self, seq: Sequence) -> list[int]:
     """The registered pages holding `seq`'s first full pages (none without prefix sharing)."""
     found: list[int] = []
-    while self.config.prefix_sharing and (len(found) + 1) * self.config.page_size <= len(seq.tokens):
+    ps = self.config.page_size
+    while self.config.prefix_sharing and (len(found) + 1) * ps <= len(seq.tokens):
       page = self.allocator.find(self._content(seq, len(found)))
       if page is None:
         break

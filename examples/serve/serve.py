@@ -118,8 +118,9 @@ def report(served: engine_lib.Served, requests, static: engine_lib.Served | None
     print(f"static batches (KVCache): {static.tokens} tokens in {static.seconds:.2f} s = "
           f"{static.tokens / static.seconds:.0f} tokens/s; time to first token: "
           f"{_percentiles(static.first_token)}; KV {static.kv_bytes / 2**20:.2f} MiB")
-    print(f"continuous / static: {served.tokens / served.seconds / (static.tokens / static.seconds):.2f}x "
-          f"tokens/s, {served.kv_bytes / static.kv_bytes:.2f}x KV bytes")
+    speedup = (served.tokens / served.seconds) / (static.tokens / static.seconds)
+    print(f"continuous / static: {speedup:.2f}x tokens/s, "
+          f"{served.kv_bytes / static.kv_bytes:.2f}x KV bytes")
   if mismatches is not None:
     print(f"outputs equal to greedy decoding with a full forward: "
           f"{len(requests) - len(mismatches)}/{len(requests)}"
