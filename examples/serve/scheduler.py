@@ -199,10 +199,11 @@ class Scheduler:
     deferred = []
     while self.waiting and budget and len(self.running) < self.config.max_seqs:
       seq = self.waiting.popleft()
-      if self._next_page_pending(seq):
+      found = self._cached_pages(seq)
+      if self._next_page_pending(seq, len(found)):
         deferred.append(seq)
         continue
-      if not self._take_shared(seq, budget):
+      if not self._take_shared(seq, budget, found):
         self.waiting.appendleft(seq)
         break
       seq.admitted = next(self._admissions)
@@ -214,10 +215,10 @@ class Scheduler:
       budget -= q
     self.waiting.extendleft(reversed(deferred))
 
-  def _take_shared(self, seq: Sequence, budget: int) -> bool:
-    """Takes the registered pages of `seq`'s first tokens when the pool also holds the rest of
-    its first step; False (nothing taken) when it does not."""
-    ps, found = self.config.page_size, self._cached_pages(seq)
+  def _take_shared(self, seq: Sequence, budget: int, found: list[int]) -> bool:
+    """Takes the registered pages `found` of `seq`'s first tokens when the pool also holds the
+    rest of its first step; False (nothing taken) when it does not."""
+    ps = self.config.page_size
     computed = min(len(found) * ps, len(seq.tokens) - 1)  # at least one token computes
     q = min(budget, self.config.prefill_chunk, len(seq.tokens) - computed)
     fresh = -(-(computed + q) // ps) - len(found) + (computed < len(found) * ps)
@@ -245,10 +246,9 @@ class Scheduler:
     """What logical page `page` of `seq` holds: its tokens from 0 to the page's end."""
     return tuple(seq.tokens[:(page + 1) * self.config.page_size])
 
-  def _next_page_pending(self, seq: Sequence) -> bool:
-    """Whether the first page of `seq` not in the prefix cache is being computed by a running
-    sequence (then waiting a step or two shares it instead of computing it again)."""
-    n = len(self._cached_pages(seq))
+  def _next_page_pending(self, seq: Sequence, n: int) -> bool:
+    """Whether page `n` of `seq` (its first not in the prefix cache) is being computed by a
+    running sequence (then waiting a step or two shares it instead of computing it again)."""
     end = (n + 1) * self.config.page_size
     if not self.config.prefix_sharing or end > len(seq.tokens):
       return False
