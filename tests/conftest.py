@@ -9,6 +9,8 @@ import tempfile
 
 import pytest
 
+import processes
+
 
 def _gpu_run(config: pytest.Config) -> bool:
   """Whether this run selects the GPU tests (`-m gpu`; `-m "not gpu"` is a CPU run)."""
@@ -19,22 +21,19 @@ def pytest_configure(config: pytest.Config) -> None:
   config.addinivalue_line("markers", "gpu: needs a GPU (run with -m gpu by make gpu-check)")
   gpu = _gpu_run(config)
   if not gpu:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = " ".join((os.environ.get("XLA_FLAGS", ""), processes.FAST_COMPILE,
+                                        "--xla_force_host_platform_device_count=8")).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    # Most of the suite's time is XLA compiling programs it runs a few times: without XLA's
-    # backend optimisations they compile ~1.5x faster and compute the same numbers up to
-    # rounding (which the tolerances allow). Here and in the binaries the tests start; the one
-    # long training run (test_train's defaults) turns them back on.
-    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # processes.py says why
   # ejkernel creates cache folders under $HOME at import: keep them out of the user's.
   os.environ["HOME"] = tempfile.mkdtemp(prefix="splash_hk-test-home-")
   os.environ.setdefault("EJKERNEL_PERSISTENT_CACHE_DIR",
                         os.path.join(os.environ["HOME"], "ejkernel"))
   import jax  # pylint: disable=g-import-not-at-top
 
-  # Set after jax's import, so only the subprocesses (training binaries, the bench, README
-  # snippets) share it: a program two of them compile (the same training flags) compiles once.
+  # Set after jax's import, so only the subprocesses (training binaries, the bench, the README
+  # and guide blocks) share it: a program two of them compile (the same training flags)
+  # compiles once.
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                         tempfile.mkdtemp(prefix="splash_hk-test-jax-cache-"))
   if not gpu:

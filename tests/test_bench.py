@@ -3,7 +3,6 @@
 import itertools
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -18,13 +17,14 @@ from benchmarks import bench_report
 from benchmarks import bench_workloads
 from examples.train import paths
 import oracle
+import processes
 
 
 def test_bench_writes_table_json_and_plot(tmp_path):
   # As `bazel run //benchmarks:bench -- --out=out` runs it: in another directory (the
   # checkout on the path, as Bazel puts the runfiles root), with the user's directory
   # in BUILD_WORKING_DIRECTORY; a relative --out lands there.
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = processes.env()
   env["BUILD_WORKING_DIRECTORY"] = str(tmp_path)
   env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parent.parent)
   (tmp_path / "runfiles").mkdir()
@@ -60,7 +60,7 @@ def test_user_paths_resolve_against_the_users_directory(monkeypatch, tmp_path):
 
 
 def test_cache_and_shard_workloads_print_their_ratios(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = processes.env()
   proc = subprocess.run(
       [sys.executable, "-m", "benchmarks.bench", "--cpu_devices=2", "--sequence_shards=2",
        "--impls=splash_hk_xla,splash_hk_xla_sp,splash_hk_ulysses", "--num_heads=2",

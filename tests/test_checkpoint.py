@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from examples.train import checkpoint
+import processes
 
 
 def _state(seed=0):
@@ -108,7 +109,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path, monkeypat
 def test_the_training_binary_refuses_a_crafted_checkpoint(tmp_path):
   marker = tmp_path / "pwned"
   (tmp_path / "checkpoint.npz").write_bytes(pickle.dumps(_Payload(str(marker))))
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = processes.env()
   proc = subprocess.run([sys.executable, "-m", "examples.train", "--steps=2",
                          f"--checkpoint_dir={tmp_path}"], capture_output=True, text=True, env=env,
                         timeout=120)

@@ -12,9 +12,10 @@ from examples.train import launch
 import harness
 import multihost_worker
 import oracle
+import processes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+ENV = processes.env()
 FINAL = re.compile(r"^final step=(\d+) loss=([0-9.]+) accuracy=([0-9.]+)$", re.M)
 STEP = re.compile(r"\] step=(\d+) loss=([0-9.]+)")
 

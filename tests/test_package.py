@@ -9,6 +9,7 @@ import pytest
 
 import splash_hk as sh
 from splash_hk.backends import _ejkernel
+import processes
 
 
 def test_import_and_a_cpu_call_write_nothing_under_home(tmp_path):
@@ -20,7 +21,7 @@ def test_import_and_a_cpu_call_write_nothing_under_home(tmp_path):
             ".attention_outputs.sum()\n"
             "jax.grad(f)(q)\n"
             "assert 'ejkernel' not in sys.modules, 'ejkernel was imported on the CPU path'\n")
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "EJKERNEL_PERSISTENT_CACHE_DIR")}
+  env = processes.env(drop=("EJKERNEL_PERSISTENT_CACHE_DIR",))
   env["HOME"] = str(home)
   subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=120)
   assert [str(p.relative_to(home)) for p in home.rglob("*")] == []

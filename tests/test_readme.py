@@ -1,16 +1,17 @@
 """README's Python snippets run as written, each as its own script, as a user on a CPU-only machine.
 
-Each ```python block is a whole script: no conftest, no XLA_FLAGS (a snippet that needs
+Each ```python block is a whole script: no conftest, no forced device count (a snippet that needs
 devices asks for them itself, as README tells users to), a fresh process and folder.
 """
 
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+
+import processes
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 SNIPPETS = re.findall(r"^```python\n(.*?)^```$", README.read_text(), flags=re.S | re.M)
@@ -22,7 +23,7 @@ def test_readme_has_its_snippets():
 
 @pytest.mark.parametrize("index", range(len(SNIPPETS)))
 def test_snippet_runs_as_written(index, tmp_path):
-  env = {name: value for name, value in os.environ.items() if name != "XLA_FLAGS"}
+  env = processes.env()
   script = tmp_path / f"readme_snippet_{index}.py"
   script.write_text(SNIPPETS[index])
   done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,

@@ -2,7 +2,6 @@
 against greedy decoding with a full forward, prefix sharing's savings, and the binary itself."""
 
 import dataclasses
-import os
 import re
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from examples.serve.allocator import OutOfPages, PageAllocator
 from examples.serve.scheduler import Request, Scheduler, SchedulerConfig
 from examples.train import model as model_lib
 from examples.train import recall
+import processes
 
 TASK = recall.RecallTask.for_seq_len(31)
 PAGE = 16
@@ -134,7 +134,7 @@ SUMMARY = {
 
 
 def test_the_binary_trains_briefly_serves_and_summarises():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = processes.env()
   proc = subprocess.run(
       [sys.executable, "-m", "examples.serve", "--steps=30", "--log_every=30", "--num_layers=1",
        "--num_requests=12", "--prompt_lens=5,60", "--new_tokens=1,6", "--max_seqs=4",
@@ -151,7 +151,7 @@ def test_the_binary_trains_briefly_serves_and_summarises():
 
 
 def test_the_binary_refuses_a_workload_past_learned_positions():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = processes.env()
   proc = subprocess.run(
       [sys.executable, "-m", "examples.serve", "--position_bias=none", "--shared_prefix_len=40"],
       capture_output=True, text=True, env=env, timeout=120)

@@ -1,6 +1,5 @@
 """The absl training binary, run as users run it (subprocess)."""
 
-import os
 import re
 import subprocess
 import sys
@@ -8,15 +7,15 @@ import sys
 import pytest
 
 import harness
+import processes
 
 STEP_LINE = re.compile(r"\] step=(\d+) loss=([0-9.]+) accuracy=([0-9.]+)")
 FINAL_LINE = re.compile(r"^final step=(\d+) loss=([0-9.]+) accuracy=([0-9.]+)$", re.M)
 
 
 def _train(*flags, check=True, timeout=300, optimized=False):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  if optimized:  # 1200 steps: XLA's optimisations save more running than they cost compiling
-    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0"
+  # 1200 steps: XLA's optimisations save more running than they cost compiling.
+  env = processes.env(optimized=optimized)
   proc = subprocess.run([sys.executable, "-m", "examples.train", *flags],
                         capture_output=True, text=True, env=env, timeout=timeout)
   if check and proc.returncode:
