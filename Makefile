@@ -4,14 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test typecheck wheel-check bazel-install bazel-test bazel-smoke demo multihost-demo serve-demo bench quickcheck clean gpu-wheels gpu-check
+.PHONY: setup test docs typecheck wheel-check bazel-install bazel-test bazel-smoke demo multihost-demo serve-demo bench quickcheck clean gpu-wheels gpu-check
 
 LOCK := requirements-lock.txt
 
 $(STAMP): setup.py $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c $(LOCK) -e '.[test,examples,gpu,flax]'
+	$(PY) -m pip install -q -c $(LOCK) -e '.[test,examples,gpu,flax,docs]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -20,6 +20,11 @@ setup: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests
+
+# The documentation site (docs/: the guides and the API reference from the docstrings) into
+# build/docs, offline: every warning is an error and every reference must resolve (-n).
+docs: $(STAMP)
+	rm -rf build/docs && $(PY) -m sphinx -W -n --keep-going -q -b html docs build/docs
 
 # mypy over splash_hk/ (mypy.ini): every public signature typed as what it takes.
 typecheck: $(STAMP)

@@ -29,5 +29,6 @@ setuptools.setup(
         "test": ["pytest>=9.2.0", "pytest-xdist>=3.8.0", "hypothesis>=6.170.17", "mypy>=2.4.1"],
         "examples": ["optax>=0.2.8", "tqdm>=4.70.1", "matplotlib>=3.11.2"],
         "flax": ["flax>=0.12.8"],  # splash_hk.flax only; nothing else imports flax
+        "docs": ["sphinx>=9.0.4", "myst-parser>=5.2.0"],  # make docs
     },
 )

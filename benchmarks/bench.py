@@ -19,7 +19,7 @@ ERROR_ROWS query rows against float64 NumPy attention (`baselines.float64_rows`,
 not another implementation of ours); for splash_hk_xla rows (one per --tiles
 tile too) the pairs its blocks compute per useful pair ("work": a tile's fraction is at most its
 full-attention fraction / work). Workloads: `bench_workloads.py`. Prints a
-table and the ratios the README quotes; writes bench.json and bench.png under
+table and the ratios docs/guide/performance.md quotes; writes bench.json and bench.png under
 --out.
 """
 

@@ -1,4 +1,4 @@
-"""The bench's table, the ratios the README quotes, and its plot."""
+"""The bench's table, the ratios docs/guide/performance.md quotes, and its plot."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ def explain(
 ) -> Decision:
   """The backend `attention` would use for these arguments, and why.
 
-  Takes the same arguments as `attention`; arrays may be `jax.ShapeDtypeStruct`s.
+  Takes the same arguments as `attention`; arrays may be `jax.ShapeDtypeStruct` specs.
   Validates the inputs; with `allow_fallback=False` a fallback raises ValueError.
   """
   extras = Extras(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,

@@ -60,7 +60,7 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
-    """S_max: the slots each row holds."""
+    """The slots each row holds (S_max)."""
     return self.key.shape[1]
 
   def lengths(self) -> jax.Array:

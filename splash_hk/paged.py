@@ -45,7 +45,7 @@ def explain_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: 
                   config: AttentionConfig = AttentionConfig(), mask: Mask | None = None,
                   bias: Score | None = None, softmax_aux: Shaped | None = None) -> Decision:
   """The backend `paged_attention` would use for these arguments, and why (arrays may be
-  `jax.ShapeDtypeStruct`s)."""
+  `jax.ShapeDtypeStruct` specs)."""
   facts = paged_facts(query, key, value, cache, batch, config=config, mask=mask, bias=bias,
                  softmax_aux=softmax_aux)
   return selector.select_paged(facts)
@@ -98,9 +98,10 @@ def paged_attention(
       arrays and the pages stay whole.
 
   Returns:
-    (out [N, Hq, Dv], the cache with the step written). Padding rows output 0 and write
-    nothing. A sequence that misuses the cache (see README) is a ValueError naming the argument
-    when `batch` is concrete; under `jit` it writes nothing and outputs NaN, the others proceed.
+    The output [N, Hq, Dv] and the cache with the step written. Padding rows output 0 and
+    write nothing. A sequence that misuses the cache (docs/guide/caches.md) is a ValueError
+    naming the argument when `batch` is concrete; under `jit` it writes nothing and outputs
+    NaN, the others proceed.
   """
   facts = paged_facts(query, key, value, cache, batch, config=config, mask=mask, bias=bias,
                  softmax_aux=softmax_aux)

@@ -67,8 +67,8 @@ def test_ring_keeps_keys_sharded_and_falls_back_with_reasons():
 
 def test_ring_memory_per_device_falls_with_the_ring():
   # argument + temp bytes of the compiled forward+backward are per device (an SPMD program).
-  # The README's measurement (T=32768, Hq=Hkv=8, D=64, f32, causal), compiled only; the
-  # inputs arrive sharded over sp, as a model's activations do.
+  # The measurement in docs/guide/context_parallel.md (T=32768, Hq=Hkv=8, D=64, f32, causal),
+  # compiled only; the inputs arrive sharded over sp, as a model's activations do.
   sizes = {}
   for n in (1, 8):
     mesh = harness.mesh(f"sp{n}", explicit=True)

@@ -1,7 +1,8 @@
-"""README's Python snippets run as written, each as its own script, as a user on a CPU-only machine.
+"""The Python blocks of README and the guides (docs/guide/*.md) run as written, each as its
+own script, as a user on a CPU-only machine.
 
-Each ```python block is a whole script: no conftest, no forced device count (a snippet that needs
-devices asks for them itself, as README tells users to), a fresh process and folder.
+Each ```python block is a whole script: no conftest, no forced device count (a block that needs
+devices asks for them itself, as the guides tell users to), a fresh process and folder.
 """
 
 import pathlib
@@ -13,19 +14,26 @@ import pytest
 
 import processes
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-SNIPPETS = re.findall(r"^```python\n(.*?)^```$", README.read_text(), flags=re.S | re.M)
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]
+BLOCKS = [(page.relative_to(ROOT).as_posix(), i, block) for page in PAGES
+          for i, block in enumerate(re.findall(r"^```python\n(.*?)^```$", page.read_text(),
+                                               flags=re.S | re.M))]
 
 
-def test_readme_has_its_snippets():
-  assert len(SNIPPETS) >= 3, "README's usage, Haiku decoding and context-parallel snippets"
+def test_readme_and_guides_have_their_blocks():
+  pages = {page for page, _, _ in BLOCKS}
+  assert "README.md" in pages, "README's tour"
+  for guide in ("usage", "masks", "scores", "caches", "context_parallel", "backends"):
+    assert f"docs/guide/{guide}.md" in pages, guide
 
 
-@pytest.mark.parametrize("index", range(len(SNIPPETS)))
-def test_snippet_runs_as_written(index, tmp_path):
-  env = processes.env()
-  script = tmp_path / f"readme_snippet_{index}.py"
-  script.write_text(SNIPPETS[index])
-  done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
-                        text=True, timeout=540)
-  assert done.returncode == 0, f"README snippet {index} failed:\n{SNIPPETS[index]}\n{done.stderr[-4000:]}"
+@pytest.mark.parametrize("page,index", [(page, i) for page, i, _ in BLOCKS],
+                         ids=[f"{page}:{i}" for page, i, _ in BLOCKS])
+def test_block_runs_as_written(page, index, tmp_path):
+  (block,) = [b for p, i, b in BLOCKS if (p, i) == (page, index)]
+  script = tmp_path / f"block_{index}.py"
+  script.write_text(block)
+  done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=processes.env(),
+                        capture_output=True, text=True, timeout=540)
+  assert done.returncode == 0, f"{page} block {index} failed:\n{block}\n{done.stderr[-4000:]}"

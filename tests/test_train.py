@@ -43,7 +43,8 @@ def test_defaults_learn_the_task_and_sample_decodes_with_the_cache():
 
 # In place of learned positions: ALiBi (learnable slopes) or T5's learned buckets train (their
 # gradients reach the slopes and tables), and decode through the cache with the bias. Both reach
-# the defaults' accuracy bar (README: ALiBi at 1200 steps, T5 at 2000), too long to run here.
+# the defaults' accuracy bar (docs/guide/scores.md: ALiBi at 1200 steps, T5 at 2000), too long
+# to run here.
 @pytest.mark.parametrize("bias", ["alibi", "t5"])
 def test_position_biases_train_and_decode(bias):
   proc = _train(f"--position_bias={bias}", "--steps=60", "--log_every=20", "--sample",

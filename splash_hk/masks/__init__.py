@@ -1,6 +1,7 @@
 """Who sees whom: the mask objects users write, and `block_map` to see their block plan.
 
-Key j is visible to query i when all of these hold:
+Key j is visible to query i when all of these hold::
+
   the position rule:  the config's (causal, sliding window, chunk; with a dense
                       `mask` array ANDed in), or one mask object given as `mask`
                       (`Causal()`, `SlidingWindow(w)`, `Chunked(c)`,

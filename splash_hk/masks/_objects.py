@@ -75,7 +75,7 @@ class SlidingWindow(Mask):
 
   @property
   def bounds(self) -> tuple[int, int]:
-    """(left, right): the window as stored."""
+    """The window as stored, (left, right)."""
     window = self.window
     return (window, window) if isinstance(window, int) else window
 
@@ -134,7 +134,7 @@ class Bidirectional(Mask):
 
   @property
   def ids(self) -> tuple[ArrayLike, ArrayLike]:
-    """(q_ids [B, T], the key side's ids [B, S]: q_ids where kv_ids default, S == T)."""
+    """The query side's ids [B, T] and the key side's [B, S] (q_ids where kv_ids default)."""
     return self.q_ids, self.q_ids if self.kv_ids is None else self.kv_ids
 
   def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:

@@ -140,10 +140,10 @@ def attention_specs(
       axes (the heads each device attends after the all-to-all).
 
   Returns:
-    (in_specs, out_specs, kv_repeats): a KernelInputs of PartitionSpecs (None
-    where the input is None); a KernelOutput of specs for the output
-    [B, T, Hq, Dv], the log-sum-exp [B, T, Hq] and the weights [B, Hq, T, S];
-    and how often each kv head must be repeated before sharding.
+    The tuple (in_specs, out_specs, kv_repeats), with in_specs a KernelInputs of
+    PartitionSpecs (None where the input is None), out_specs a KernelOutput of specs for
+    the output [B, T, Hq, Dv], the log-sum-exp [B, T, Hq] and the weights [B, Hq, T, S],
+    and kv_repeats how often each kv head must be repeated before sharding.
   """
   batch, _, num_heads, _ = x.query.shape
   sequence = None if mode is Mode.DECODE else axes.sequence
