@@ -77,6 +77,23 @@ def test_module_values_and_parameter_grads_against_oracle(case):
     call["bias"] = harness.score_object("alibi", slopes)
     with jax.enable_x64(True):
       rules["bias"] = np.asarray(dense(jnp.asarray(slopes, jnp.float64)))  # [1, H, T, S]
+  _check_against_oracle(m, x, call, rules)
+
+
+def test_module_at_a_real_size_with_the_default_tiles():
+  # B = 2, T = 1536: three query blocks of the xla path's default 512 rows, six key blocks of
+  # 256; 8 heads of 64 over 2 kv heads, a 384-token window (blocks skipped, blocks cut) and sinks.
+  m = shx.MultiHeadAttention(num_heads=8, in_features=64, qkv_features=512, out_features=64,
+                             num_kv_heads=2, num_sinks=1, rngs=nnx.Rngs(4),
+                             config=sh.AttentionConfig(sliding_window=(384, 0)),
+                             bias_init=nnx.initializers.normal(0.1))
+  m.sinks[...] = jnp.linspace(-1.0, 1.0, 8).reshape(8, 1)
+  x = np.random.default_rng(5).normal(size=(2, 1536, 64)).astype(np.float32)
+  _check_against_oracle(m, x, {}, dict(window=(384, 0)))
+
+
+def _check_against_oracle(m, x, call, rules):
+  """The module's output and parameter gradients (of sum(y ** 2)) against the float64 oracle."""
 
   @nnx.jit
   def loss(m, x):
