@@ -28,6 +28,15 @@ def test_readme_and_guides_have_their_blocks():
     assert f"docs/guide/{guide}.md" in pages, guide
 
 
+def test_readme_is_a_front_page_and_the_docs_hold_no_team_history():
+  assert len((ROOT / "README.md").read_text().splitlines()) < 250, "the rest goes in docs/guide"
+  history = re.compile(r"\b(issue \d+|issue's|sessions?|blocked|closing notes?|20\d\d-\d\d-\d\d)\b",
+                       re.I)
+  for page in PAGES:
+    found = history.findall(page.read_text())
+    assert not found, f"{page.name}: {found} (history belongs in commit messages and notes)"
+
+
 @pytest.mark.parametrize("page,index", [(page, i) for page, i, _ in BLOCKS],
                          ids=[f"{page}:{i}" for page, i, _ in BLOCKS])
 def test_block_runs_as_written(page, index, tmp_path):
