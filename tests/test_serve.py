@@ -16,7 +16,7 @@ import splash_hk as sh
 from examples.serve import engine as engine_lib
 from examples.serve import workload as workload_lib
 from examples.serve.allocator import OutOfPages, PageAllocator
-from examples.serve.scheduler import Request, Scheduler, SchedulerConfig
+from examples.serve.scheduler import Plan, Request, Scheduler, SchedulerConfig
 from examples.train import model as model_lib
 from examples.train import recall
 import processes
@@ -103,6 +103,29 @@ def test_every_served_output_equals_greedy_decoding_with_a_full_forward(served_m
     assert stats.shared_pages >= 5 and stats.copies >= 1, stats
   else:
     assert stats.shared_pages == stats.copies == 0, stats
+
+
+@pytest.mark.xdist_group("served_model")
+def test_a_step_copies_its_shared_pages_before_it_runs(served_model):
+  # Copy-on-write on the device: a step's (source, destination) pages are copied in every
+  # layer's pool, keys and values, and nothing else changes. (The greedy check above compares
+  # tokens, which a missed copy need not flip.)
+  engine = served_model[3]
+  src, dst = 3, 7
+  engine.caches = [c.replace(key=c.key.at[src].set(1.0 + i), value=c.value.at[src].set(-1.0 - i))
+                   for i, c in enumerate(engine.caches)]
+  before = [(np.asarray(c.key), np.asarray(c.value)) for c in engine.caches]
+  max_seqs, pages_per_seq = engine.sched.max_seqs, engine.sched.pages_per_seq
+  plan = Plan(tokens=np.zeros(0, np.int32), positions=np.zeros(0, np.int32),
+              cu_q_lens=np.zeros(max_seqs + 1, np.int32), kv_lens=np.zeros(max_seqs, np.int32),
+              page_table=np.zeros((max_seqs, pages_per_seq), np.int32), num_seqs=0,
+              copies=[(src, dst)], work=[], samples=[])
+  engine.run(plan)
+  for (key, value), c in zip(before, engine.caches):
+    want_key, want_value = key.copy(), value.copy()
+    want_key[dst], want_value[dst] = key[src], value[src]
+    np.testing.assert_array_equal(np.asarray(c.key), want_key)
+    np.testing.assert_array_equal(np.asarray(c.value), want_value)
 
 
 @pytest.mark.xdist_group("served_model")

@@ -86,20 +86,25 @@ class PagedEngine:
                  kv_lens=np.zeros(self.sched.max_seqs, np.int32),
                  page_table=np.zeros((self.sched.max_seqs, self.sched.pages_per_seq), np.int32),
                  num_seqs=0, copies=[], work=[], samples=[])
+    self._copy_shared([])  # every destination past the pool: nothing is copied
     for size in self.buckets:
       jax.block_until_ready(self.run(empty, size))
+
+  def _copy_shared(self, copies: list[tuple[int, int]]) -> None:
+    """Each (src, dst) page copied in every layer's pool, as one program for any count."""
+    src = np.zeros(self.sched.max_seqs, np.int32)
+    dst = np.full(self.sched.max_seqs, self.num_pages, np.int32)  # past the pool: dropped
+    for i, (a, b) in enumerate(copies):
+      src[i], dst[i] = a, b
+    self.caches = self._copy(self.caches, src, dst)
 
   def run(self, plan: Plan, size: int | None = None) -> np.ndarray:
     """Copies the plan's pages, runs its step; the sampled token of each row ([n])."""
     n = len(plan.tokens)
     size = size or next(b for b in self.buckets if b >= n)
     pad = lambda a: np.pad(a, (0, size - n))
-    src = np.zeros(self.sched.max_seqs, np.int32)
-    dst = np.full(self.sched.max_seqs, self.num_pages, np.int32)  # past the pool: dropped
-    for i, (a, b) in enumerate(plan.copies):
-      src[i], dst[i] = a, b
-    if plan.copies or not n:
-      self.caches = self._copy(self.caches, src, dst)
+    if plan.copies:
+      self._copy_shared(plan.copies)
     batch = sh.RaggedBatch(cu_q_lens=plan.cu_q_lens, kv_lens=plan.kv_lens,
                            page_table=plan.page_table, num_seqs=np.int32(plan.num_seqs))
     sampled, self.caches = self._step(self.params, pad(plan.tokens), pad(plan.positions),
