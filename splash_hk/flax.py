@@ -12,15 +12,16 @@ Glossary of shapes:
 
 from __future__ import annotations
 
-import uuid
+import itertools
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 try:
   from flax import nnx
+  from flax.nnx.nn import dtypes as flax_dtypes
   from flax.nnx.nn import initializers
 except ImportError as e:  # the wheel does not require flax
   raise ImportError("splash_hk.flax needs Flax NNX: pip install 'splash_hk[flax]' (flax>=0.12.8)."
@@ -40,15 +41,49 @@ __all__ = ("MultiHeadAttention", "attention_fn", "from_haiku", "to_haiku")
 
 _NO_METADATA: Mapping[str, Any] = MappingProxyType({})
 
-# Words of nnx.MultiHeadAttention this module does not serve (refused when set), and what to do.
-_REFUSED = {
-    "dropout_rate": "attention dropout needs the attention weights, which splash attention never "
-                    "builds; drop out the layer's output instead",
-    "decode": "pass kv_cache=mha.init_cache(batch, max_len) (and `lengths`) to the call, or use "
-              "nnx.MultiHeadAttention(..., attention_fn=splash_hk.flax.attention_fn)",
-    "normalize_qk": "normalise q and k in your model, or use nnx.MultiHeadAttention(..., "
-                    "attention_fn=splash_hk.flax.attention_fn)",
+_OWN_ATTENTION = "use nnx.MultiHeadAttention(..., attention_fn=splash_hk.flax.attention_fn)"
+# Words of nnx.MultiHeadAttention's constructor this module does not serve: word -> (the values
+# that change nothing here, so are accepted; what to do instead).
+_FLAX_WORDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "dropout_rate": (lambda v: v == 0, "attention dropout needs the attention weights, which "
+                     "splash attention never builds; drop out the layer's output instead"),
+    "broadcast_dropout": (lambda v: isinstance(v, bool), "it only shapes dropout, which this "
+                          "module does not apply"),
+    "deterministic": (lambda v: v is None or isinstance(v, bool), "it only switches dropout, "
+                      "which this module does not apply"),
+    "decode": (lambda v: not v, "pass kv_cache=mha.init_cache(batch, max_len) (and `lengths`) "
+               f"to the call, or {_OWN_ATTENTION}"),
+    "normalize_qk": (lambda v: not v, f"normalise q and k in your model, or {_OWN_ATTENTION}"),
+    "attention_fn": (lambda v: v is None or v is nnx.dot_product_attention or v is attention_fn,
+                     "this module's attention is splash attention; to plug in another function "
+                     "use nnx.MultiHeadAttention itself"),
+    "keep_rngs": (lambda v: isinstance(v, bool), "it keeps dropout's rngs"),
+    "qkv_dot_general": (lambda v: v is None, f"{_OWN_ATTENTION} for custom matmuls"),
+    "out_dot_general": (lambda v: v is None, f"{_OWN_ATTENTION} for custom matmuls"),
+    "qkv_dot_general_cls": (lambda v: v is None, f"{_OWN_ATTENTION} for custom matmuls"),
+    "out_dot_general_cls": (lambda v: v is None, f"{_OWN_ATTENTION} for custom matmuls"),
+    "qkv_promote_dtype": (lambda v: v is flax_dtypes.promote_dtype,
+                          "set `dtype` for the computation's dtype"),
+    "out_promote_dtype": (lambda v: v is flax_dtypes.promote_dtype,
+                          "set `dtype` for the computation's dtype"),
+    "ln_promote_dtype": (lambda v: v is flax_dtypes.promote_dtype,
+                         "normalize_qk is not served"),
+    "query_ln_scale_metadata": (lambda v: not v, "normalize_qk is not served"),
+    "key_ln_scale_metadata": (lambda v: not v, "normalize_qk is not served"),
 }
+# Words of nnx.MultiHeadAttention.__call__ this module does not serve, as above.
+_FLAX_CALL_WORDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "deterministic": _FLAX_WORDS["deterministic"],
+    "rngs": (lambda v: True, "it feeds dropout, which this module does not apply"),
+    "sow_weights": (lambda v: not v, "splash attention never builds the attention weights; "
+                    "use splash_hk.attention(..., return_weights=True, config=AttentionConfig("
+                    "platform='reference')) to inspect them"),
+    "decode": _FLAX_WORDS["decode"],
+    "out_sharding": (lambda v: v is None, "build the module with mesh= and axes="),
+    "qkv_sharding": (lambda v: v is None, "build the module with mesh= and axes="),
+}
+# Layers without a `name=` are named in the order they are built, as Haiku names modules.
+_UNNAMED = itertools.count()
 
 
 class MultiHeadAttention(nnx.Module):
@@ -87,11 +122,19 @@ class MultiHeadAttention(nnx.Module):
       out_kernel_metadata: Mapping[str, Any] = _NO_METADATA,
       bias_metadata: Mapping[str, Any] = _NO_METADATA,
       out_bias_metadata: Mapping[str, Any] = _NO_METADATA,
+      name: str | None = None,
       **flax_words: Any,
   ):
     """Initialises the module (`nnx.MultiHeadAttention`'s words, then ours: `config`, `mesh`,
-    `axes`, `num_sinks` as in `splash_hk.MultiHeadAttention`)."""
-    _refuse(flax_words)
+    `axes`, `num_sinks` as in `splash_hk.MultiHeadAttention`, and `name`: how errors name this
+    layer, e.g. as the owner of a KV cache; default `multi_head_attention_<n>`, n counting
+    the layers built in this process).
+
+    Flax's words this module does not serve (dropout, `decode`, `normalize_qk`, custom
+    matmuls, ...) are accepted at values that change nothing here, else a ValueError names
+    the word and what to use instead.
+    """
+    _refuse(flax_words, _FLAX_WORDS, "")
     require_int("num_heads", num_heads)
     require_int("in_features", in_features)
     for word, size in (("qkv_features", qkv_features), ("out_features", out_features),
@@ -103,9 +146,15 @@ class MultiHeadAttention(nnx.Module):
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads or num_heads
     self.qkv_features = qkv_features or in_features
-    if self.num_heads % self.num_kv_heads or self.qkv_features % self.num_heads:
+    if self.num_heads % self.num_kv_heads:
       raise ValueError(f"`num_heads` ({num_heads}) must be a multiple of `num_kv_heads` "
-                       f"({self.num_kv_heads}) and divide `qkv_features` ({self.qkv_features}).")
+                       f"({self.num_kv_heads}): pass num_kv_heads dividing {num_heads}.")
+    if self.qkv_features % self.num_heads:
+      raise ValueError(f"`qkv_features` ({self.qkv_features}) must be a multiple of `num_heads` "
+                       f"({num_heads}): each head gets qkv_features // num_heads features; pass "
+                       f"e.g. qkv_features={num_heads * max(1, self.qkv_features // num_heads)}.")
+    if name is not None and not isinstance(name, str):
+      raise ValueError(f"`name` must be a str (how errors name this layer), got {name!r}.")
     self.head_dim = self.qkv_features // num_heads
     self.in_features, self.out_features = in_features, out_features or in_features
     self.in_kv_features = in_kv_features or in_features
@@ -125,7 +174,8 @@ class MultiHeadAttention(nnx.Module):
     self.sinks = (nnx.Param(jnp.zeros((num_heads, num_sinks), jnp.float32)) if num_sinks
                   else nnx.data(None))
     # A cache remembers the layer that wrote it; NNX modules have no names, so each gets one.
-    self.settings = layer.Settings(config, mesh, axes, f"flax_mha_{uuid.uuid4().hex[:12]}")
+    self.name = name or f"multi_head_attention_{next(_UNNAMED)}"
+    self.settings = layer.Settings(config, mesh, axes, self.name)
 
   def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
     """An empty KV cache for this layer (the Haiku module's `KVCache`)."""
@@ -146,13 +196,18 @@ class MultiHeadAttention(nnx.Module):
       kv_cache: KVCache | PagedKVCache | None = None,
       lengths: ArrayLike | None = None,
       batch: RaggedBatch | None = None,
+      **flax_words: Any,
   ) -> jax.Array | tuple[jax.Array, KVCache | PagedKVCache]:
     """inputs_q [..., T, in], inputs_k / inputs_v [..., S, in_kv] (default: self-attention)
     -> [..., T, out], or ([..., T, out], KVCache) with `kv_cache`; with a `PagedKVCache` and
     `batch` (a serving step: inputs [N, in], the step's tokens flat), ([N, out], PagedKVCache).
 
     The arguments after `inputs_v` are those of `splash_hk.MultiHeadAttention.__call__`.
+    `nnx.MultiHeadAttention.__call__`'s other words (`deterministic`, `rngs`, `sow_weights`,
+    `decode`, shardings) are accepted where they change nothing here, else refused with what
+    to use; causality is the config's (`AttentionConfig(causal=...)`), not `is_causal`.
     """
+    _refuse(flax_words, _FLAX_CALL_WORDS, ".__call__")
     if inputs_k is None:
       if inputs_v is not None:
         raise ValueError("`inputs_k` cannot be None when `inputs_v` is given: pass the same "
@@ -172,15 +227,23 @@ class MultiHeadAttention(nnx.Module):
     return y if cache is None else (y, cache)
 
 
-def _refuse(flax_words: dict[str, Any]) -> None:
-  """Flax words this module does not serve are refused when set (not 0, None or False), never
-  ignored."""
-  for name, value in flax_words.items():
-    if name not in _REFUSED:
-      raise TypeError(f"splash_hk.flax.MultiHeadAttention got an unexpected keyword `{name}`.")
-    if value:
-      raise ValueError(f"`{name}={value!r}` is not served by splash_hk.flax.MultiHeadAttention: "
-                       f"{_REFUSED[name]}.")
+def _refuse(words: dict[str, Any], known: Mapping[str, tuple[Callable[[Any], bool], str]],
+            where: str) -> None:
+  """Flax's words this module does not serve: accepted at values that change nothing here,
+  else a ValueError naming the word and what to use; other words are a TypeError (a typo)."""
+  for name, value in words.items():
+    if name == "is_causal" and where:
+      raise ValueError(f"`is_causal={value!r}`: splash_hk.flax.MultiHeadAttention takes its rule "
+                       "from its config (causal by default): build it with "
+                       "config=AttentionConfig(causal=...) or pass a mask object as `mask`.")
+    if name not in known:
+      raise TypeError(f"splash_hk.flax.MultiHeadAttention{where} got an unexpected keyword "
+                      f"`{name}`: it is not a word of nnx.MultiHeadAttention{where} nor of this "
+                      "module.")
+    accepted, instead = known[name]
+    if not accepted(value):
+      raise ValueError(f"`{name}={value!r}` is not served by splash_hk.flax.MultiHeadAttention"
+                       f"{where}: {instead}.")
 
 
 def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
@@ -230,16 +293,17 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
 
 
 def _flat_bias(bias: Array | Score | None, lead: list[int]) -> Array | Score | None:
-  """A Flax bias (broadcastable to [..., H, T, S]) as [B|1, H|1, T, S] over the flattened
-  leading dims; a score object as it is."""
+  """A Flax bias (broadcastable to [..., H, T, S]; axes of size 1 broadcast) as
+  [B|1, H|1, T|1, S|1] over the flattened leading dims; a score object as it is."""
   if bias is None or isinstance(bias, Score):
     return bias
   bias = jnp.asarray(bias)
-  if bias.ndim < 3:
-    raise ValueError(f"`bias` must broadcast to [..., H, T, S], got shape {tuple(bias.shape)}.")
-  bias = bias.reshape((1,) * (len(lead) + 3 - bias.ndim) + bias.shape)  # [..., H|1, T, S]
+  if bias.ndim > len(lead) + 3:
+    raise ValueError(f"`bias` of shape {tuple(bias.shape)} has more dims than [..., H, T, S] "
+                     f"({len(lead) + 3}).")
+  bias = bias.reshape((1,) * (len(lead) + 3 - bias.ndim) + bias.shape)  # [..., H|1, T|1, S|1]
   if all(n == 1 for n in bias.shape[:-3]):
-    return bias.reshape(1, *bias.shape[-3:])  # [1, H|1, T, S]
+    return bias.reshape(1, *bias.shape[-3:])  # [1, H|1, T|1, S|1]
   return jnp.broadcast_to(bias, (*lead, *bias.shape[-3:])).reshape(-1, *bias.shape[-3:])
 
 

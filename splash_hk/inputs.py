@@ -19,7 +19,7 @@ from splash_hk.sharding import specs
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.masks import _objects
 from splash_hk.masks import _rules
-from splash_hk.scores import Score
+from splash_hk.scores import Dense, Score
 from splash_hk.types import Extras, Facts, KernelInputs, Shaped, as_score
 
 __all__ = ("Extras", "facts", "normalise", "sinks")
@@ -31,6 +31,7 @@ def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig,
   """Validates the public arguments (shapes and dtypes only); returns the call's Facts."""
   validation.validate_qkv(query, key, value, config)
   validation.validate_extras(query, key, extras)
+  extras = extras._replace(bias=full_bias(extras.bias, query.shape[1], key.shape[1]))
   if isinstance(extras.mask, _objects.Mask):
     validation.validate_rule(extras.mask, query, key, config)
   sequence_shards = head_shards = 1
@@ -56,9 +57,17 @@ def _rule(extras: Extras, config: AttentionConfig) -> _objects.Mask | None:
   return None if rule is None else rule.map_parts(lambda part: part.normal()).map_arrays(as_normal)
 
 
-def _bias(extras: Extras) -> Score | None:
+def full_bias(bias: Shaped | Score | None, query_len: int, kv_len: int) -> Score | None:
+  """A validated `bias` as a score object whose dense parts span [.., T, S] (axes of size 1
+  broadcast: `Dense.filled`)."""
+  score = as_score(bias)
+  fill = lambda part: part.filled(query_len, kv_len) if isinstance(part, Dense) else part
+  return None if score is None else score.map_parts(fill)
+
+
+def _bias(extras: Extras, query_len: int, kv_len: int) -> Score | None:
   """The call's bias as a score object with jnp arrays (a dense array is `Dense(bias)`)."""
-  score = as_score(extras.bias)
+  score = full_bias(extras.bias, query_len, kv_len)
   return None if score is None else score.map_arrays(lambda side, a, **_: jnp.asarray(a))
 
 
@@ -101,7 +110,7 @@ def normalise(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionCon
       kv_segment_ids=kv_seg,  # [B, S] or None
       rule=_rule(extras, config),
       sinks=sinks(extras.softmax_aux, call.num_heads),  # [Hq, n] or None
-      bias=_bias(extras),  # a score object or None
+      bias=_bias(extras, call.query_len, call.kv_len),  # a score object or None
       heads=None if extras.bias is None else jnp.arange(call.num_heads, dtype=jnp.int32),  # [Hq]
   )
   return x, call

@@ -28,7 +28,7 @@ from splash_hk.config import AttentionConfig
 from splash_hk.kv_cache import KVCache, row_lengths
 from splash_hk.masks import Mask
 from splash_hk.paged import paged_attention
-from splash_hk.pages import PagedKVCache, RaggedBatch
+from splash_hk.pages import PagedKVCache, RaggedBatch, check_owner
 from splash_hk.scores import Score
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Array, Extras
@@ -80,6 +80,7 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, call: Call, setti
     if any(x is not None for x in extras):
       raise ValueError("`kv_cache` derives positions and padding itself: do not pass "
                        "q_segment_ids, kv_segment_ids, q_positions or kv_positions with it.")
+    _check_cache_dtype(call.kv_cache, k, settings.config)
     step = kv_cache_lib.append_to(call.kv_cache, k, v,
                                   row_lengths(call.lengths, tuple(lead), query_len), settings.layer)
     k, v, extras = step.key, step.value, step.extras  # [B, S_max, Hkv, *]
@@ -116,9 +117,24 @@ def attend_paged(query: jax.Array, key: jax.Array, value: jax.Array, call: Call,
     raise ValueError(f"With a PagedKVCache, `batch` says each token's sequence and position: do "
                      f"not pass {', '.join(given)}.")
   rules: Any = dict(mask=call.mask, bias=call.bias)  # arrays: paged validation says what to pass
+  check_owner(call.kv_cache, settings.layer, "kv_cache")
+  _check_cache_dtype(call.kv_cache, key, settings.config)
+  key, value = key.astype(call.kv_cache.key.dtype), value.astype(call.kv_cache.value.dtype)
   return paged_attention(query, key, value, call.kv_cache, call.batch, config=settings.config,
                          softmax_aux=sinks, mesh=settings.mesh, axes=settings.axes,
-                         **rules)  # [N, H, V], the cache
+                         owner=settings.layer, **rules)  # [N, H, V], the cache
+
+
+def _check_cache_dtype(cache: Any, key: jax.Array, config: AttentionConfig) -> None:
+  """A cache of another dtype than the layer's keys, with no `runtime_dtype` to reconcile them,
+  is a ValueError naming `kv_cache` (the caller passed no query, key or value to blame)."""
+  held = getattr(getattr(cache, "key", None), "dtype", None)
+  if held is None or held == key.dtype or config.runtime_dtype is not None:
+    return
+  raise ValueError(
+      f"`kv_cache` holds {held} keys and values and this layer computes {key.dtype} ones: build "
+      f"the cache in the layer's dtype (init_cache(..., dtype=jnp.{key.dtype})), or set "
+      f"AttentionConfig(runtime_dtype=jnp.{held}) to attend in the cache's dtype.")
 
 
 def flat_mask(mask: ArrayLike | Mask | None, lead: list[int], num_heads: int, query_len: int,

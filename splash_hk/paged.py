@@ -43,9 +43,12 @@ def paged_facts(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: An
 
 def explain_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: Any, *,
                   config: AttentionConfig = AttentionConfig(), mask: Mask | None = None,
-                  bias: Score | None = None, softmax_aux: Shaped | None = None) -> Decision:
+                  bias: Score | None = None, softmax_aux: Shaped | None = None,
+                  owner: str | None = None) -> Decision:
   """The backend `paged_attention` would use for these arguments, and why (arrays may be
   `jax.ShapeDtypeStruct` specs)."""
+  if isinstance(cache, PagedKVCache):
+    pages.check_owner(cache, owner, "cache")
   facts = paged_facts(query, key, value, cache, batch, config=config, mask=mask, bias=bias,
                  softmax_aux=softmax_aux)
   return selector.select_paged(facts)
@@ -75,6 +78,7 @@ def paged_attention(
     softmax_aux: Array | None = None,
     mesh: jax.sharding.Mesh | None = None,
     axes: sharding.MeshAxes = sharding.MeshAxes(),
+    owner: str | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
   """Writes a step's new tokens into their pages, then attends each to its sequence's keys.
 
@@ -96,6 +100,9 @@ def paged_attention(
     mesh, axes: shard the query heads and the pool's kv heads over the head axis
       (`MeshAxes.heads`) where it divides the kv heads; the flat token axis, the batch's
       arrays and the pages stay whole.
+    owner: the calling layer's name (the modules pass theirs): a pool another layer wrote
+      first is a ValueError naming both, and the returned pool records its owner (the given
+      one, else the pool's).
 
   Returns:
     The output [N, Hq, Dv] and the cache with the step written. Padding rows output 0 and
@@ -105,6 +112,7 @@ def paged_attention(
   """
   facts = paged_facts(query, key, value, cache, batch, config=config, mask=mask, bias=bias,
                  softmax_aux=softmax_aux)
+  pages.check_owner(cache, owner, "cache")
   if mesh is not None:
     validation.validate_mesh(mesh, axes)
   decision = selector.select_paged(facts)
@@ -129,11 +137,13 @@ def paged_attention(
       sinks=inputs.sinks(softmax_aux, facts.num_heads),  # [Hq, n] or None
       heads=jnp.arange(facts.num_heads, dtype=jnp.int32))  # [Hq]
   if mesh is None and staged(call):
-    return _step(call, facts, decision.backend, layout)
-  if mesh is None:
-    return _whole(call, Static(facts), decision.backend, layout)
-  return sharding.shard_paged(lambda c, f: _step(c, f, decision.backend), call, facts,
-                              mesh=mesh, axes=axes)
+    out, written = _step(call, facts, decision.backend, layout)
+  elif mesh is None:
+    out, written = _whole(call, Static(facts), decision.backend, layout)
+  else:
+    out, written = sharding.shard_paged(lambda c, f: _step(c, f, decision.backend), call, facts,
+                                        mesh=mesh, axes=axes)
+  return out, written.replace(owner=owner or cache.owner)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

@@ -25,7 +25,7 @@ from splash_hk.types import Leaf
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("key", "value"),
-                   meta_fields=())
+                   meta_fields=("owner",))
 @dataclasses.dataclass(frozen=True, eq=False)
 class PagedKVCache:
   """Keys and values in fixed-size pages from one pool (a pytree); sequences own pages through
@@ -34,10 +34,14 @@ class PagedKVCache:
   Attributes:
     key: [P, page_size, Hkv, D]; slots no sequence has written may hold anything.
     value: [P, page_size, Hkv, Dv].
+    owner: the layer that first wrote this pool (a module's name, or the `owner` given to
+      `paged_attention`), or None for a pool no layer has written yet. Static metadata, as
+      `KVCache.owner`: any other layer given this pool raises a ValueError naming both.
   """
 
   key: jax.Array
   value: jax.Array
+  owner: str | None = None
 
   @classmethod
   def zeros(cls, num_pages: int, page_size: int, num_kv_heads: int, key_size: int,
@@ -58,6 +62,18 @@ class PagedKVCache:
   def replace(self, **changes: Any) -> PagedKVCache:
     """This cache with the given fields replaced."""
     return dataclasses.replace(self, **changes)
+
+
+def check_owner(cache: PagedKVCache, owner: str | None, argument: str) -> None:
+  """A pool another layer wrote first is a ValueError naming `argument` and both layers."""
+  if owner is not None and not isinstance(owner, str):
+    raise ValueError(f"`owner` must be a layer's name (a str) or None, got {owner!r}.")
+  if owner is not None and cache.owner is not None and cache.owner != owner:
+    raise ValueError(
+        f"`{argument}` belongs to layer {cache.owner!r} (it wrote it first) and was given to layer "
+        f"{owner!r}: every attention layer needs a pool of its own (one PagedKVCache per layer, "
+        "e.g. a list with one per layer); a pool chained through layers, or two layers' pools "
+        "swapped, would attend to the wrong keys.")
 
 
 @functools.partial(jax.tree_util.register_dataclass,

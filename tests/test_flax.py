@@ -1,6 +1,7 @@
 """splash_hk.flax: the NNX module and attention_fn against the float64 oracle, Flax and Haiku."""
 
 import functools
+import re
 
 import haiku as hk
 import jax
@@ -150,22 +151,46 @@ def test_from_haiku_says_what_does_not_fit():
     shx.from_haiku(params, _module(use_bias=False))
 
 
-@pytest.mark.parametrize("word,value,needle", [
-    ("dropout_rate", 0.1, "dropout_rate=0.1.*drop out the layer's output"),
-    ("decode", True, "decode=True.*kv_cache=mha.init_cache"),
-    ("normalize_qk", True, "normalize_qk=True"),
+@pytest.mark.parametrize("word,default,value,needle", [
+    ("dropout_rate", 0.0, 0.1, "dropout_rate=0.1.*drop out the layer's output"),
+    ("decode", False, True, "decode=True.*kv_cache=mha.init_cache"),
+    ("normalize_qk", False, True, "normalize_qk=True"),
+    ("attention_fn", nnx.dot_product_attention, lambda *a, **k: None,
+     "attention_fn=.*nnx.MultiHeadAttention itself"),
+    ("broadcast_dropout", True, "yes", "broadcast_dropout='yes'.*only shapes dropout"),
+    ("deterministic", True, "yes", "deterministic='yes'.*only switches dropout"),
+    ("qkv_dot_general", None, jax.lax.dot_general, "qkv_dot_general=.*custom matmuls"),
 ])
-def test_flax_words_it_cannot_serve_are_refused(word, value, needle):
-  _module(**{word: 0.0 if word == "dropout_rate" else False})  # Flax's defaults are accepted
+def test_flax_words_it_cannot_serve_are_refused_with_what_to_use(word, default, value, needle):
+  _module(**{word: default})  # Flax's defaults (values that change nothing here) are accepted
   with pytest.raises(ValueError, match=needle):
     _module(**{word: value})
 
 
+def test_flax_call_words_and_readable_layer_names():
+  m, x = _module(), np.ones((1, 3, 12), np.float32)
+  np.testing.assert_array_equal(m(x), m(x, deterministic=True, rngs=nnx.Rngs(1)))
+  with pytest.raises(ValueError, match=r"`sow_weights=True`.*return_weights=True"):
+    m(x, sow_weights=True)
+  with pytest.raises(ValueError, match=r"`is_causal=True`.*AttentionConfig\(causal=...\)"):
+    m(x, is_causal=True)
+  first, second = _module(), _module(name="decoder/layer_1")
+  assert re.fullmatch(r"multi_head_attention_\d+", first.name), first.name
+  cache = first.init_cache(1, 8)
+  _, cache = first(x, kv_cache=cache)
+  with pytest.raises(ValueError, match=rf"belongs to layer '{first.name}'.*layer 'decoder/layer_1'"):
+    second(x, kv_cache=cache)
+
+
 def test_unknown_word_and_bad_sizes():
-  with pytest.raises(TypeError, match="unexpected keyword `attention_fn`"):
-    _module(attention_fn=shx.attention_fn)
+  with pytest.raises(TypeError, match="unexpected keyword `atention_fn`.*not a word of"):
+    _module(atention_fn=shx.attention_fn)
   with pytest.raises(ValueError, match="num_kv_heads"):
     _module(num_heads=4, num_kv_heads=3)
+  with pytest.raises(ValueError, match=r"^`qkv_features` \(30\) must be a multiple of `num_heads` "
+                     r"\(4\).*qkv_features=28"):
+    shx.MultiHeadAttention(num_heads=4, in_features=12, qkv_features=30, num_kv_heads=2,
+                           rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="config"):
     _module(config={"causal": True})
 

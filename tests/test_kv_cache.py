@@ -178,3 +178,103 @@ def test_reset_rows_that_are_not_rows():
     cache.reset(np.array([True, False, True]))
   with pytest.raises(ValueError, match="`rows` must be row indices"):
     cache.reset(np.array([0.5]))
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+def test_rollback_drops_each_rows_last_tokens_and_refuses_below_zero(how):
+  cache = _empty(2, 8).replace(length=jnp.asarray([5, 3], jnp.int32), owner="multi_head_attention")
+  roll = (lambda c, n: c.rollback(n)) if how == "eager" else jax.jit(lambda c, n: c.rollback(n))
+  np.testing.assert_array_equal(roll(cache, 2).length, [3, 1])
+  after = roll(cache, np.array([0, 3]))
+  np.testing.assert_array_equal(after.length, [5, 0])
+  assert after.owner == "multi_head_attention"
+  if how == "eager":
+    with pytest.raises(ValueError, match=r"`n` must lie in \[0, length\].*rows \[1\] would drop "
+                       r"\[4\] of their \[3\]"):
+      cache.rollback(4)
+    with pytest.raises(ValueError, match=r"rows \[0\]"):
+      cache.rollback(np.array([-1, 0]))
+    with pytest.raises(ValueError, match=r"`n` must be ints of shape \[\] or \[2\]"):
+      cache.rollback(np.ones(3, np.int32))
+    return
+  params, x = _setup()
+  bad = roll(cache, np.array([4, 4]))  # row 1 holds 3: marked failed, never a wrong answer
+  np.testing.assert_array_equal(bad.length, [1, -1])
+  out, _ = CALLS["jit"](params, x[:, :1], bad)
+  assert np.isfinite(out[0]).all() and np.isnan(out[1]).all()
+
+
+VOCAB, LM_HEADS, LM_SIZE, LM_MODEL, LM_LAYERS = 16, 4, 8, 32, 2
+
+
+def _lm(tokens, caches=None):
+  """A 2-layer attention LM: embed, residual MHA layers (KV caches when given), unembed."""
+  h = hk.Embed(VOCAB, LM_MODEL, name="embed")(tokens)  # [B, T, D]
+  new = []
+  for i in range(LM_LAYERS):
+    mha = sh.MultiHeadAttention(LM_HEADS, LM_SIZE, num_kv_heads=2, w_init=W_INIT, name=f"mha_{i}")
+    if caches is None:
+      h = h + mha(h)
+    else:
+      out, cache = mha(h, kv_cache=caches[i])
+      h, new = h + out, new + [cache]
+  logits = hk.Linear(VOCAB, name="unembed")(h)  # [B, T, V]
+  return logits if caches is None else (logits, new)
+
+
+def _oracle_logits(params, tokens):
+  """float64 logits [T, V] of one row of tokens [T], from the LM's weights."""
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  h = p["embed"]["embeddings"][tokens][None]
+  for i in range(LM_LAYERS):
+    h = h + oracle.mha(p, h, num_heads=LM_HEADS, num_kv_heads=2, key_size=LM_SIZE,
+                       value_size=LM_SIZE, name=f"mha_{i}")
+  return (h @ p["unembed"]["w"] + p["unembed"]["b"])[0]
+
+
+def test_speculative_decoding_with_rollback_equals_greedy_decoding():
+  """Draft k tokens, verify them in one cached call, keep the accepted ones and roll the cache
+  back over the rest (per row): the tokens are the greedy decode of the float64 model, and would
+  not be if a rejected draft token stayed in the cache."""
+  lm = hk.without_apply_rng(hk.transform(_lm))
+  rng = np.random.default_rng(5)
+  prompts = rng.integers(0, VOCAB, size=(2, 5))
+  params = lm.init(jax.random.PRNGKey(3), prompts)
+  total, k = 17, 3
+  greedy = [list(p) for p in prompts]  # the reference: one float64 full forward per token
+  for row in greedy:
+    while len(row) < total + k + 1:
+      row.append(int(np.argmax(_oracle_logits(params, np.asarray(row))[-1])))
+  step = jax.jit(lm.apply)
+  caches = [sh.KVCache.zeros(2, 32, 2, LM_SIZE) for _ in range(LM_LAYERS)]
+  logits, caches = step(params, jnp.asarray(prompts), caches)
+  seqs = [list(p) + [int(t)] for p, t in zip(prompts, np.argmax(logits[:, -1], -1))]
+  rejected = 0
+  while min(len(s) for s in seqs) < total:
+    # The draft: the right continuation with tokens spoiled at random (a weaker model's guess).
+    draft = np.array([[greedy[b][len(s) + j] if rng.random() < 0.6 else
+                       (greedy[b][len(s) + j] + 1 + rng.integers(VOCAB - 1)) % VOCAB
+                       for j in range(k)] for b, s in enumerate(seqs)])
+    fed = np.concatenate([np.array([[s[-1]] for s in seqs]), draft], axis=1)  # [B, 1 + k]
+    logits, caches = step(params, jnp.asarray(fed), caches)
+    target = np.argmax(np.asarray(logits), -1)  # [B, 1 + k]: what the model says after each
+    keep = np.zeros(2, np.int32)
+    for b in range(2):
+      while keep[b] < k and draft[b, keep[b]] == target[b, keep[b]]:
+        keep[b] += 1
+      seqs[b] += list(draft[b, :keep[b]]) + [int(target[b, keep[b]])]
+    rejected += int((k - keep).sum())
+    caches = [c.rollback(k - keep) for c in caches]  # the rejected drafts leave the cache
+    for c in caches:
+      np.testing.assert_array_equal(c.length, [len(s) - 1 for s in seqs])
+  assert rejected > 0, "the draft must be wrong sometimes for the rollback to matter"
+  for b, s in enumerate(seqs):
+    assert s == greedy[b][:len(s)], (b, s, greedy[b])
+
+
+def test_a_cache_of_another_dtype_names_kv_cache_and_what_to_pass():
+  params, x = _setup()
+  cache = sh.KVCache.zeros(2, 8, KV_HEADS, KEY_SIZE, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"^`kv_cache` holds bfloat16 keys and values and this layer "
+                     r"computes float32 ones.*dtype=jnp.float32.*runtime_dtype=jnp.bfloat16"):
+    MHA.apply(params, x[:, :3], cache)

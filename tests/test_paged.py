@@ -375,3 +375,40 @@ def test_the_haiku_module_serves_paged_steps_as_the_oracle_attends():
     f.apply(params, x, cache, None)
   with pytest.raises(ValueError, match="flat: \\[N, D\\]"):
     f.apply(params, x[None], cache, batch)
+
+
+def test_a_pool_written_by_one_layer_is_refused_by_another_eager_and_under_jit():
+  def model(x, pools, batch):
+    new = []
+    for i, pool in enumerate(pools):
+      mha = sh.MultiHeadAttention(HQ, 8, num_kv_heads=HKV, name=f"layer_{i}",
+                                  w_init=hk.initializers.VarianceScaling(1.0))
+      x, pool = mha(x, kv_cache=pool, batch=batch)
+      new.append(pool)
+    return x, new
+
+  f = hk.without_apply_rng(hk.transform(model))
+  _, steps = harness.paged_module_steps()
+  (x0, b0, _), (x1, b1, _) = steps
+  empty = [sh.PagedKVCache.zeros(16, 4, HKV, 8) for _ in range(2)]
+  params = f.init(jax.random.PRNGKey(0), x0, empty, b0)
+  _, pools = f.apply(params, x0, empty, b0)
+  assert [p.owner for p in pools] == ["layer_0", "layer_1"]
+  for apply in (f.apply, jax.jit(f.apply)):
+    with pytest.raises(ValueError, match=r"`kv_cache` belongs to layer 'layer_1'.*given to layer "
+                       r"'layer_0'"):
+      apply(params, x1, pools[::-1], b1)  # two layers' pools swapped
+    with pytest.raises(ValueError, match=r"`kv_cache` belongs to layer 'layer_0'.*given to layer "
+                       r"'layer_1'"):
+      apply(params, x1, [pools[0], pools[0]], b1)  # one pool chained through both layers
+  out, again = jax.jit(f.apply)(params, x1, pools, b1)  # each its own: served, owners kept
+  assert [p.owner for p in again] == [p.owner for p in pools]
+  assert np.isfinite(np.asarray(out)[:-1]).all()
+  # A direct call names its owner when it wants the check; the pool records it.
+  s = _step(3)
+  _, pool = sh.paged_attention(s.q, s.k, s.v, s.cache, s.batch, owner="decoder/3")
+  assert pool.owner == "decoder/3"
+  with pytest.raises(ValueError, match=r"`cache` belongs to layer 'decoder/3'.*'decoder/4'"):
+    sh.paged_attention(s.q, s.k, s.v, pool, s.batch, owner="decoder/4")
+  with pytest.raises(ValueError, match=r"`cache` belongs to layer 'decoder/3'"):
+    sh.explain_paged(s.q, s.k, s.v, pool, s.batch, owner="decoder/4")

@@ -8,6 +8,7 @@ library.
 """
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -115,13 +116,15 @@ def test_gradients_are_the_same_bits_every_run():
 
 @pytest.mark.parametrize("bias,needle", [
     (np.zeros((2, 4, 72)), r"`bias` must be a float array \[batch or 1, num_heads or 1, "
-     r"query_len, kv_len\] = \[2 or 1, 4 or 1, 72, 72\], got float64\[2, 4, 72\]"),
+     r"query_len or 1, kv_len or 1\] = \[2 or 1, 4 or 1, 72 or 1, 72 or 1\] \(axes of size 1 "
+     r"broadcast\), got float64\[2, 4, 72\]"),
+    (np.zeros((2, 4, 3, 72), np.float32), r"`bias` must be .* got float32\[2, 4, 3, 72\]"),
     (np.zeros((2, 3, 72, 72), np.float32), r"`bias` must be .* got float32\[2, 3, 72, 72\]"),
     (np.zeros((2, 4, 72, 72), np.int32), r"`bias` must be a float array"),
     (S.Alibi(np.zeros(3, np.float32)), r"`Alibi.slopes` must be a float array \[num_heads\] = \[4\]"),
     (S.RelativePosition(np.zeros((2, 4), np.float32)), r"`RelativePosition.table` .*num_buckets >= 4"),
     (S.ScoreFn(lambda p, q, k, h: q - k), r"`bias`: ScoreFn\(<lambda>\) must return floats"),
-], ids=["rank", "heads", "dtype", "slopes", "table", "fn_ints"])
+], ids=["rank", "query_len", "heads", "dtype", "slopes", "table", "fn_ints"])
 def test_a_bad_bias_is_named_with_the_shape_it_expects(bias, needle):
   q, k, v, *_ = _inputs(0)
   with pytest.raises(ValueError, match=needle):
@@ -293,3 +296,101 @@ def test_a_bias_with_a_mask_object_and_a_cache_free_prefill():
   harness.assert_close((out, grads[:3]), (want_out, want_grads[:3]))
   for g, w in zip(grads[3], want_grads[3]):
     np.testing.assert_allclose(g, w, **harness.tol("grad"))
+
+
+@pytest.mark.parametrize("num_buckets,max_distance,bidirectional", [
+    (32, 128, True), (32, 128, False), (32, 20, True), (8, 5, False), (64, 17, True)])
+def test_t5_buckets_are_t5s_own(num_buckets, max_distance, bidirectional):
+  relative = np.arange(-300, 301, dtype=np.int32)[:, None] + np.zeros((1, 3), np.int32)
+  want = oracle.t5_bucket(relative, num_buckets, max_distance, bidirectional, np)
+  got = S.t5_buckets(relative, num_buckets, max_distance, bidirectional)
+  assert got.dtype == jnp.int32 and got.shape == relative.shape
+  np.testing.assert_array_equal(np.asarray(got), want)
+  far = np.asarray(S.t5_buckets(np.arange(0, -400, -1), num_buckets, max_distance, bidirectional))
+  assert (np.diff(far) >= 0).all() and far.max() < (num_buckets // (2 if bidirectional else 1))
+
+
+@pytest.mark.parametrize("num_buckets,max_distance,bidirectional,least", [
+    (32, 16, False, 17), (32, 4, False, 17), (32, 8, True, 9), (4, 1, True, 2)])
+def test_a_max_distance_t5_cannot_serve_is_named_with_the_least_that_works(
+    num_buckets, max_distance, bidirectional, least):
+  """T5's log buckets divide by log(max_distance / exact): at or below the exact buckets the
+  formula is undefined (numpy's 'divide by zero') or non-monotone; refused, no warning leaks."""
+  q, k, v, *_ = _inputs(0, hq=4)
+  table = np.zeros((num_buckets, 4), np.float32)
+  needle = rf"`RelativePosition.max_distance` must exceed .* pass max_distance >= {least}"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no numpy warning from inside the library
+    with pytest.raises(ValueError, match=needle):
+      S.RelativePosition(table, max_distance=max_distance, bidirectional=bidirectional)
+    with pytest.raises(ValueError, match=rf"^`max_distance` must exceed.*>= {least}"):
+      S.t5_buckets(np.arange(-9, 9), num_buckets, max_distance, bidirectional)
+    ok = S.RelativePosition(table, max_distance=least, bidirectional=bidirectional)
+    np.asarray(sh.attention(q, k, v, bias=ok).attention_outputs)
+
+
+BROADCAST = {  # a dense bias with axes of size 1, as jax.nn.dot_product_attention takes it
+    "query_len_1": (2, 4, 1, 72), "kv_len_1": (2, 4, 72, 1), "scalar_like": (1, 1, 1, 1),
+    "rows_only": (2, 1, 72, 1)}
+
+
+@pytest.mark.parametrize("platform", ["xla", "reference"])
+@pytest.mark.parametrize("shape", list(BROADCAST))
+def test_a_dense_bias_broadcasts_over_every_axis_of_size_1(shape, platform):
+  q, k, v, seg, sinks, cot = _inputs(11)
+  bias = np.random.default_rng(12).normal(size=BROADCAST[shape]).astype(np.float32)
+  config = sh.AttentionConfig(platform=platform, allow_fallback=False, block_sizes=TILES,
+                              logits_soft_cap=6.0)
+  f = lambda q, k, v, b: sh.attention(q, k, v, config=config, q_segment_ids=seg,
+                                      bias=b).attention_outputs
+  out, grads = harness.values_and_grads(f, (q, k, v, bias), cot)
+  full = lambda b: jnp.broadcast_to(b, (2, 4, 72, 72))
+  want_out, want_grads = oracle.out_and_vjp(q, k, v, cot, bias=full, bias_params=bias,
+                                            soft_cap=6.0, q_seg=seg)
+  harness.assert_close((out, grads[:3]), (want_out, want_grads[:3]))
+  assert grads[3].shape == bias.shape  # summed over the broadcast axes
+  np.testing.assert_allclose(grads[3], want_grads[3], **harness.tol("grad"))
+
+
+def test_a_broadcast_bias_through_a_mesh_the_cache_and_flax_attention_fn():
+  """The same broadcasting on the other paths: sharded over a 2x4 mesh, over a KV cache's
+  slots (decode: [B, H, 1, max_len] and [1, H, T, 1]), and Flax's attention_fn (a [T, S] bias,
+  as Flax broadcasts it)."""
+  from splash_hk import flax as shx  # pylint: disable=g-import-not-at-top
+  from splash_hk import layer  # pylint: disable=g-import-not-at-top
+  q, k, v, seg, _, cot = _inputs(13, length=32, hq=8, hkv=2)
+  rng = np.random.default_rng(14)
+  bias = rng.normal(size=(2, 8, 1, 32)).astype(np.float32)
+  mesh = harness.mesh("2x4", explicit=True)
+  f = lambda q, k, v, b: sh.attention(q, k, v, mesh=mesh, axes=sh.MeshAxes(batch="dp",
+                                      heads="tp"), q_segment_ids=seg, bias=b).attention_outputs
+  out, grads = harness.values_and_grads(f, (q, k, v, bias), cot)
+  want_out, want_grads = oracle.out_and_vjp(
+      q, k, v, cot, bias=lambda b: jnp.broadcast_to(b, (2, 8, 32, 32)), bias_params=bias,
+      q_seg=seg)
+  harness.assert_close((out, grads[:3]), (want_out, want_grads[:3]), grad="sharded_grad")
+  np.testing.assert_allclose(grads[3], want_grads[3], **harness.tol("sharded_grad"))
+
+  cache = sh.KVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray([20, 32], jnp.int32))
+  for bias_shape, query_len in (((2, 8, 1, 32), 1), ((1, 8, 3, 1), 3)):
+    b = rng.normal(size=bias_shape).astype(np.float32)
+    start = np.array([20, 29])
+    cache = cache.replace(length=jnp.asarray(start, jnp.int32))
+    new_q = q[:, :query_len]
+    new_k, new_v = k[:, 32 - query_len:], v[:, 32 - query_len:]
+    out, _ = jax.jit(lambda c, b: layer.attend(
+        jnp.asarray(new_q), jnp.asarray(new_k), jnp.asarray(new_v),
+        layer.Call(kv_cache=c, bias=b), layer.Settings(sh.AttentionConfig(), None,
+                                                             sh.MeshAxes(), "l")))(cache, b)
+    for row in range(2):
+      keys = np.concatenate([k[row, :start[row]], new_k[row]])[None]
+      values = np.concatenate([v[row, :start[row]], new_v[row]])[None]
+      n = keys.shape[1]
+      dense = np.broadcast_to(b[row if b.shape[0] > 1 else 0], (8, query_len, 32))[None, :, :, :n]
+      want, _ = oracle.attention(new_q[row:row + 1], keys, values, bias=dense)
+      np.testing.assert_allclose(np.asarray(out[row]), want[0], **harness.tol())
+
+  pair = rng.normal(size=(32, 32)).astype(np.float32)
+  out = shx.attention_fn(q, k, v, bias=pair, is_causal=True)
+  want, _ = oracle.attention(q, k, v, bias=np.broadcast_to(pair, (2, 8, 32, 32)))
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())

@@ -15,6 +15,7 @@ import splash_hk as sh
 
 POSITION_BIASES = ("none", "alibi", "t5")
 T5_BUCKETS = 32
+T5_MAX_DISTANCE = 128  # T5's: distances under 16 get a bucket each, farther ones share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +100,7 @@ class Transformer(hk.Module):
     if c.position_bias == "t5":
       table = lambda i: hk.get_parameter(f"relative_position_{i}", (T5_BUCKETS, c.num_heads),
                                          jnp.float32, init=lambda *_: _recency_table(c))
-      return lambda i: sh.scores.RelativePosition(table(i), max_distance=c.max_len,
+      return lambda i: sh.scores.RelativePosition(table(i), max_distance=T5_MAX_DISTANCE,
                                                    bidirectional=False)
     return _no_bias
 
@@ -188,7 +189,7 @@ def _recency_table(c: ModelConfig) -> jax.Array:
   learned nothing in 1200 steps; from ALiBi's recency it learns as ALiBi does."""
   distance = np.arange(c.max_len)
   index = sh.scores.RelativePosition(jnp.arange(T5_BUCKETS, dtype=jnp.float32)[:, None],
-                                     c.max_len, bidirectional=False)  # its "bias": the bucket
+                                     T5_MAX_DISTANCE, bidirectional=False)  # "bias": the bucket
   bucket = np.asarray(index.scores(distance.reshape(1, 1, 1, -1, 1), np.zeros((1, 1, 1, 1, 1), int),
                                    np.zeros((1, 1, 1, 1, 1)))).reshape(-1)  # [T]
   least = np.array([distance[bucket == b].min(initial=c.max_len) for b in range(T5_BUCKETS)])

@@ -12,7 +12,9 @@ from splash_hk.scores._objects import Dense
 from splash_hk.scores._objects import RelativePosition
 from splash_hk.scores._objects import ScoreFn
 from splash_hk.scores._objects import alibi_slopes
+from splash_hk.scores._objects import t5_buckets
 from splash_hk.scores._score import Score
 from splash_hk.scores._score import Sum
 
-__all__ = ("Alibi", "Dense", "RelativePosition", "Score", "ScoreFn", "Sum", "alibi_slopes")
+__all__ = ("Alibi", "Dense", "RelativePosition", "Score", "ScoreFn", "Sum", "alibi_slopes",
+           "t5_buckets")

@@ -38,7 +38,8 @@ def _by_heads(a: ArrayLike, head: ArrayLike) -> ArrayLike:
 
 @dataclasses.dataclass(frozen=True)
 class Dense(Score):
-  """A dense bias [B|1, Hq|1, T, S] (float), broadcast over the axes of size 1."""
+  """A dense bias [B|1, Hq|1, T|1, S|1] (float), broadcast over the axes of size 1 (as
+  `jax.nn.dot_product_attention` broadcasts its bias)."""
 
   bias: Shaped = array_field("qk")
 
@@ -47,15 +48,27 @@ class Dense(Score):
     heads = (1, 1) if b.shape[1] == 1 else head.shape[1:3]
     return b.reshape(b.shape[0], *heads, *b.shape[2:])  # [B|1, Hkv|1, G|1, T, S]
 
+  def filled(self, query_len: int, kv_len: int) -> Dense:
+    """This bias with its query and key axes of size 1 broadcast to T and S (what a kernel cuts
+    into blocks); their gradients sum back over the broadcast axes."""
+    b = self.bias
+    shape = (*b.shape[:2], query_len, kv_len)
+    if tuple(b.shape) == shape:
+      return self
+    if isinstance(b, jax.ShapeDtypeStruct):
+      return Dense(jax.ShapeDtypeStruct(shape, b.dtype))
+    return Dense(jnp.broadcast_to(b, shape))
+
   def check(self, batch: int, num_heads: int, query_len: int, kv_len: int) -> None:
     b = self.bias
     fits = (hasattr(b, "shape") and len(b.shape) == 4 and b.shape[0] in (1, batch)
-            and b.shape[1] in (1, num_heads) and tuple(b.shape[2:]) == (query_len, kv_len))
+            and b.shape[1] in (1, num_heads) and b.shape[2] in (1, query_len)
+            and b.shape[3] in (1, kv_len))
     if not fits or not jnp.issubdtype(b.dtype, jnp.floating):
       got = f"{b.dtype}{list(b.shape)}" if hasattr(b, "shape") else type(b).__name__
-      raise ValueError(f"`bias` must be a float array [batch or 1, num_heads or 1, query_len, "
-                       f"kv_len] = [{batch} or 1, {num_heads} or 1, {query_len}, {kv_len}], "
-                       f"got {got}.")
+      raise ValueError(f"`bias` must be a float array [batch or 1, num_heads or 1, query_len or "
+                       f"1, kv_len or 1] = [{batch} or 1, {num_heads} or 1, {query_len} or 1, "
+                       f"{kv_len} or 1] (axes of size 1 broadcast), got {got}.")
 
 
 def alibi_slopes(num_heads: int) -> jax.Array:
@@ -89,11 +102,48 @@ class Alibi(Score):
     _floating(self.slopes, "Alibi.slopes", (num_heads,), "[num_heads]")
 
 
-def t5_bucket(relative: ArrayLike, num_buckets: int, max_distance: int,
-              bidirectional: bool, xp: Any = jnp) -> ArrayLike:
-  """T5's relative-position bucket of `relative = kv_pos - q_pos` (int32): exact buckets for small
-  distances, logarithmic up to `max_distance` (in float32, as T5 computes it); bidirectional:
-  keys after the query take the upper half of the buckets."""
+def t5_least_max_distance(num_buckets: int, bidirectional: bool) -> int:
+  """The least `max_distance` T5's buckets are defined for: one past the exact buckets (the
+  logarithmic ones divide by `log(max_distance / exact)`)."""
+  return (num_buckets // 2 if bidirectional else num_buckets) // 2 + 1
+
+
+def _check_t5(num_buckets: int, max_distance: int, bidirectional: bool, owner: str) -> None:
+  """ValueError naming the argument when T5's bucket formula is undefined or not monotone."""
+  least_buckets = 4 if bidirectional else 2
+  if not isinstance(num_buckets, int) or num_buckets < least_buckets:
+    raise ValueError(f"`{owner}num_buckets` must be an int >= {least_buckets} "
+                     f"(bidirectional={bidirectional}), got {num_buckets!r}.")
+  least = t5_least_max_distance(num_buckets, bidirectional)
+  if not isinstance(max_distance, int) or max_distance < least:
+    exact = least - 1
+    raise ValueError(
+        f"`{owner}max_distance` must exceed the {exact} exact buckets of {num_buckets} "
+        f"{'bidirectional ' if bidirectional else ''}buckets (T5's logarithmic buckets divide "
+        f"by log(max_distance / {exact})), got {max_distance!r}: pass max_distance >= {least} "
+        f"(T5 uses 128), or fewer buckets.")
+
+
+def t5_buckets(relative_position: ArrayLike, num_buckets: int = 32, max_distance: int = 128,
+               bidirectional: bool = True) -> jax.Array:
+  """T5's relative-position bucket (its `_relative_position_bucket`) of each entry of
+  `relative_position = kv_pos - q_pos` (ints): exact buckets for small distances, logarithmic
+  up to `max_distance` (in float32, as T5 computes it), the last bucket beyond; bidirectional:
+  keys after the query take the upper half of the buckets. Returns int32 of the same shape.
+
+  `max_distance` must exceed the exact buckets (`num_buckets // 2`, or `// 4` bidirectional):
+  below that T5's formula divides by log(<= 1); a ValueError names the least value that works.
+  """
+  _check_t5(num_buckets, max_distance, bidirectional, "")
+  relative = jnp.asarray(relative_position)
+  if not jnp.issubdtype(relative.dtype, jnp.integer):
+    raise ValueError(f"`relative_position` must be ints (kv_pos - q_pos), got {relative.dtype}.")
+  return _t5_buckets(relative.astype(jnp.int32), num_buckets, max_distance, bidirectional, jnp)
+
+
+def _t5_buckets(relative: ArrayLike, num_buckets: int, max_distance: int, bidirectional: bool,
+                xp: Any) -> ArrayLike:
+  """`t5_buckets` without its checks, in NumPy or jnp (`xp`)."""
   n = -relative
   bucket = xp.zeros_like(n)
   if bidirectional:
@@ -106,19 +156,24 @@ def t5_bucket(relative: ArrayLike, num_buckets: int, max_distance: int,
   scaled = (xp.log(xp.maximum(n, 1).astype(np.float32) / np.float32(exact))
             / np.float32(math.log(max_distance / exact)))
   large = xp.minimum(exact + (scaled * (num_buckets - exact)).astype(np.int32), num_buckets - 1)
-  return bucket + xp.where(n < exact, n, large)
+  return (bucket + xp.where(n < exact, n, large)).astype(np.int32)
 
 
 @functools.lru_cache(maxsize=64)
 def _bucket_table(num_buckets: int, max_distance: int, bidirectional: bool) -> np.ndarray:
-  """t5_bucket of every relative position in [-max_distance, max_distance] (NumPy, static)."""
+  """T5's bucket of every relative position in [-max_distance, max_distance] (NumPy, static)."""
+  _check_t5(num_buckets, max_distance, bidirectional, "RelativePosition.")
   relative = np.arange(-max_distance, max_distance + 1, dtype=np.int32)
-  return np.asarray(t5_bucket(relative, num_buckets, max_distance, bidirectional, np))
+  return np.asarray(_t5_buckets(relative, num_buckets, max_distance, bidirectional, np))
 
 
 @dataclasses.dataclass(frozen=True)
 class RelativePosition(Score):
-  """T5's relative-position bias: `table[t5_bucket(kv_pos - q_pos), h]`; table [buckets, Hq]."""
+  """T5's relative-position bias: `table[t5_buckets(kv_pos - q_pos), h]`; table [buckets, Hq].
+
+  `max_distance` must exceed the exact buckets (`t5_buckets`); a ValueError names the least
+  value that works.
+  """
 
   table: Shaped = array_field("head", axis=1)
   max_distance: int = 128
@@ -130,6 +185,9 @@ class RelativePosition(Score):
     if not isinstance(self.bidirectional, bool):
       raise ValueError(f"`RelativePosition.bidirectional` must be a bool, got "
                        f"{self.bidirectional!r}.")
+    shape = getattr(self.table, "shape", None)  # a tree's placeholder leaves have none
+    if shape is not None and len(shape) == 2 and shape[0] >= (4 if self.bidirectional else 2):
+      _check_t5(int(shape[0]), self.max_distance, self.bidirectional, "RelativePosition.")
 
   def scores(self, q_pos: ArrayLike, kv_pos: ArrayLike, head: ArrayLike) -> ArrayLike:
     # Buckets stop changing past max_distance, so each head's bias is a table over the
@@ -147,6 +205,7 @@ class RelativePosition(Score):
     buckets = self.table.shape[0] if hasattr(self.table, "shape") and self.table.shape else 0
     _floating(self.table, "RelativePosition.table", (max(buckets, least), num_heads),
               f"[num_buckets >= {least}, num_heads]")
+    _check_t5(buckets, self.max_distance, self.bidirectional, "RelativePosition.")
 
 
 @dataclasses.dataclass(frozen=True)
