@@ -86,6 +86,7 @@ class PagedEngine:
                  kv_lens=np.zeros(self.sched.max_seqs, np.int32),
                  page_table=np.zeros((self.sched.max_seqs, self.sched.pages_per_seq), np.int32),
                  num_seqs=0, copies=[], work=[], samples=[])
+    jax.block_until_ready(self.run(empty, self.buckets[0]))  # the pools learn their layers
     self._copy_shared([])  # every destination past the pool: nothing is copied
     for size in self.buckets:
       jax.block_until_ready(self.run(empty, size))
