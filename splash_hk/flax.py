@@ -15,19 +15,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 try:
   from flax import nnx
-  from flax.nnx.nn import dtypes as flax_dtypes
   from flax.nnx.nn import initializers
 except ImportError as e:  # the wheel does not require flax
   raise ImportError("splash_hk.flax needs Flax NNX: pip install 'splash_hk[flax]' (flax>=0.12.8)."
                     ) from e
 from jax.typing import ArrayLike
 
+from splash_hk import flax_words
 from splash_hk import layer
 from splash_hk.config import AttentionConfig, require_int
 from splash_hk.kv_cache import KVCache
@@ -41,47 +41,6 @@ __all__ = ("MultiHeadAttention", "attention_fn", "from_haiku", "to_haiku")
 
 _NO_METADATA: Mapping[str, Any] = MappingProxyType({})
 
-_OWN_ATTENTION = "use nnx.MultiHeadAttention(..., attention_fn=splash_hk.flax.attention_fn)"
-# Words of nnx.MultiHeadAttention's constructor this module does not serve: word -> (the values
-# that change nothing here, so are accepted; what to do instead).
-_FLAX_WORDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "dropout_rate": (lambda v: v == 0, "attention dropout needs the attention weights, which "
-                     "splash attention never builds; drop out the layer's output instead"),
-    "broadcast_dropout": (lambda v: isinstance(v, bool), "it only shapes dropout, which this "
-                          "module does not apply"),
-    "deterministic": (lambda v: v is None or isinstance(v, bool), "it only switches dropout, "
-                      "which this module does not apply"),
-    "decode": (lambda v: not v, "pass kv_cache=mha.init_cache(batch, max_len) (and `lengths`) "
-               f"to the call, or {_OWN_ATTENTION}"),
-    "normalize_qk": (lambda v: not v, f"normalise q and k in your model, or {_OWN_ATTENTION}"),
-    "attention_fn": (lambda v: v is None or v is nnx.dot_product_attention or v is attention_fn,
-                     "this module's attention is splash attention; to plug in another function "
-                     "use nnx.MultiHeadAttention itself"),
-    "keep_rngs": (lambda v: isinstance(v, bool), "it keeps dropout's rngs"),
-    "qkv_dot_general": (lambda v: v is None, f"{_OWN_ATTENTION} for custom matmuls"),
-    "out_dot_general": (lambda v: v is None, f"{_OWN_ATTENTION} for custom matmuls"),
-    "qkv_dot_general_cls": (lambda v: v is None, f"{_OWN_ATTENTION} for custom matmuls"),
-    "out_dot_general_cls": (lambda v: v is None, f"{_OWN_ATTENTION} for custom matmuls"),
-    "qkv_promote_dtype": (lambda v: v is flax_dtypes.promote_dtype,
-                          "set `dtype` for the computation's dtype"),
-    "out_promote_dtype": (lambda v: v is flax_dtypes.promote_dtype,
-                          "set `dtype` for the computation's dtype"),
-    "ln_promote_dtype": (lambda v: v is flax_dtypes.promote_dtype,
-                         "normalize_qk is not served"),
-    "query_ln_scale_metadata": (lambda v: not v, "normalize_qk is not served"),
-    "key_ln_scale_metadata": (lambda v: not v, "normalize_qk is not served"),
-}
-# Words of nnx.MultiHeadAttention.__call__ this module does not serve, as above.
-_FLAX_CALL_WORDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "deterministic": _FLAX_WORDS["deterministic"],
-    "rngs": (lambda v: True, "it feeds dropout, which this module does not apply"),
-    "sow_weights": (lambda v: not v, "splash attention never builds the attention weights; "
-                    "use splash_hk.attention(..., return_weights=True, config=AttentionConfig("
-                    "platform='reference')) to inspect them"),
-    "decode": _FLAX_WORDS["decode"],
-    "out_sharding": (lambda v: v is None, "build the module with mesh= and axes="),
-    "qkv_sharding": (lambda v: v is None, "build the module with mesh= and axes="),
-}
 # Layers without a `name=` are named in the order they are built, as Haiku names modules.
 _UNNAMED = itertools.count()
 
@@ -123,7 +82,7 @@ class MultiHeadAttention(nnx.Module):
       bias_metadata: Mapping[str, Any] = _NO_METADATA,
       out_bias_metadata: Mapping[str, Any] = _NO_METADATA,
       name: str | None = None,
-      **flax_words: Any,
+      **words: Any,
   ):
     """Initialises the module (`nnx.MultiHeadAttention`'s words, then ours: `config`, `mesh`,
     `axes`, `num_sinks` as in `splash_hk.MultiHeadAttention`, and `name`: how errors name this
@@ -134,7 +93,7 @@ class MultiHeadAttention(nnx.Module):
     matmuls, ...) are accepted at values that change nothing here, else a ValueError names
     the word and what to use instead.
     """
-    _refuse(flax_words, _FLAX_WORDS, "")
+    flax_words.refuse(words, flax_words.CONSTRUCTOR, "")
     require_int("num_heads", num_heads)
     require_int("in_features", in_features)
     for word, size in (("qkv_features", qkv_features), ("out_features", out_features),
@@ -196,7 +155,7 @@ class MultiHeadAttention(nnx.Module):
       kv_cache: KVCache | PagedKVCache | None = None,
       lengths: ArrayLike | None = None,
       batch: RaggedBatch | None = None,
-      **flax_words: Any,
+      **words: Any,
   ) -> jax.Array | tuple[jax.Array, KVCache | PagedKVCache]:
     """inputs_q [..., T, in], inputs_k / inputs_v [..., S, in_kv] (default: self-attention)
     -> [..., T, out], or ([..., T, out], KVCache) with `kv_cache`; with a `PagedKVCache` and
@@ -207,7 +166,7 @@ class MultiHeadAttention(nnx.Module):
     `decode`, shardings) are accepted where they change nothing here, else refused with what
     to use; causality is the config's (`AttentionConfig(causal=...)`), not `is_causal`.
     """
-    _refuse(flax_words, _FLAX_CALL_WORDS, ".__call__")
+    flax_words.refuse(words, flax_words.CALL, ".__call__")
     if inputs_k is None:
       if inputs_v is not None:
         raise ValueError("`inputs_k` cannot be None when `inputs_v` is given: pass the same "
@@ -225,25 +184,6 @@ class MultiHeadAttention(nnx.Module):
     out, cache = layer.attend(q, k, v, call, self.settings, sinks)  # [..., T, H, D]
     y = self.out(out)  # [..., T, out]
     return y if cache is None else (y, cache)
-
-
-def _refuse(words: dict[str, Any], known: Mapping[str, tuple[Callable[[Any], bool], str]],
-            where: str) -> None:
-  """Flax's words this module does not serve: accepted at values that change nothing here,
-  else a ValueError naming the word and what to use; other words are a TypeError (a typo)."""
-  for name, value in words.items():
-    if name == "is_causal" and where:
-      raise ValueError(f"`is_causal={value!r}`: splash_hk.flax.MultiHeadAttention takes its rule "
-                       "from its config (causal by default): build it with "
-                       "config=AttentionConfig(causal=...) or pass a mask object as `mask`.")
-    if name not in known:
-      raise TypeError(f"splash_hk.flax.MultiHeadAttention{where} got an unexpected keyword "
-                      f"`{name}`: it is not a word of nnx.MultiHeadAttention{where} nor of this "
-                      "module.")
-    accepted, instead = known[name]
-    if not accepted(value):
-      raise ValueError(f"`{name}={value!r}` is not served by splash_hk.flax.MultiHeadAttention"
-                       f"{where}: {instead}.")
 
 
 def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,

@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 import haiku as hk
+import hypothesis
+from hypothesis import stateful
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,28 +149,37 @@ def test_sharing_a_prefix_cuts_pages_and_prefill_by_three(served_model):
 
 
 SUMMARY = {
-    "served": re.compile(r"^served 12 requests: (\d+) tokens in .* = \d+ tokens/s", re.M),
+    "served": re.compile(r"^served (\d+) requests: (\d+) tokens in .* = \d+ tokens/s", re.M),
     "latency": re.compile(r"^time to first token: median \d+ ms, p99 \d+ ms; per-token latency: "
                           r"median \d+ ms, p99 \d+ ms$", re.M),
     "pages": re.compile(r"^pages: peak (\d+) of (\d+) in use", re.M),
+    "requests": re.compile(r"^requests: (\d+) finished, (\d+) cancelled, 0 failed, 0 refused; "
+                           r"pool at the end: (\d+)/(\d+) pages free$", re.M),
     "recall": re.compile(r"^recall answers: (\d+)/(\d+) right$", re.M),
     "static": re.compile(r"^continuous / static: [0-9.]+x tokens/s, ([0-9.]+)x KV bytes$", re.M),
-    "check": re.compile(r"^outputs equal to greedy decoding with a full forward: 12/12$", re.M),
+    "check": re.compile(r"^outputs equal to greedy decoding with a full forward: (\d+)/(\d+)$",
+                        re.M),
 }
 
 
 def test_the_binary_trains_briefly_serves_and_summarises():
+  """A short run with a quarter of the requests cancelled at random times, the invariants
+  checked after every step (--check)."""
   env = processes.env()
   proc = subprocess.run(
       [sys.executable, "-m", "examples.serve", "--steps=30", "--log_every=30", "--num_layers=1",
        "--num_requests=12", "--prompt_lens=5,60", "--new_tokens=1,6", "--max_seqs=4",
        "--step_tokens=32", "--prefill_chunk=16", "--arrival_rate=2", "--check",
-       "--log_every_steps=10"], capture_output=True, text=True, env=env, timeout=300)
+       "--log_every_steps=10", "--cancel_fraction=0.25"],
+      capture_output=True, text=True, env=env, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   found = {name: pattern.search(proc.stdout) for name, pattern in SUMMARY.items()}
   assert all(found.values()), (found, proc.stdout)
+  finished, cancelled, free, pool = map(int, found["requests"].groups())
+  assert finished + cancelled == 12 and cancelled >= 1 and free == pool, proc.stdout
+  assert int(found["served"][1]) == finished == int(found["check"][1]) == int(found["check"][2])
   assert int(found["pages"][1]) <= int(found["pages"][2])
-  assert 0 < int(found["recall"][2]) < 12
+  assert int(found["recall"][2]) < 12
   assert float(found["static"][1]) <= 0.5
   assert re.search(r"step 10: \d+/12 requests done, \d+ tokens/s, pages \d+/\d+ in use",
                    proc.stderr), proc.stderr[-2000:]
@@ -180,3 +192,224 @@ def test_the_binary_refuses_a_workload_past_learned_positions():
       capture_output=True, text=True, env=env, timeout=120)
   assert proc.returncode == 1
   assert "learned positions stop at 31 tokens" in proc.stderr, proc.stderr[-2000:]
+
+
+def _run_to_end(engine, scheduler, check=True, limit=2000):
+  """Steps `scheduler` until idle over `engine`, its invariants checked after each step."""
+  for _ in range(limit):
+    if scheduler.idle:
+      return
+    plan = scheduler.schedule()
+    assert plan is not None, "nothing runs while requests wait: the pool holds none of them"
+    scheduler.complete(plan, *engine.run(plan))
+    if check:
+      scheduler.check()
+  raise AssertionError(f"not idle after {limit} steps")
+
+
+def _greedy_ok(config, params, scheduler):
+  finished = [s.request for s in scheduler.finished]
+  outputs = {s.request.id: s.generated for s in scheduler.finished}
+  return engine_lib.greedy_mismatches(config, params, finished, outputs)
+
+
+@pytest.mark.xdist_group("served_model")
+def test_cancel_anywhere_frees_its_pages_and_leaves_the_others_exact(served_model):
+  """Cancelled while waiting, prefilling (one sharing its prefix pages with a running request),
+  decoding and preempted: True once, False for unknown, finished or cancelled ones; its pages
+  (shared ones when no one else holds them) go back at once, it never runs again, and every
+  other request is the greedy decode."""
+  config, params, requests, engine = served_model
+  sched = dataclasses.replace(SCHED, prefill_chunk=16, vocab_size=TASK.vocab_size)
+  scheduler = Scheduler(sched, PageAllocator(14))  # small: preemptions
+  base = requests[1].prompt[:3 * PAGE]
+  mine = [dataclasses.replace(requests[i], id=100 + i, max_new_tokens=8,
+                              prompt=(base + requests[i].prompt[:20]) if i < 4
+                              else requests[i].prompt[:40]) for i in range(12)]
+  for r in mine:
+    scheduler.add(r)
+  states = {}
+  for step in range(60):
+    plan = scheduler.schedule()
+    scheduler.complete(plan, *engine.run(plan))
+    scheduler.check()
+    in_use = scheduler.allocator.in_use
+    for seq in list(scheduler.running) + list(scheduler.waiting):
+      state = ("waiting" if seq in scheduler.waiting and not seq.admitted >= 0 else
+               "preempted" if seq in scheduler.waiting else
+               "decoding" if seq.computed >= len(seq.request.prompt) else
+               "prefilling_shared" if any(scheduler.allocator.refs(p) > 1 for p in seq.pages)
+               else "prefilling")
+      if state not in states:
+        held = [p for p in seq.pages if scheduler.allocator.refs(p) == 1]
+        assert scheduler.cancel(seq.request.id) and not scheduler.cancel(seq.request.id)
+        states[state] = seq.request.id
+        assert scheduler.allocator.in_use == in_use - len(held), state
+        assert all(scheduler.allocator.is_free(p) for p in held), state
+        in_use = scheduler.allocator.in_use
+        scheduler.check()
+    if scheduler.idle:
+      break
+  _run_to_end(engine, scheduler)
+  assert set(states) >= {"waiting", "prefilling", "prefilling_shared", "decoding", "preempted"}, \
+      states
+  assert not scheduler.cancel(999) and not scheduler.cancel(scheduler.finished[0].request.id)
+  assert sorted(s.request.id for s in scheduler.cancelled) == sorted(states.values())
+  assert not _greedy_ok(config, params, scheduler)
+  assert scheduler.allocator.num_free == 14 and len(scheduler.finished) == 12 - len(states)
+
+
+@pytest.mark.xdist_group("served_model")
+def test_a_request_whose_activations_go_nan_fails_alone_and_frees_its_pages(served_model):
+  """A corrupted embedding row (token 63 is NaN, and never generated) reaches one request's
+  activations: that request fails at once (never retried, no pages held), every other one,
+  some sharing its first pages, is exactly the greedy decode."""
+  config, params, requests, engine = served_model
+  poison = TASK.vocab_size - 1
+  bad = jax.tree.map(np.array, params)
+  bad["transformer/embed"]["embeddings"][poison] = np.nan
+  bad["transformer/unembed"]["b"][poison] = -1e9
+  clean = lambda p: tuple(t if t != poison else 0 for t in p)
+  mine = [dataclasses.replace(r, prompt=clean(r.prompt)) for r in requests[:16]]
+  prefix = mine[1].prompt[:2 * PAGE]
+  mine[5] = dataclasses.replace(mine[5], prompt=prefix + (poison,) + mine[5].prompt[:10])
+  mine[6] = dataclasses.replace(mine[6], prompt=prefix + mine[6].prompt[:10])
+  saved = engine.params
+  engine.params = bad
+  try:
+    scheduler = Scheduler(dataclasses.replace(SCHED, vocab_size=TASK.vocab_size),
+                          PageAllocator(60))
+    for r in mine:
+      scheduler.add(r)
+    _run_to_end(engine, scheduler)
+  finally:
+    engine.params = saved
+  assert [s.request.id for s in scheduler.failed] == [mine[5].id]
+  assert len(scheduler.finished) == 15 and scheduler.allocator.num_free == 60
+  assert not _greedy_ok(config, bad, scheduler)
+  assert scheduler.stats.failures == 1 and not scheduler.failed[0].generated
+
+
+def test_requests_that_can_never_be_served_are_refused_with_the_reason():
+  scheduler = Scheduler(dataclasses.replace(SCHED, pages_per_seq=4, vocab_size=64),
+                        PageAllocator(8))
+  for request, needle in ((Request(0, tuple(range(60)), 10), "needs 70 tokens.*--num_pages"),
+                          (Request(1, (1, 2), 0), "max_new_tokens >= 1"),
+                          (Request(2, (), 3), "needs a prompt"),
+                          (Request(3, (5, 64, -1, 7), 3), r"token ids \[-1, 64\] outside the "
+                           r"vocabulary \[0, 64\)")):
+    with pytest.raises(ValueError, match=rf"request {request.id} refused: .*{needle}"):
+      scheduler.add(request)
+  scheduler.add(Request(4, (1, 2, 3), 2))
+  assert sorted(scheduler.refused) == [0, 1, 2, 3] and scheduler.stats.refusals == 4
+  scheduler.check()  # refused requests are accounted for, not lost
+
+
+def test_check_names_each_broken_invariant():
+  def fresh():
+    scheduler = Scheduler(SCHED, PageAllocator(8))
+    scheduler.add(Request(0, tuple(range(20)), 3))
+    scheduler.add(Request(1, tuple(range(30, 50)), 3))
+    plan = scheduler.schedule()
+    scheduler.complete(plan, np.zeros(len(plan.tokens), np.int32))
+    scheduler.check()
+    return scheduler
+
+  breaks = {
+      "leaked page": (lambda s: s.allocator.allocate(), r"page \d+ has reference count 1 but 0"),
+      "free and listed": (lambda s: s.allocator._free.__setitem__(s.running[0].pages[0], None),
+                          r"page \d+ is free with 1 holders"),
+      "lost request": (lambda s: s._free(s.running.pop()), r"requests \[1\] were submitted and "
+                       r"are in no list \(lost\)"),
+      "twice": (lambda s: s.refused.update({0: "?"}), r"requests \[0\] are in \[2\] lists"),
+      "ended with pages": (lambda s: s.cancelled.append(s.running.pop()),
+                           r"request 1 is not running but holds pages"),
+      "shared write": (lambda s: s.last_writes.update({3: 2}), r"page 3 was written by the last "
+                       r"step while 2 requests held it"),
+      "too few pages": (lambda s: setattr(s.running[0], "computed", 40),
+                        r"request 0 has 40 tokens in the cache but pages for 32"),
+  }
+  for name, (corrupt, needle) in breaks.items():
+    scheduler = fresh()
+    corrupt(scheduler)
+    with pytest.raises(AssertionError, match="scheduler invariant broken: " + needle):
+      scheduler.check()
+
+
+class ServingMachine(stateful.RuleBasedStateMachine):
+  """submit / step / cancel in any order, over random prompt lengths, shared prefixes, pool
+  sizes down to the smallest that holds one request, chunk sizes and arrival orders: the
+  invariants after every rule; at the end every request finished (the greedy decode),
+  cancelled or refused, and the pool all free."""
+
+  served = None  # (config, params, engine), set by the test
+  LONGEST = 2 * PAGE + 40 + 12  # a shared prefix, a tail and new tokens: 6 pages
+
+  @stateful.initialize(pages=st.integers(-(-LONGEST // PAGE), 40),
+                       chunk=st.sampled_from([8, 16, 64]), sharing=st.booleans())
+  def start(self, pages, chunk, sharing):
+    sched = dataclasses.replace(SCHED, prefill_chunk=chunk, prefix_sharing=sharing,
+                                vocab_size=TASK.vocab_size)
+    self.scheduler = Scheduler(sched, PageAllocator(pages))
+    self.pages, self.next_id, self.rng = pages, 0, np.random.default_rng(pages * 7 + chunk)
+
+  @stateful.rule(prefix=st.sampled_from([0, PAGE, 2 * PAGE, PAGE + 5]),
+                 tail=st.integers(0, 40), new=st.integers(0, 12),
+                 bad_token=st.integers(0, 9).map(lambda n: n == 0))
+  def submit(self, prefix, tail, new, bad_token):
+    prompt = tuple(self.rng.integers(0, TASK.vocab_size, tail).tolist())
+    prompt = tuple(range(1, prefix + 1)) + prompt  # every shared prefix starts the same way
+    if bad_token and prompt:
+      prompt = prompt[:-1] + (TASK.vocab_size,)
+    request = Request(self.next_id, prompt, new)
+    self.next_id += 1
+    try:
+      self.scheduler.add(request)
+      assert prompt and new >= 1 and not bad_token, request
+    except ValueError:
+      assert not prompt or new < 1 or bad_token, request
+
+  @stateful.rule(count=st.integers(2, 6), tail=st.integers(0, 40))
+  def burst(self, count, tail):
+    for i in range(count):  # arrivals in one step, sharing a prefix or not
+      self.submit(prefix=(0, PAGE, 2 * PAGE)[i % 3], tail=tail + i, new=1 + i, bad_token=False)
+
+  @stateful.rule(steps=st.integers(1, 2), in_flight=st.integers(0, 12))
+  def step(self, steps, in_flight):
+    engine = self.served[2]
+    for _ in range(steps):
+      plan = self.scheduler.schedule()
+      if plan is None:
+        assert self.scheduler.idle, "requests wait and nothing runs"
+        return
+      if in_flight < len(plan.work):  # cancelled after its step was planned, before it ends
+        assert self.scheduler.cancel(plan.work[in_flight][0].request.id)
+      self.scheduler.complete(plan, *engine.run(plan))
+
+  @stateful.rule(data=st.data())
+  def cancel(self, data):
+    live = {s.request.id for s in list(self.scheduler.waiting) + self.scheduler.running}
+    rid = data.draw(st.sampled_from(sorted(live) + [self.next_id, 0]))  # or unknown, or ended
+    assert self.scheduler.cancel(rid) == (rid in live)
+
+  @stateful.invariant()
+  def holds(self):
+    if hasattr(self, "scheduler"):
+      self.scheduler.check()
+
+  def teardown(self):
+    if not hasattr(self, "scheduler"):
+      return
+    config, params, engine = self.served
+    _run_to_end(engine, self.scheduler)
+    assert self.scheduler.allocator.num_free == self.pages
+    assert not _greedy_ok(config, params, self.scheduler)
+
+
+@pytest.mark.xdist_group("served_model")
+def test_any_interleaving_of_submit_step_and_cancel_keeps_every_invariant(served_model):
+  config, params, _, engine = served_model
+  ServingMachine.served = (config, params, engine)
+  stateful.run_state_machine_as_test(ServingMachine, settings=hypothesis.settings(
+      max_examples=20, stateful_step_count=30, deadline=None, derandomize=True, database=None,
+      suppress_health_check=list(hypothesis.HealthCheck)))

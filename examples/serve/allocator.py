@@ -42,6 +42,13 @@ class PageAllocator:
   def refs(self, page: int) -> int:
     return self._refs[page]
 
+  def is_free(self, page: int) -> bool:
+    return page in self._free
+
+  def registrations(self) -> tuple[dict[int, Content], dict[Content, int]]:
+    """(page -> content, content -> page) of the registered pages (for checks)."""
+    return self._content, self._page
+
   def allocate(self) -> int:
     """A page of its own for one sequence (its registered content, if any, forgotten)."""
     if not self._free:

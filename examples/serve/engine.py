@@ -17,7 +17,7 @@ import numpy as np
 
 import splash_hk as sh
 from examples.serve.allocator import PageAllocator
-from examples.serve.scheduler import Plan, Request, Scheduler, SchedulerConfig, Stats
+from examples.serve.scheduler import Plan, Refused, Request, Scheduler, SchedulerConfig, Stats
 from examples.train import model as model_lib
 
 BUCKET_GROWTH = 4  # a step's token axis is padded to 16, 64, 256, ... (one compile each)
@@ -37,6 +37,10 @@ class Served:
   stats: Stats | None = None  # continuous batching only
   num_pages: int = 0  # continuous batching: the pool's pages per layer
   peak_bytes: int = 0  # continuous batching: the pages in use at the peak
+  cancelled: list[int] = dataclasses.field(default_factory=list)  # request ids
+  failed: list[int] = dataclasses.field(default_factory=list)  # non-finite activations
+  refused: dict[int, str] = dataclasses.field(default_factory=dict)  # id -> reason
+  free_at_end: int = 0  # pages free in the pool after the run (all of them: nothing leaked)
 
   @property
   def tokens(self) -> int:
@@ -66,7 +70,8 @@ class PagedEngine:
 
     def step(params, tokens, positions, caches, batch):
       logits, caches = forward.apply(params, tokens, positions, caches, batch)  # [N, V]
-      return jnp.argmax(logits, axis=-1).astype(jnp.int32), caches  # [N]
+      finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [N]: a NaN in a row's activations
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32), finite, caches  # [N], [N]
 
     self._step = jax.jit(step, donate_argnums=(3,))
     self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
@@ -86,10 +91,10 @@ class PagedEngine:
                  kv_lens=np.zeros(self.sched.max_seqs, np.int32),
                  page_table=np.zeros((self.sched.max_seqs, self.sched.pages_per_seq), np.int32),
                  num_seqs=0, copies=[], work=[], samples=[])
-    jax.block_until_ready(self.run(empty, self.buckets[0]))  # the pools learn their layers
+    jax.block_until_ready(self.run(empty, self.buckets[0])[0])  # the pools learn their layers
     self._copy_shared([])  # every destination past the pool: nothing is copied
     for size in self.buckets:
-      jax.block_until_ready(self.run(empty, size))
+      jax.block_until_ready(self.run(empty, size)[0])
 
   def _copy_shared(self, copies: list[tuple[int, int]]) -> None:
     """Each (src, dst) page copied in every layer's pool, as one program for any count."""
@@ -99,8 +104,9 @@ class PagedEngine:
       src[i], dst[i] = a, b
     self.caches = self._copy(self.caches, src, dst)
 
-  def run(self, plan: Plan, size: int | None = None) -> np.ndarray:
-    """Copies the plan's pages, runs its step; the sampled token of each row ([n])."""
+  def run(self, plan: Plan, size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Copies the plan's pages, runs its step; the sampled token of each row ([n]) and whether
+    its logits were finite ([n])."""
     n = len(plan.tokens)
     size = size or next(b for b in self.buckets if b >= n)
     pad = lambda a: np.pad(a, (0, size - n))
@@ -108,9 +114,9 @@ class PagedEngine:
       self._copy_shared(plan.copies)
     batch = sh.RaggedBatch(cu_q_lens=plan.cu_q_lens, kv_lens=plan.kv_lens,
                            page_table=plan.page_table, num_seqs=np.int32(plan.num_seqs))
-    sampled, self.caches = self._step(self.params, pad(plan.tokens), pad(plan.positions),
-                                      self.caches, batch)
-    return np.asarray(sampled)[:n]
+    sampled, finite, self.caches = self._step(self.params, pad(plan.tokens),
+                                              pad(plan.positions), self.caches, batch)
+    return np.asarray(sampled)[:n], np.asarray(finite)[:n]
 
 
 def _copy_pages(caches: list[sh.PagedKVCache], src: jax.Array, dst: jax.Array):
@@ -121,21 +127,32 @@ def _copy_pages(caches: list[sh.PagedKVCache], src: jax.Array, dst: jax.Array):
 
 def serve(engine: PagedEngine, requests: list[Request], *, prefix_sharing: bool,
           prefill_chunk: int | None = None, num_pages: int | None = None,
-          log_every: int = 0) -> Served:
+          log_every: int = 0, cancels: dict[int, int] | None = None,
+          check: bool = False) -> Served:
   """Serves `requests` (each arriving at its step) with continuous batching to the end.
 
   `prefill_chunk` and `num_pages` (the first pages of the engine's pool) change the
-  scheduling without compiling again."""
+  scheduling without compiling again. `cancels`: request id -> the step before which it is
+  cancelled (wherever it is then; nothing if it has finished). A refused request is logged and
+  listed in the result, the others served. `check`: the scheduler's invariants after every
+  step."""
   sched = dataclasses.replace(engine.sched, prefix_sharing=prefix_sharing,
                               prefill_chunk=prefill_chunk or engine.sched.prefill_chunk)
   scheduler = Scheduler(sched, PageAllocator(num_pages or engine.num_pages))
   pending = sorted(requests, key=lambda r: (r.arrival, r.id))
+  cancelling = sorted((step, rid) for rid, step in (cancels or {}).items())
   arrived, first, last, gaps = {}, [], {}, []
   step, started = 0, time.perf_counter()
   while pending or not scheduler.idle:
     while pending and pending[0].arrival <= step:
-      scheduler.add(pending[0])
-      arrived[pending.pop(0).id] = time.perf_counter()
+      request = pending.pop(0)
+      try:
+        scheduler.add(request)
+      except Refused as e:
+        logging.warning("%s", e)
+      arrived[request.id] = time.perf_counter()
+    while cancelling and cancelling[0][0] <= step:
+      scheduler.cancel(cancelling.pop(0)[1])
     plan = scheduler.schedule()
     if plan is None:  # nothing runs: the next request has not arrived yet
       if not pending:
@@ -143,24 +160,29 @@ def serve(engine: PagedEngine, requests: list[Request], *, prefix_sharing: bool,
                            "pool cannot hold the first chunk of the oldest.")
       step = pending[0].arrival
       continue
-    sampled = engine.run(plan)
+    sampled, finite = engine.run(plan)
     now = time.perf_counter()
-    for seq in scheduler.complete(plan, sampled):
+    for seq in scheduler.complete(plan, sampled, finite):
       rid = seq.request.id
       if len(seq.generated) == 1:
         first.append(now - arrived[rid])
       elif rid in last:
         gaps.append(now - last[rid])
       last[rid] = now
+    if check:
+      scheduler.check()
     step += 1
     if log_every and step % log_every == 0:
       _log_progress(scheduler, len(requests), now - started)
   seconds = time.perf_counter() - started
   per_page, pages = engine.pool_bytes // engine.num_pages, scheduler.allocator.num_pages
+  ids = lambda seqs: [s.request.id for s in seqs]
   return Served(outputs={s.request.id: s.generated for s in scheduler.finished}, seconds=seconds,
                 first_token=first, token_gaps=gaps, kv_bytes=pages * per_page,
                 steps=scheduler.stats.steps, stats=scheduler.stats, num_pages=pages,
-                peak_bytes=scheduler.stats.peak_pages * per_page)
+                peak_bytes=scheduler.stats.peak_pages * per_page,
+                cancelled=ids(scheduler.cancelled), failed=ids(scheduler.failed),
+                refused=dict(scheduler.refused), free_at_end=scheduler.allocator.num_free)
 
 
 def _log_progress(scheduler: Scheduler, total: int, seconds: float) -> None:

@@ -13,7 +13,14 @@ Each step the scheduler
      `RaggedBatch`'s arrays, the pages to copy before the step (a shared page a sequence is
      about to write), and the rows whose logits give a sequence its next token.
 After the step, `complete` appends each sampled token, registers the pages now full, and ends
-(and frees) the sequences that have all their tokens.
+(and frees) the sequences that have all their tokens; a sequence whose rows came back
+non-finite (a NaN in its activations) fails instead: its pages are freed and forgotten, and it
+is never scheduled again. `cancel` ends a request at any point (its pages freed at once), and
+`check` asserts the invariants of pages and requests (examples/serve/invariants.py).
+
+Every submitted request ends in exactly one of `finished`, `cancelled`, `failed` or `refused`
+(refused at submission, with the reason: an empty prompt, no token to generate, a token outside
+the vocabulary, more tokens than a page table or the pool holds).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import itertools
 
 import numpy as np
 
+from examples.serve import invariants
 from examples.serve.allocator import OutOfPages, PageAllocator
 
 
@@ -44,6 +52,7 @@ class SchedulerConfig:
   prefill_chunk: int = 64  # prompt tokens a sequence computes in one step
   pages_per_seq: int = 24  # the page table's width: a sequence's longest length / page_size
   prefix_sharing: bool = True
+  vocab_size: int | None = None  # prompts with a token outside [0, vocab_size) are refused
 
   def __post_init__(self):
     if min(self.page_size, self.max_seqs, self.prefill_chunk, self.pages_per_seq) < 1:
@@ -67,6 +76,10 @@ class Sequence:
   @property
   def done(self) -> bool:
     return len(self.generated) >= self.request.max_new_tokens
+
+
+class Refused(ValueError):
+  """A request the scheduler will never serve, with the reason (nothing of it is kept)."""
 
 
 @dataclasses.dataclass
@@ -95,6 +108,9 @@ class Stats:
   copies: int = 0
   peak_pages: int = 0
   pages_allocated: int = 0  # pages taken from the free list for computing (copies included)
+  cancellations: int = 0
+  failures: int = 0  # sequences whose activations went non-finite
+  refusals: int = 0
 
 
 class Scheduler:
@@ -106,18 +122,56 @@ class Scheduler:
     self.waiting: collections.deque[Sequence] = collections.deque()
     self.running: list[Sequence] = []  # admission order
     self.finished: list[Sequence] = []
+    self.cancelled: list[Sequence] = []
+    self.failed: list[Sequence] = []  # non-finite activations: ended, pages freed
+    self.refused: dict[int, str] = {}  # request id -> why it was refused at submission
+    self.submitted: list[int] = []  # every request id given to `add`, in order
     self.stats = Stats()
+    self.last_writes: dict[int, int] = {}  # the last plan's written pages -> their holders
     self._admissions = itertools.count()
 
   def add(self, request: Request) -> None:
+    """Queues `request`; a request that can never be served is refused (`Refused`, a
+    ValueError naming the request and the reason; recorded in `refused`)."""
+    self.submitted.append(request.id)
+    reason = self._refusal(request)
+    if reason is not None:
+      self.refused[request.id] = reason
+      self.stats.refusals += 1
+      raise Refused(f"request {request.id} refused: {reason}")
+    self.waiting.append(Sequence(request, list(request.prompt)))
+
+  def _refusal(self, request: Request) -> str | None:
     c, size = self.config, len(request.prompt) + request.max_new_tokens
     if not request.prompt or request.max_new_tokens < 1:
-      raise ValueError(f"request {request.id} needs a prompt and max_new_tokens >= 1.")
+      return "it needs a prompt and max_new_tokens >= 1"
+    if c.vocab_size is not None:
+      outside = [t for t in request.prompt if not 0 <= t < c.vocab_size]
+      if outside:
+        return (f"its prompt holds token ids {sorted(set(outside))[:8]} outside the vocabulary "
+                f"[0, {c.vocab_size})")
     if size > c.pages_per_seq * c.page_size or -(-size // c.page_size) > self.allocator.num_pages:
-      raise ValueError(f"request {request.id} needs {size} tokens; the page table holds "
-                       f"{c.pages_per_seq * c.page_size} and the pool {self.allocator.num_pages} "
-                       f"pages of {c.page_size}: raise --num_pages or shorten the workload.")
-    self.waiting.append(Sequence(request, list(request.prompt)))
+      return (f"it needs {size} tokens; the page table holds {c.pages_per_seq * c.page_size} and "
+              f"the pool {self.allocator.num_pages} pages of {c.page_size}: raise --num_pages or "
+              "shorten the workload")
+    return None
+
+  def cancel(self, request_id: int) -> bool:
+    """Ends the request `request_id` wherever it is (waiting, prefilling, decoding or
+    preempted): its pages return to the pool at once (a shared page when its last holder lets
+    go) and it is never scheduled again; listed in `cancelled`. False for a request that is
+    unknown, finished, failed or already cancelled."""
+    for seq in list(self.waiting) + self.running:
+      if seq.request.id == request_id:
+        self._end(seq, self.cancelled)
+        self.stats.cancellations += 1
+        return True
+    return False
+
+  def check(self) -> None:
+    """Raises an AssertionError naming the first broken invariant (cheap: O(pages + requests);
+    run it after every step)."""
+    invariants.check(self)
 
   @property
   def idle(self) -> bool:
@@ -139,11 +193,23 @@ class Scheduler:
     self._admit(work, copies, budget)
     return self._plan(work, copies) if work else None
 
-  def complete(self, plan: Plan, sampled: np.ndarray) -> list[Sequence]:
+  def complete(self, plan: Plan, sampled: np.ndarray,
+               finite: np.ndarray | None = None) -> list[Sequence]:
     """Feeds back the step's sampled tokens ([n], read at the sample rows); returns the
-    sequences that got a token."""
+    sequences that got a token. `finite` ([n] bool): whether each row's logits were finite; a
+    sequence with a non-finite row fails (ended, its pages freed and forgotten). Sequences
+    cancelled since the plan was made are skipped."""
     ps, prompt = self.config.page_size, lambda s: len(s.request.prompt)
+    live = set(map(id, self.running))
+    if finite is not None:
+      for s, (seq, _) in enumerate(plan.work):
+        if id(seq) in live and not np.all(finite[plan.cu_q_lens[s]:plan.cu_q_lens[s + 1]]):
+          self._end(seq, self.failed, forget=True)
+          self.stats.failures += 1
+          live.discard(id(seq))
     for seq, q in plan.work:
+      if id(seq) not in live:
+        continue
       start, seq.computed = seq.computed, seq.computed + q
       self.stats.prefill_tokens += max(0, min(seq.computed, prompt(seq)) - start)
       self.stats.decode_tokens += max(0, seq.computed - max(start, prompt(seq)))
@@ -151,6 +217,8 @@ class Scheduler:
         for p in range(start // ps, seq.computed // ps):
           self.allocator.register(seq.pages[p], self._content(seq, p))
     for seq, row in plan.samples:
+      if id(seq) not in live:
+        continue
       seq.generated.append(int(sampled[row]))
       seq.tokens.append(int(sampled[row]))
       if seq.done:
@@ -159,7 +227,7 @@ class Scheduler:
         self.finished.append(seq)
     self.stats.steps += 1
     self.stats.pages_allocated = self.allocator.allocated
-    return [seq for seq, _ in plan.samples]
+    return [seq for seq, _ in plan.samples if id(seq) in live]
 
   def _chunk(self, seq: Sequence) -> int:
     """Tokens `seq` computes next: 1 when decoding, else up to a prefill chunk."""
@@ -262,10 +330,23 @@ class Scheduler:
     self.waiting.appendleft(seq)
     self.stats.preemptions += 1
 
-  def _free(self, seq: Sequence) -> None:
+  def _free(self, seq: Sequence, forget: bool = False) -> None:
+    """Lets go of `seq`'s pages; `forget`: its own pages' registrations too (their content is
+    not to be shared: a failed sequence's)."""
     for page in seq.pages:
+      if forget and self.allocator.refs(page) == 1:
+        self.allocator.unregister(page)
       self.allocator.release(page)
     seq.pages = []
+
+  def _end(self, seq: Sequence, into: list[Sequence], forget: bool = False) -> None:
+    """`seq` leaves the queue or the running set for `into`, its pages freed."""
+    self._free(seq, forget)
+    if seq in self.running:
+      self.running.remove(seq)
+    else:
+      self.waiting.remove(seq)
+    into.append(seq)
 
   def _plan(self, work: list[tuple[Sequence, int]], copies: list[tuple[int, int]]) -> Plan:
     c = self.config
@@ -273,7 +354,10 @@ class Scheduler:
     kv_lens = np.zeros(c.max_seqs, np.int32)
     table = np.zeros((c.max_seqs, c.pages_per_seq), np.int32)
     tokens, positions, samples = [], [], []
+    self.last_writes = {}
     for s, (seq, q) in enumerate(work):
+      for p in range(seq.computed // c.page_size, -(-(seq.computed + q) // c.page_size)):
+        self.last_writes[seq.pages[p]] = self.allocator.refs(seq.pages[p])
       tokens += seq.tokens[seq.computed:seq.computed + q]
       positions += range(seq.computed, seq.computed + q)
       cu[s + 1], kv_lens[s] = cu[s] + q, seq.computed

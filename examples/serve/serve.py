@@ -44,8 +44,13 @@ _ARRIVAL_RATE = flags.DEFINE_float("arrival_rate", 0.0,
                                    "Requests arriving per step (Poisson); 0: all at once.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Slots per page.")
 _NUM_PAGES = flags.DEFINE_integer(
-    "num_pages", None, "Pages per layer's pool (default: half the slots the static batches "
-    "reserve, or what the longest request needs if more).")
+    "num_pages", None, "Pages per layer's pool (default: --pool_fraction of the slots the "
+    "static batches reserve, or what the longest request needs if more).")
+_POOL_FRACTION = flags.DEFINE_float(
+    "pool_fraction", 0.5, "Without --num_pages: the pool as a fraction of the slots static "
+    "batches of --max_seqs reserve (0.3: preemption storms).")
+_CANCEL_FRACTION = flags.DEFINE_float(
+    "cancel_fraction", 0.0, "Of the requests: cancelled at a random step of their life.")
 _MAX_SEQS = flags.DEFINE_integer("max_seqs", 32, "Requests one step serves.")
 _STEP_TOKENS = flags.DEFINE_integer("step_tokens", 256, "Tokens one step computes.")
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 64,
@@ -54,8 +59,9 @@ _PREFIX_SHARING = flags.DEFINE_bool(
     "prefix_sharing", True, "Reuse the pool's full pages of an equal prompt prefix.")
 _COMPARE_STATIC = flags.DEFINE_bool(
     "compare_static", True, "Also serve the requests as static batches of --max_seqs with KVCache.")
-_CHECK = flags.DEFINE_bool("check", False, "Check every output against greedy decoding of its "
-                           "prompt with a full forward.")
+_CHECK = flags.DEFINE_bool("check", False, "Check every finished output against greedy decoding "
+                           "of its prompt with a full forward, and the scheduler's invariants "
+                           "after every step.")
 _SERVE_SEED = flags.DEFINE_integer("serve_seed", 0, "Seed of the requests.")
 _LOG_EVERY_STEPS = flags.DEFINE_integer("log_every_steps", 25, "Steps between progress lines.")
 
@@ -80,21 +86,24 @@ def _percentiles(seconds: list[float]) -> str:
   return f"median {p50:.0f} ms, p99 {p99:.0f} ms"
 
 
-def _config(requests: list[workload_lib.Request]) -> SchedulerConfig:
+def _config(requests: list[workload_lib.Request], vocab_size: int) -> SchedulerConfig:
   longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
   try:
     return SchedulerConfig(page_size=_PAGE_SIZE.value, max_seqs=_MAX_SEQS.value,
                            step_tokens=_STEP_TOKENS.value, prefill_chunk=_PREFILL_CHUNK.value,
                            pages_per_seq=-(-longest // _PAGE_SIZE.value),
-                           prefix_sharing=_PREFIX_SHARING.value)
+                           prefix_sharing=_PREFIX_SHARING.value, vocab_size=vocab_size)
   except ValueError as e:
     _fail(str(e))
 
 
 def _default_pages(requests, sched: SchedulerConfig) -> int:
-  """Half the slots static batches of max_seqs reserve (at least the longest request)."""
+  """--pool_fraction of the slots static batches of max_seqs reserve (at least the longest
+  request)."""
+  if not 0 < _POOL_FRACTION.value <= 1:
+    _fail(f"--pool_fraction must lie in (0, 1], got {_POOL_FRACTION.value}.")
   static = engine_lib.static_slots(requests, sched.max_seqs)
-  return max(static // 2 // sched.page_size, sched.pages_per_seq)
+  return max(int(static * _POOL_FRACTION.value) // sched.page_size, sched.pages_per_seq)
 
 
 def report(served: engine_lib.Served, requests, static: engine_lib.Served | None,
@@ -111,6 +120,10 @@ def report(served: engine_lib.Served, requests, static: engine_lib.Served | None
         f"use); preemptions {s.preemptions}")
   print(f"prefill: {s.prefill_tokens} prompt tokens computed; prefix sharing: {s.shared_pages} "
         f"pages shared, {s.skipped_tokens} prompt tokens skipped, {s.copies} pages copied")
+  print(f"requests: {len(served.outputs)} finished, {len(served.cancelled)} cancelled, "
+        f"{len(served.failed)} failed, {len(served.refused)} refused; pool at the end: "
+        f"{served.free_at_end}/{served.num_pages} pages free")
+  requests = [r for r in requests if r.id in served.outputs]
   scored = [r for r in requests if r.answer is not None]
   right = sum(served.outputs[r.id][0] == r.answer for r in scored)
   print(f"recall answers: {right}/{len(scored)} right")
@@ -146,7 +159,11 @@ def run() -> None:
   if fitted is None:
     return
   params = fitted[0].params
-  sched = _config(requests)
+  sched = _config(requests, config.vocab_size)
+  try:
+    cancels = workload_lib.cancellations(requests, _CANCEL_FRACTION.value, _SERVE_SEED.value)
+  except ValueError as e:
+    _fail(str(e))
   num_pages = _NUM_PAGES.value or _default_pages(requests, sched)
   paged = engine_lib.PagedEngine(config, params, sched, num_pages)
   paged.warm_up()
@@ -156,7 +173,8 @@ def run() -> None:
                sched.prefix_sharing)
   try:
     served = engine_lib.serve(paged, requests, prefix_sharing=sched.prefix_sharing,
-                              log_every=_LOG_EVERY_STEPS.value)
+                              log_every=_LOG_EVERY_STEPS.value, cancels=cancels,
+                              check=_CHECK.value)
   except ValueError as e:
     _fail(str(e))
   static = None
@@ -164,7 +182,8 @@ def run() -> None:
     static_engine = engine_lib.StaticEngine(config, params, sched.max_seqs)
     static_engine.warm_up(engine_lib.static_batches(requests, sched.max_seqs))
     static = engine_lib.serve_static(static_engine, requests)
-  mismatches = (engine_lib.greedy_mismatches(config, params, requests, served.outputs)
+  finished = [r for r in requests if r.id in served.outputs]
+  mismatches = (engine_lib.greedy_mismatches(config, params, finished, served.outputs)
                 if _CHECK.value else None)
   report(served, requests, static, mismatches)
 
