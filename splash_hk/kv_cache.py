@@ -147,33 +147,6 @@ class Cache(Protocol):
   """What an attention layer needs of a KV cache (a pytree): append a call's keys and values,
   and say what the call attends to (`Append`). `KVCache` is one kind."""
 
-  def rollback(self, n: ArrayLike) -> KVCache:
-    """This cache with each row's last `n` tokens dropped (their slots become unused); owner
-    kept. For speculative decoding: after verifying k drafted tokens of which m were accepted,
-    `cache.rollback(k - m)` (per row: [B] counts) forgets the rejected ones.
-
-    Args:
-      n: tokens to drop, an int or [B] ints in [0, length]; traced values work under `jit`.
-        Outside that range is a ValueError when concrete; under `jit` such a row is marked
-        failed (length -1: its next appends write nothing and output NaN, never a finite
-        wrong answer) until `reset`.
-    """
-    lengths, batch = self.lengths(), self.key.shape[0]
-    n = jnp.asarray(n)
-    if not jnp.issubdtype(n.dtype, jnp.integer) or n.shape not in ((), (batch,)):
-      raise ValueError(f"`n` must be ints of shape [] or [{batch}] (tokens to drop per row), got "
-                       f"{n.dtype}{list(n.shape)}.")
-    n = jnp.broadcast_to(n.astype(jnp.int32), (batch,))
-    known, known_lengths = known_now(n), known_now(lengths)
-    if known is not None and known_lengths is not None:
-      bad = np.flatnonzero((known < 0) | (known > known_lengths)).tolist()
-      if bad:
-        raise ValueError(f"`n` must lie in [0, length] for every row: rows {bad} would drop "
-                         f"{known[bad].tolist()} of their {known_lengths[bad].tolist()} tokens; "
-                         "roll back at most what a row holds (cache.length).")
-    left = lengths - n
-    return self.replace(length=jnp.where((n < 0) | (left < 0), -1, left))
-
   def append(self, key: jax.Array, value: jax.Array, lengths: jax.Array, layer: str) -> Append:
     """Writes row b's first `lengths[b]` of key [B, T, Hkv, D] / value [B, T, Hkv, Dv] for
     `layer` (a cache another layer wrote is a ValueError naming `kv_cache` and both)."""

@@ -69,14 +69,15 @@ def requests(work: Workload, task: recall.RecallTask) -> list[Request]:
 
 def cancellations(requests: list[Request], fraction: float, seed: int = 0) -> dict[int, int]:
   """About `fraction` of the requests, each with a random step at which it is cancelled: from
-  its arrival to about when it would end (a prompt chunk of 16 a step, then a token a step),
-  so it may be waiting, prefilling, decoding, preempted, or done already (then nothing)."""
+  its arrival to about when it would end if served at once (a prompt chunk of 64 a step, then
+  a token a step), so it may be waiting, prefilling, decoding or preempted then (or, if it
+  was served faster, done already: then nothing happens)."""
   if not 0 <= fraction <= 1:
     raise ValueError(f"--cancel_fraction must lie in [0, 1], got {fraction}.")
   rng = np.random.default_rng(seed + 1)
   out = {}
   for r in requests:
     if rng.random() < fraction:
-      life = len(r.prompt) // 16 + r.max_new_tokens + 1
-      out[r.id] = r.arrival + int(rng.integers(0, 2 * life))
+      life = len(r.prompt) // 64 + r.max_new_tokens
+      out[r.id] = r.arrival + int(rng.integers(0, life))
   return out
