@@ -10,6 +10,7 @@ from splash_hk.config import AttentionConfig
 from splash_hk.config import BlockSizes
 from splash_hk.mode import detect_mode
 from splash_hk.kv_cache import KVCache
+from splash_hk.merge import merge_attention
 from splash_hk.module import MultiHeadAttention
 from splash_hk.module import SplashAttention
 from splash_hk.paged import PagedKVCache
@@ -41,6 +42,7 @@ __all__ = (
     "explain_paged",
     "fallback",
     "masks",
+    "merge_attention",
     "paged_attention",
     "scores",
     "sharding",

@@ -42,6 +42,7 @@ def explain(
     mesh: jax.sharding.Mesh | None = None,
     axes: sharding.MeshAxes = sharding.MeshAxes(),
     return_weights: bool = False,
+    return_residuals: bool = False,
 ) -> Decision:
   """The backend `attention` would use for these arguments, and why.
 
@@ -52,15 +53,15 @@ def explain(
                   q_positions=q_positions, kv_positions=kv_positions, mask=mask, bias=bias,
                   softmax_aux=softmax_aux)
   return decide(query, key, value, extras, config=config, mesh=mesh, axes=axes,
-                return_weights=return_weights)
+                return_weights=return_weights, return_residuals=return_residuals)
 
 
 def decide(query: Shaped, key: Shaped, value: Shaped, extras: Extras, *, config: AttentionConfig,
            mesh: jax.sharding.Mesh | None = None, axes: sharding.MeshAxes = sharding.MeshAxes(),
-           return_weights: bool = False) -> Decision:
+           return_weights: bool = False, return_residuals: bool = False) -> Decision:
   """`explain` with the call's arrays as one `Extras`."""
   facts = inputs.facts(query, key, value, config=config, extras=extras, mesh=mesh, axes=axes,
-                       return_weights=return_weights)
+                       return_weights=return_weights, return_residuals=return_residuals)
   return selector.select(facts)
 
 
@@ -80,6 +81,7 @@ def attention(
     mesh: jax.sharding.Mesh | None = None,
     axes: sharding.MeshAxes = sharding.MeshAxes(),
     return_weights: bool = False,
+    return_residuals: bool = False,
 ) -> AttentionOutput:
   """Block-sparse ("splash") attention on the fastest backend that can serve the call.
 
@@ -120,16 +122,20 @@ def attention(
       divide; the result equals the unsharded one.
     axes: which mesh axes carry batch, heads and (optionally) query sequence.
     return_weights: also return the [B, Hq, T, S] weights (reference path only).
+    return_residuals: also return `lse` [B, T, Hq] (float32, differentiable): the
+      log-sum-exp of each row's visible logits and sinks, -inf for a row that sees nothing;
+      `merge_attention` combines outputs over disjoint keys by it. Served by the xla and
+      reference backends (others fall back, saying so), under every mesh.
 
   Returns:
     AttentionOutput with `attention_outputs` [B, T, Hq, Dv] in the input (or
-    runtime) dtype and `attention_weights` (None unless asked for).
+    runtime) dtype, `attention_weights` and `lse` (each None unless asked for).
   """
   extras = Extras(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                   q_positions=q_positions, kv_positions=kv_positions, mask=mask, bias=bias,
                   softmax_aux=softmax_aux)
   return attend(query, key, value, extras, config=config, mesh=mesh, axes=axes,
-                return_weights=return_weights)
+                return_weights=return_weights, return_residuals=return_residuals)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
@@ -142,10 +148,11 @@ def _whole(backend: str, x: KernelInputs, facts: Static) -> KernelOutput:
 def attend(query: Array, key: Array, value: Array, extras: Extras, *,
            config: AttentionConfig, mesh: jax.sharding.Mesh | None = None,
            axes: sharding.MeshAxes = sharding.MeshAxes(),
-           return_weights: bool = False) -> AttentionOutput:
+           return_weights: bool = False, return_residuals: bool = False) -> AttentionOutput:
   """`attention` with the call's arrays as one `Extras`."""
   x, facts = inputs.normalise(query, key, value, config=config, extras=extras, mesh=mesh,
-                              axes=axes, return_weights=return_weights)
+                              axes=axes, return_weights=return_weights,
+                              return_residuals=return_residuals)
   decision = selector.select(facts)
   selector.log_fallback(decision)
   if mesh is None and staged(x):
@@ -162,4 +169,5 @@ def attend(query: Array, key: Array, value: Array, extras: Extras, *,
       body = lambda y, _: kernel.run(decision.backend, y, facts)
     result = sharding.shard_kernel(body, x, mesh=mesh, axes=axes, facts=facts,
                                    ring=decision.ring, ulysses=decision.ulysses)
-  return AttentionOutput(result.out, result.weights)  # [B, T, Hq, Dv], [B, Hq, T, S] or None
+  lse = result.lse if return_residuals else None  # [B, T, Hq]
+  return AttentionOutput(result.out, result.weights, lse)  # [B, T, Hq, Dv], [B, Hq, T, S]

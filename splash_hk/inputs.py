@@ -27,7 +27,7 @@ __all__ = ("Extras", "facts", "normalise", "sinks")
 
 def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig, extras: Extras,
           mesh: jax.sharding.Mesh | None = None, axes: MeshAxes = MeshAxes(),
-          return_weights: bool = False) -> Facts:
+          return_weights: bool = False, return_residuals: bool = False) -> Facts:
   """Validates the public arguments (shapes and dtypes only); returns the call's Facts."""
   validation.validate_qkv(query, key, value, config)
   validation.validate_extras(query, key, extras)
@@ -45,6 +45,7 @@ def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig,
       config, query.shape, key.shape, value.shape[-1],
       default_positions=extras.q_positions is None and extras.kv_positions is None,
       mask=extras.mask, bias=extras.bias, return_weights=return_weights,
+      return_residuals=return_residuals,
       sequence_shards=sequence_shards,
       load_balanced=axes.load_balanced, sequence_strategy=axes.sequence_strategy,
       head_shards=head_shards)
@@ -82,10 +83,11 @@ def sinks(softmax_aux: Shaped | None, num_heads: int) -> jax.Array | None:
 
 def normalise(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig, extras: Extras,
               mesh: jax.sharding.Mesh | None = None, axes: MeshAxes = MeshAxes(),
-              return_weights: bool = False) -> tuple[KernelInputs, Facts]:
+              return_weights: bool = False,
+              return_residuals: bool = False) -> tuple[KernelInputs, Facts]:
   """Validated public arguments -> (KernelInputs with defaults filled in, Facts)."""
   call = facts(query, key, value, config=config, extras=extras, mesh=mesh, axes=axes,
-               return_weights=return_weights)
+               return_weights=return_weights, return_residuals=return_residuals)
   query, key, value = (jnp.asarray(a) for a in (query, key, value))
   if config.runtime_dtype is not None:
     query, key, value = (a.astype(config.runtime_dtype) for a in (query, key, value))

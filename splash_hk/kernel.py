@@ -43,8 +43,8 @@ def run(name: str, x: KernelInputs, facts: Facts) -> KernelOutput:
   return backend(name).attend(x, facts)
 
 
-def run_paged(name: str, x: PagedInputs, facts: PagedFacts) -> jax.Array:
-  """Runs backend `name`'s paged kernel: PagedInputs -> out [N, Hq, Dv]."""
+def run_paged(name: str, x: PagedInputs, facts: PagedFacts) -> tuple[jax.Array, jax.Array]:
+  """Runs backend `name`'s paged kernel: PagedInputs -> (out [N, Hq, Dv], lse [N, Hq])."""
   paged = backend(name).paged_attend
   if paged is None:
     raise ValueError(f"the {name} backend has no paged kernel (the selector chose it: a bug)")

@@ -79,7 +79,8 @@ def paged_attention(
     mesh: jax.sharding.Mesh | None = None,
     axes: sharding.MeshAxes = sharding.MeshAxes(),
     owner: str | None = None,
-) -> tuple[jax.Array, PagedKVCache]:
+    return_residuals: bool = False,
+) -> tuple[jax.Array, PagedKVCache] | tuple[jax.Array, PagedKVCache, jax.Array]:
   """Writes a step's new tokens into their pages, then attends each to its sequence's keys.
 
   Glossary of shapes: N new tokens (rows) of all sequences, Hq query heads, Hkv kv heads, D
@@ -103,9 +104,12 @@ def paged_attention(
     owner: the calling layer's name (the modules pass theirs): a pool another layer wrote
       first is a ValueError naming both, and the returned pool records its owner (the given
       one, else the pool's).
+    return_residuals: also return each row's log-sum-exp [N, Hq] (float32; -inf for padding
+      rows and rows that see nothing, NaN for a misusing sequence's), as `attention`'s.
 
   Returns:
-    The output [N, Hq, Dv] and the cache with the step written. Padding rows output 0 and
+    The output [N, Hq, Dv] and the cache with the step written (and, with
+    `return_residuals`, the lse [N, Hq]). Padding rows output 0 and
     write nothing. A sequence that misuses the cache (docs/guide/caches.md) is a ValueError
     naming the argument when `batch` is concrete; under `jit` it writes nothing and outputs
     NaN, the others proceed.
@@ -137,33 +141,36 @@ def paged_attention(
       sinks=inputs.sinks(softmax_aux, facts.num_heads),  # [Hq, n] or None
       heads=jnp.arange(facts.num_heads, dtype=jnp.int32))  # [Hq]
   if mesh is None and staged(call):
-    out, written = _step(call, facts, decision.backend, layout)
+    out, written, lse = _step(call, facts, decision.backend, layout)
   elif mesh is None:
-    out, written = _whole(call, Static(facts), decision.backend, layout)
+    out, written, lse = _whole(call, Static(facts), decision.backend, layout)
   else:
-    out, written = sharding.shard_paged(lambda c, f: _step(c, f, decision.backend), call, facts,
-                                        mesh=mesh, axes=axes)
-  return out, written.replace(owner=owner or cache.owner)
+    out, written, lse = sharding.shard_paged(lambda c, f: _step(c, f, decision.backend), call,
+                                             facts, mesh=mesh, axes=axes)
+  written = written.replace(owner=owner or cache.owner)
+  return (out, written, lse) if return_residuals else (out, written)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _whole(call: PagedCall, facts: Static, backend: str,
-           layout: Layout | None) -> tuple[jax.Array, PagedKVCache]:
+           layout: Layout | None) -> tuple[jax.Array, PagedKVCache, jax.Array]:
   """`_step` on all heads of an eager call, jitted: one compile (cached per facts) instead of
   one per operation."""
   return _step(call, facts.value, backend, layout)
 
 
 def _step(call: PagedCall, facts: PagedFacts, backend: str,
-          layout: Layout | None = None) -> tuple[jax.Array, PagedKVCache]:
-  """Write, then attend (on one shard of heads, or all): (out [N, Hq, Dv], cache). `layout`:
-  the batch's, when already computed."""
+          layout: Layout | None = None) -> tuple[jax.Array, PagedKVCache, jax.Array]:
+  """Write, then attend (on one shard of heads, or all): (out [N, Hq, Dv], cache, lse [N, Hq]).
+  `layout`: the batch's, when already computed."""
   if layout is None:
     layout = pages.layout(call.batch, facts.num_tokens, facts.num_pages, facts.page_size)
   cache = _write(call.cache, call.key, call.value, call.batch, layout)
   x = PagedInputs(query=call.query, cache=cache, batch=call.batch, layout=layout, rule=call.rule,
                   bias=call.bias, sinks=call.sinks, heads=call.heads)
-  out = kernel.run_paged(backend, x, facts)  # [N, Hq, Dv]
+  out, lse = kernel.run_paged(backend, x, facts)  # [N, Hq, Dv], [N, Hq]
   out = jnp.where(layout.row_bad[:, None, None], jnp.nan, out)
   out = jnp.where((layout.row_live | layout.row_bad)[:, None, None], out, 0)
-  return out.astype(call.query.dtype), cache
+  lse = jnp.where(layout.row_bad[:, None], jnp.nan, lse)
+  lse = jnp.where((layout.row_live | layout.row_bad)[:, None], lse, -jnp.inf)
+  return out.astype(call.query.dtype), cache, lse

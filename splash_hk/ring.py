@@ -39,22 +39,23 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
 
   @jax.custom_vjp
   def run(y):
-    out, _ = _forward(halves, y, facts, axis, n)
-    return out.astype(y.query.dtype)
+    out, lse = _forward(halves, y, facts, axis, n)
+    return out.astype(y.query.dtype), lse
 
   def run_fwd(y):
     out, lse = _forward(halves, y, facts, axis, n)
-    return out.astype(y.query.dtype), (y, out, lse)
+    return (out.astype(y.query.dtype), lse), (y, out, lse)
 
-  def run_bwd(residuals, d_out):
+  def run_bwd(residuals, cotangents):
     y, out, lse = residuals
-    grads = _backward(halves, y, facts, axis, n, out, lse, d_out)
+    d_out, d_lse = cotangents
+    grads = _backward(halves, y, facts, axis, n, out, lse, d_out, d_lse)
     none = jax.tree.map(lambda _: None, y)
     return (none._replace(query=grads.dq, key=grads.dk, value=grads.dv, sinks=grads.d_sinks,
                           bias=grads.d_bias),)
 
   run.defvjp(run_fwd, run_bwd)
-  return KernelOutput(run(x))
+  return KernelOutput(*run(x))
 
 
 def _block(x: KernelInputs) -> tuple:
@@ -112,9 +113,9 @@ def _forward(halves: base.Backend, x: KernelInputs, facts: Facts, axis, n: int):
 
 
 def _backward(halves: base.Backend, x: KernelInputs, facts: Facts, axis, n: int, out, lse,
-              d_out) -> base.Grads:
+              d_out, d_lse) -> base.Grads:
   """Each step's gradients from the global lse; dK/dV ride along, the bias's add up here."""
-  delta = jnp.sum(d_out.astype(jnp.float32) * out, axis=-1)  # [B, T, Hq]; out can go now
+  delta = jnp.sum(d_out.astype(jnp.float32) * out, axis=-1) - d_lse  # [B, T, Hq]; out can go
 
   def step(block, dq, dkv, d_bias):
     grads = halves.backward(_with_block(x, block), facts, lse, d_out, delta,

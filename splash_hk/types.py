@@ -66,10 +66,15 @@ class AttentionOutput(NamedTuple):
     attention_outputs: [B, T, Hq, Dv].
     attention_weights: [B, Hq, T, S] softmax weights, only on the reference
       path when asked for (`return_weights=True`), else None.
+    lse: [B, T, Hq] float32, when asked for (`return_residuals=True`), else None: the
+      log-sum-exp of each row's visible logits (after scale, bias and soft cap) and its
+      sinks, -inf where the row sees nothing; differentiable. `splash_hk.merge_attention`
+      combines outputs over disjoint keys by it.
   """
 
   attention_outputs: jax.Array
   attention_weights: jax.Array | None = None
+  lse: jax.Array | None = None
 
 
 def as_score(bias: Any) -> Score | None:
@@ -138,6 +143,7 @@ class Facts:
   mode: Mode
   default_positions: bool  # positions are the end-aligned defaults: masks follow from indices
   return_weights: bool = False
+  return_residuals: bool = False  # the caller wants the log-sum-exp (AttentionOutput.lse)
   sequence_shards: int = 1  # the query sequence is split over this many devices
   load_balanced: bool = False  # the sequence is in dual-chunk (load-balanced) order
   sequence_strategy: str = "all_gather"  # asked for (see Decision.ring, Decision.ulysses)

@@ -50,8 +50,10 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
           lambda side, a: _whole_rule_array(side, a, axis)),
       bias=None if x.bias is None else x.bias.map_arrays(
           lambda side, a, **_: _whole_rule_array(side, a, axis) if side == "qk" else a))
-  out = kernel.run(backend, whole, facts).out  # [B, T, Hq/n, Dv]
-  return KernelOutput(jax.lax.all_to_all(out, axis, 1, 2, tiled=True))  # [B, T/n, Hq, Dv]
+  result = kernel.run(backend, whole, facts)  # out [B, T, Hq/n, Dv], lse [B, T, Hq/n]
+  back = lambda a: jax.lax.all_to_all(a, axis, 1, 2, tiled=True)  # [B, T/n, Hq, ...]
+  lse = result.lse if facts.return_residuals and result.lse is not None else None
+  return KernelOutput(back(result.out), None if lse is None else back(lse))
 
 
 def _whole_rule_array(side: str, a: jax.Array, axis: AxisEntry) -> jax.Array:

@@ -13,8 +13,10 @@ import numpy as np
 
 def attention(q, k, v, *, causal=True, window=None, chunk=None, soft_cap=None, scale=None,
               q_seg=None, kv_seg=None, q_pos=None, kv_pos=None, mask=None, sinks=None,
-              bias=None, xp=np):
-  """q [B,T,Hq,D], k [B,S,Hkv,D], v [B,S,Hkv,Dv] -> (out [B,T,Hq,Dv], weights [B,Hq,T,S]).
+              bias=None, xp=np, with_lse=False):
+  """q [B,T,Hq,D], k [B,S,Hkv,D], v [B,S,Hkv,Dv] -> (out [B,T,Hq,Dv], weights [B,Hq,T,S]),
+  and with `with_lse` the log-sum-exp [B,T,Hq] of each row's visible logits and sinks (-inf
+  where it has neither).
 
   bias: [B|1, Hq|1, T, S] added to the scaled logits before the soft cap, read only where a
   pair is visible; a -inf there removes the pair, soft cap or not.
@@ -67,7 +69,11 @@ def attention(q, k, v, *, causal=True, window=None, chunk=None, soft_cap=None, s
     out = np.transpose(np.where(allowed[..., None], terms, 0.0).sum(axis=3), (0, 2, 1, 3))
   else:
     out = xp.einsum("bhts,bshd->bthd", w, v)
-  return out, w
+  if not with_lse:
+    return out, w
+  has = any_visible | (sink_logits.shape[1] > 0)
+  lse = xp.where(has, m + xp.log(xp.where(has, denom, 1.0)), -np.inf)[..., 0]  # [B, Hq, T]
+  return out, w, xp.swapaxes(lse, 1, 2)
 
 
 def visible(b, t, s, hq, *, causal=True, window=None, chunk=None, q_seg=None, kv_seg=None,

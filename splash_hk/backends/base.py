@@ -34,6 +34,8 @@ WhyNot = Callable[[Facts, str], "str | None"]
 Attend = Callable[[KernelInputs, Facts], KernelOutput]
 
 WEIGHTS_REFUSAL = "attention weights were requested and only the reference path materialises them"
+RESIDUALS_REFUSAL = ("the log-sum-exp was requested (return_residuals=True) and this kernel does "
+                     "not return a differentiable one")
 
 
 class Partial(NamedTuple):
@@ -93,8 +95,8 @@ class Backend:
     rank: its place in the order of choice (lower first) among the backends made
       for the hardware, and among the portable ones.
     paged_why_not, paged_attend: the same two for a paged call (`splash_hk.pages`:
-      (PagedFacts, hardware) -> reason or None; (PagedInputs, PagedFacts) -> out
-      [N, Hq, Dv] over the cache with the call's tokens written); `paged_attend`
+      (PagedFacts, hardware) -> reason or None; (PagedInputs, PagedFacts) -> (out
+      [N, Hq, Dv], lse [N, Hq]) over the cache with the call's tokens written); `paged_attend`
       None for a backend without a paged kernel (its `paged_why_not` may say why).
   """
 
@@ -108,7 +110,8 @@ class Backend:
   count_pairs: Callable[..., int] | None = None
   plan: Callable[[KernelInputs, Facts], Any] | None = None
   paged_why_not: Callable[[pages.PagedFacts, str], str | None] | None = None
-  paged_attend: Callable[[pages.PagedInputs, pages.PagedFacts], jax.Array] | None = None
+  paged_attend: Callable[[pages.PagedInputs, pages.PagedFacts],
+                         tuple[jax.Array, jax.Array]] | None = None
 
 
 def rule_refusal(facts: Facts, kernel: str, serves: Callable[[Mask], bool],

@@ -96,9 +96,9 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   return KernelOutput(out, jnp.swapaxes(lse, 1, 2), asked)  # [B, T, Hq, Dv], [B, T, Hq]
 
 
-def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> jax.Array:
+def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:
   """Dense gather: each row against its sequence's whole page table, as a one-query call of
-  `attend` (keys past the sequence's length are padding). out [N, Hq, Dv]."""
+  `attend` (keys past the sequence's length are padding). out [N, Hq, Dv], lse [N, Hq]."""
   layout, page_size = x.layout, facts.page_size
   num_tokens, kv_len = facts.num_tokens, facts.pages_per_seq * page_size
   table = jnp.clip(x.batch.page_table, 0, facts.num_pages - 1)[layout.seq]  # [N, pages_per_seq]
@@ -115,7 +115,8 @@ def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> jax.Array:
       rule=x.rule, sinks=x.sinks, bias=x.bias, heads=x.heads)
   call = Facts.from_shapes(facts.config, inputs.query.shape, inputs.key.shape, facts.value_dim,
                            default_positions=False, mask=facts.rule, bias=facts.bias)
-  return attend(inputs, call).out[:, 0]  # [N, Hq, Dv]
+  result = attend(inputs, call)
+  return result.out[:, 0], result.lse[:, 0]  # [N, Hq, Dv], [N, Hq]
 
 
 BACKEND = base.Backend(name="reference", why_not=why_not, attend=attend, rank=100,  # last resort

@@ -46,6 +46,8 @@ def why_not(facts: Facts, hardware: str) -> str | None:
   shards = facts.query_slices
   if facts.return_weights:
     return base.WEIGHTS_REFUSAL
+  if facts.return_residuals:
+    return base.RESIDUALS_REFUSAL
   if hardware != "tpu" and not config.interpret:
     return (f"the Pallas splash kernel needs a TPU (this is {hardware}); set "
             "AttentionConfig(interpret=True) to run it in interpret mode")

@@ -22,6 +22,8 @@ def why_not(facts: Facts, hardware: str) -> str | None:
   """Why ejkernel's Triton kernel cannot serve this call, or None."""
   if facts.return_weights:
     return base.WEIGHTS_REFUSAL
+  if facts.return_residuals:
+    return base.RESIDUALS_REFUSAL
   if hardware != "gpu":
     return f"ejkernel's Triton kernel needs a GPU (this is {hardware})"
   if not _ejkernel.available():

@@ -82,8 +82,9 @@ def _fold(state, item: jax.Array, x: pages.PagedInputs, facts: pages.PagedFacts,
   return new_m, l, acc
 
 
-def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> jax.Array:
-  """out [N, Hq, Dv] of every live row over its sequence's pages (other rows: 0)."""
+def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:
+  """out [N, Hq, Dv] of every live row over its sequence's pages (other rows: 0), and its lse
+  [N, Hq] (base's convention)."""
   num_tokens, num_heads = facts.num_tokens, facts.num_heads
   num_kv_heads = facts.num_kv_heads
   groups = num_heads // num_kv_heads
@@ -107,5 +108,8 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> jax.Array:
     keep = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - top))
     l = l * keep + jnp.sum(jnp.exp(sinks - top[..., None]), axis=-1)
     acc = acc * keep[..., None]
+    m = top
   out = jnp.where(l[..., None] == 0, 0.0, acc / l[..., None])  # NaN stays NaN
-  return out.reshape(num_tokens, num_heads, -1).astype(x.query.dtype)  # [N, Hq, Dv]
+  lse = jnp.where(l == 0, -jnp.inf, jnp.where(l == 0, 0.0, m) + jnp.log(jnp.where(l == 0, 1.0, l)))
+  return (out.reshape(num_tokens, num_heads, -1).astype(x.query.dtype),  # [N, Hq, Dv]
+          lse.reshape(num_tokens, num_heads))  # [N, Hq]

@@ -38,7 +38,7 @@ def shard_kernel(
 
   Args:
     body: (per-shard KernelInputs, the sequence axis entry or None) -> KernelOutput;
-      its log-sum-exp stays in the shard.
+      its log-sum-exp leaves the shard only when the facts ask for it.
     x: global kernel inputs (BTHD).
     mesh: a mesh with Auto or Explicit axes; inputs with another sharding are
       resharded to the specs (Explicit meshes require it).
@@ -50,35 +50,38 @@ def shard_kernel(
       heads each device attends (the body runs the all-to-alls).
 
   Returns:
-    KernelOutput(out [B, T, Hq, Dv], None, weights or None), sharded like the query.
+    KernelOutput(out [B, T, Hq, Dv], lse [B, T, Hq] when the facts ask for it, weights or
+    None), sharded like the query.
   """
   in_specs, out_specs, kv_repeats = attention_specs(x, mesh, axes, facts.mode, ring, ulysses)
   x = repeat_kv_heads(x, kv_repeats)
   if any(t == AxisType.Explicit for t in mesh.axis_types):
     x = jax.tree.map(lambda spec, a: jax.reshard(a, NamedSharding(mesh, spec)),
                      in_specs, x, is_leaf=_is_spec)
-  out_specs = out_specs._replace(lse=None,
+  lse = facts.return_residuals
+  out_specs = out_specs._replace(lse=out_specs.lse if lse else None,
                                  weights=out_specs.weights if facts.return_weights else None)
   sequence: AxisEntry = in_specs.query[1]
-  per_shard = lambda x: body(x, sequence)._replace(lse=None)
+  per_shard = lambda x: body(x, sequence)._replace(**({} if lse else {"lse": None}))
   return _jitted(jax.shard_map(per_shard, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs,
                                check_vma=False))(x)
 
 
 def shard_paged(
-    step: Callable[[PagedCall, PagedFacts], tuple[jax.Array, PagedKVCache]],
+    step: Callable[[PagedCall, PagedFacts], tuple[jax.Array, PagedKVCache, jax.Array]],
     call: PagedCall,
     facts: PagedFacts,
     *,
     mesh: Mesh,
     axes: MeshAxes,
-) -> tuple[jax.Array, PagedKVCache]:
+) -> tuple[jax.Array, PagedKVCache, jax.Array]:
   """Runs a paged `step` on every shard of heads: the query heads and the pool's kv heads over
   the head axis (`MeshAxes.heads`) where it divides the kv heads (else whole), the rest whole
   on every device.
 
   Returns:
-    (out [N, Hq, Dv] sharded like the query, the cache sharded like the given one).
+    (out [N, Hq, Dv] sharded like the query, the cache sharded like the given one, lse
+    [N, Hq] like the query).
   """
   heads = stable_spec((None, axes.heads), (facts.num_tokens, facts.num_kv_heads), mesh,
                       keep=(1,))[1]
@@ -98,4 +101,5 @@ def shard_paged(
       facts, query_shape=(n, num_heads // shards, head_dim),
       cache_shape=(*facts.cache_shape[:2], facts.num_kv_heads // shards, facts.cache_shape[3]))
   return _jitted(jax.shard_map(lambda c: step(c, local), mesh=mesh, in_specs=(specs,),
-                               out_specs=(at_heads(1, 3), specs.cache), check_vma=False))(call)
+                               out_specs=(at_heads(1, 3), specs.cache, at_heads(1, 2)),
+                               check_vma=False))(call)
