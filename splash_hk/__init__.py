@@ -8,6 +8,7 @@ from splash_hk.attention import attention
 from splash_hk.attention import explain
 from splash_hk.config import AttentionConfig
 from splash_hk.config import BlockSizes
+from splash_hk.dropout import dropout_mask
 from splash_hk.mode import detect_mode
 from splash_hk.kv_cache import KVCache
 from splash_hk.merge import merge_attention
@@ -38,6 +39,7 @@ __all__ = (
     "SplashAttention",
     "attention",
     "detect_mode",
+    "dropout_mask",
     "explain",
     "explain_paged",
     "fallback",

@@ -7,7 +7,7 @@ carries the call's arrays (`attend`, `decide`: what the modules call).
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -43,6 +43,8 @@ def explain(
     axes: sharding.MeshAxes = sharding.MeshAxes(),
     return_weights: bool = False,
     return_residuals: bool = False,
+    dropout_rng: Any = None,
+    dropout_mask: Shaped | None = None,
 ) -> Decision:
   """The backend `attention` would use for these arguments, and why.
 
@@ -51,7 +53,7 @@ def explain(
   """
   extras = Extras(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                   q_positions=q_positions, kv_positions=kv_positions, mask=mask, bias=bias,
-                  softmax_aux=softmax_aux)
+                  softmax_aux=softmax_aux, dropout_rng=dropout_rng, dropout_mask=dropout_mask)
   return decide(query, key, value, extras, config=config, mesh=mesh, axes=axes,
                 return_weights=return_weights, return_residuals=return_residuals)
 
@@ -82,6 +84,8 @@ def attention(
     axes: sharding.MeshAxes = sharding.MeshAxes(),
     return_weights: bool = False,
     return_residuals: bool = False,
+    dropout_rng: Any = None,
+    dropout_mask: Array | None = None,
 ) -> AttentionOutput:
   """Block-sparse ("splash") attention on the fastest backend that can serve the call.
 
@@ -126,6 +130,11 @@ def attention(
       log-sum-exp of each row's visible logits and sinks, -inf for a row that sees nothing;
       `merge_attention` combines outputs over disjoint keys by it. Served by the xla and
       reference backends (others fall back, saying so), under every mesh.
+    dropout_rng: with `AttentionConfig(dropout_rate=p)`, a jax.random key (may be traced):
+      each visible pair is kept with probability 1 - p by a hash of the key and the pair's
+      global coordinates (`splash_hk.dropout_mask` draws it densely), kept probabilities
+      scaled by 1 / (1 - p): the same mask on every backend, tile and mesh.
+    dropout_mask: [B|1, Hq|1, T, S] bool (True = keep) in place of the hash (needs p > 0).
 
   Returns:
     AttentionOutput with `attention_outputs` [B, T, Hq, Dv] in the input (or
@@ -133,7 +142,7 @@ def attention(
   """
   extras = Extras(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                   q_positions=q_positions, kv_positions=kv_positions, mask=mask, bias=bias,
-                  softmax_aux=softmax_aux)
+                  softmax_aux=softmax_aux, dropout_rng=dropout_rng, dropout_mask=dropout_mask)
   return attend(query, key, value, extras, config=config, mesh=mesh, axes=axes,
                 return_weights=return_weights, return_residuals=return_residuals)
 

@@ -114,6 +114,10 @@ class AttentionConfig:
     allow_fallback: if False, any fallback raises ValueError with its reason.
     interpret: run the Pallas splash kernel in interpret mode (CPU).
     fused_backward: ask kernels that have one for their fused backward pass.
+    dropout_rate: attention dropout on the normalised probabilities, in [0, 1): each
+      visible pair kept with probability 1 - rate and scaled by 1 / (1 - rate), decided by
+      `splash_hk.dropout_mask`'s hash (a call passes `dropout_rng`); 0 is the program of a
+      call without dropout.
   """
 
   causal: bool = True
@@ -127,6 +131,7 @@ class AttentionConfig:
   allow_fallback: bool = True
   interpret: bool = False
   fused_backward: bool = False
+  dropout_rate: float = 0.0
 
   def __post_init__(self) -> None:
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -151,6 +156,11 @@ class AttentionConfig:
     if not isinstance(self.block_sizes, BlockSizes):
       raise ValueError(
           f"block_sizes must be a splash_hk.BlockSizes, got {type(self.block_sizes).__name__}.")
+    rate = static("dropout_rate", self.dropout_rate)
+    if (not isinstance(rate, (int, float)) or isinstance(rate, bool) or not math.isfinite(rate)
+        or not 0 <= rate < 1):
+      raise ValueError(f"dropout_rate must be a number in [0, 1), got {rate!r}.")
+    set_("dropout_rate", float(rate))
     if self.platform not in platforms.names():
       raise ValueError(f"platform must be one of {platforms.names()}, got {self.platform!r}.")
 

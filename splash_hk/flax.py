@@ -66,6 +66,9 @@ class MultiHeadAttention(nnx.Module):
       *,
       dtype: Any = None,
       param_dtype: Any = jnp.float32,
+      broadcast_dropout: bool = True,
+      dropout_rate: float = 0.0,
+      deterministic: bool | None = None,
       precision: Any = None,
       kernel_init: Any = initializers.lecun_normal(),
       out_kernel_init: Any = None,
@@ -73,6 +76,7 @@ class MultiHeadAttention(nnx.Module):
       out_bias_init: Any = None,
       use_bias: bool = True,
       rngs: nnx.Rngs,
+      keep_rngs: bool = True,
       config: AttentionConfig = AttentionConfig(),
       mesh: jax.sharding.Mesh | None = None,
       axes: MeshAxes = MeshAxes(),
@@ -89,9 +93,12 @@ class MultiHeadAttention(nnx.Module):
     layer, e.g. as the owner of a KV cache; default `multi_head_attention_<n>`, n counting
     the layers built in this process).
 
-    Flax's words this module does not serve (dropout, `decode`, `normalize_qk`, custom
-    matmuls, ...) are accepted at values that change nothing here, else a ValueError names
-    the word and what to use instead.
+    Dropout as Flax's: `dropout_rate` on the attention probabilities (the library's hash,
+    `splash_hk.dropout_mask`), `broadcast_dropout` (one mask for every head), `deterministic`
+    (here or at the call; required when `dropout_rate > 0`), keys from `rngs.dropout` (kept
+    when `keep_rngs`) or the call's `rngs`. Flax's words this module does not serve
+    (`decode`, `normalize_qk`, custom matmuls, ...) are accepted at values that change
+    nothing here, else a ValueError names the word and what to use instead.
     """
     flax_words.refuse(words, flax_words.CONSTRUCTOR, "")
     require_int("num_heads", num_heads)
@@ -135,6 +142,9 @@ class MultiHeadAttention(nnx.Module):
     # A cache remembers the layer that wrote it; NNX modules have no names, so each gets one.
     self.name = name or f"multi_head_attention_{next(_UNNAMED)}"
     self.settings = layer.Settings(config, mesh, axes, self.name)
+    self.dropout_rate = config.replace(dropout_rate=dropout_rate).dropout_rate  # checked
+    self.broadcast_dropout, self.deterministic = bool(broadcast_dropout), deterministic
+    self.rngs = rngs.dropout.fork() if keep_rngs and self.dropout_rate > 0 else nnx.data(None)
 
   def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
     """An empty KV cache for this layer (the Haiku module's `KVCache`)."""
@@ -155,16 +165,19 @@ class MultiHeadAttention(nnx.Module):
       kv_cache: KVCache | PagedKVCache | None = None,
       lengths: ArrayLike | None = None,
       batch: RaggedBatch | None = None,
+      deterministic: bool | None = None,
+      rngs: nnx.Rngs | nnx.RngStream | None = None,
       **words: Any,
   ) -> jax.Array | tuple[jax.Array, KVCache | PagedKVCache]:
     """inputs_q [..., T, in], inputs_k / inputs_v [..., S, in_kv] (default: self-attention)
     -> [..., T, out], or ([..., T, out], KVCache) with `kv_cache`; with a `PagedKVCache` and
     `batch` (a serving step: inputs [N, in], the step's tokens flat), ([N, out], PagedKVCache).
 
-    The arguments after `inputs_v` are those of `splash_hk.MultiHeadAttention.__call__`.
-    `nnx.MultiHeadAttention.__call__`'s other words (`deterministic`, `rngs`, `sow_weights`,
-    `decode`, shardings) are accepted where they change nothing here, else refused with what
-    to use; causality is the config's (`AttentionConfig(causal=...)`), not `is_causal`.
+    The arguments after `inputs_v` are those of `splash_hk.MultiHeadAttention.__call__`;
+    `deterministic` and `rngs` as Flax's (dropout). `nnx.MultiHeadAttention.__call__`'s other
+    words (`sow_weights`, `decode`, shardings) are accepted where they change nothing here,
+    else refused with what to use; causality is the config's (`AttentionConfig(causal=...)`),
+    not `is_causal`.
     """
     flax_words.refuse(words, flax_words.CALL, ".__call__")
     if inputs_k is None:
@@ -176,12 +189,16 @@ class MultiHeadAttention(nnx.Module):
     q = self.query(inputs_q)  # [..., T, H, D]
     k = self.key(inputs_k)  # [..., S, Hkv, D]
     v = self.value(inputs_v)  # [..., S, Hkv, D]
+    key = flax_words.dropout_key(self.dropout_rate, self.deterministic, deterministic,
+                                 self.rngs, rngs)
     call = layer.Call(mask=mask, bias=bias, q_segment_ids=q_segment_ids,
                       kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                       kv_positions=kv_positions, kv_cache=kv_cache, lengths=lengths,
-                      batch=batch)
+                      batch=batch, dropout_rng=key, dropout_broadcast=self.broadcast_dropout)
+    settings = self.settings._replace(config=self.settings.config.replace(
+        dropout_rate=0.0 if key is None else self.dropout_rate))
     sinks = None if self.sinks is None else self.sinks[...]  # [H, n]
-    out, cache = layer.attend(q, k, v, call, self.settings, sinks)  # [..., T, H, D]
+    out, cache = layer.attend(q, k, v, call, settings, sinks)  # [..., T, H, D]
     y = self.out(out)  # [..., T, out]
     return y if cache is None else (y, cache)
 
@@ -191,7 +208,8 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
                  is_causal: bool = False, dropout_rate: float = 0.0,
                  deterministic: bool | None = None, dtype: Any = None, module: Any = None,
                  config: AttentionConfig | None = None, mesh: jax.sharding.Mesh | None = None,
-                 axes: MeshAxes = MeshAxes(), **flax_args: Any) -> jax.Array:
+                 axes: MeshAxes = MeshAxes(), dropout_rng: Any = None,
+                 broadcast_dropout: bool = True, **flax_args: Any) -> jax.Array:
   """Flax's `dot_product_attention` contract on splash attention, for
   `nnx.MultiHeadAttention(attention_fn=...)`.
 
@@ -200,15 +218,16 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
   `is_causal` (top-left: query i sees keys j <= i, as Flax's own cache path assumes). A mask
   object as `mask` is the whole rule; `functools.partial(attention_fn, config=cfg)` adds cfg's
   rules as `splash_hk.attention` reads them. `bias`: broadcastable to [..., H, T, S], or a score
-  object. A row that sees nothing outputs 0 (Flax: mean(v)). Flax's other arguments
-  (`dropout_rng`, `precision`, `broadcast_dropout`, `promote_dtype`) are accepted: without
-  dropout they change nothing here, and the kernels accumulate in float32.
+  object. A row that sees nothing outputs 0 (Flax: mean(v)). Dropout as Flax's
+  (`dropout_rate`, `dropout_rng`, `deterministic`, `broadcast_dropout`), drawn by the
+  library's hash. Flax's other arguments (`precision`, `promote_dtype`) are accepted: the
+  kernels accumulate in float32.
   """
   del flax_args
-  if dropout_rate > 0 and deterministic is not True:
-    raise ValueError(f"`dropout_rate={dropout_rate}` needs the attention weights, which "
-                     "splash_hk.flax.attention_fn never builds: pass deterministic=True (no "
-                     "dropout) or use Flax's dot_product_attention for training with dropout.")
+  dropout = dropout_rate > 0 and not deterministic
+  if dropout and dropout_rng is None:
+    raise ValueError(f"`dropout_rate={dropout_rate}` without deterministic=True needs a key: "
+                     "pass dropout_rng (nnx.MultiHeadAttention passes its rngs' dropout key).")
   if module is not None:
     raise ValueError("`sow_weights=True` asks for the attention weights, which "
                      "splash_hk.flax.attention_fn never builds: call without sow_weights.")
@@ -227,6 +246,9 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
   if is_causal and query_len != kv_len:  # Flax aligns causal top-left; ours end-aligns by default
     call = call._replace(q_positions=jnp.arange(query_len, dtype=jnp.int32),
                          kv_positions=jnp.arange(kv_len, dtype=jnp.int32))
+  if dropout:
+    config = config.replace(dropout_rate=dropout_rate)
+    call = call._replace(dropout_rng=dropout_rng, dropout_broadcast=bool(broadcast_dropout))
   out, _ = layer.attend(query, key, value, call,
                         layer.Settings(config, mesh, axes, "attention_fn"))  # [..., T, H, Dv]
   return out

@@ -1,6 +1,7 @@
-"""The words of Flax's `nnx.MultiHeadAttention` that `splash_hk.flax.MultiHeadAttention` does not
-serve, and how it answers each: accepted at the values that change nothing here (Flax's
-defaults, dropout's words without dropout), else a ValueError naming the word and what to use.
+"""The words of Flax's `nnx.MultiHeadAttention` and how `splash_hk.flax.MultiHeadAttention`
+answers them: dropout's as Flax does (`dropout_key`); those it does not serve are accepted at
+the values that change nothing here (Flax's defaults), else a ValueError naming the word and
+what to use.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable
 
+import jax
 from flax import nnx
 from flax.nnx.nn import dtypes as flax_dtypes
 
@@ -22,19 +24,12 @@ _OWN_ATTENTION = "use nnx.MultiHeadAttention(..., attention_fn=splash_hk.flax.at
 # Words of nnx.MultiHeadAttention's constructor this module does not serve: word -> (the values
 # that change nothing here, so are accepted; what to do instead).
 CONSTRUCTOR: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "dropout_rate": (lambda v: v == 0, "attention dropout needs the attention weights, which "
-                     "splash attention never builds; drop out the layer's output instead"),
-    "broadcast_dropout": (lambda v: isinstance(v, bool), "it only shapes dropout, which this "
-                          "module does not apply"),
-    "deterministic": (lambda v: v is None or isinstance(v, bool), "it only switches dropout, "
-                      "which this module does not apply"),
     "decode": (lambda v: not v, "pass kv_cache=mha.init_cache(batch, max_len) (and `lengths`) "
                f"to the call, or {_OWN_ATTENTION}"),
     "normalize_qk": (lambda v: not v, f"normalise q and k in your model, or {_OWN_ATTENTION}"),
     "attention_fn": (lambda v: v is None or v is nnx.dot_product_attention or _is_ours(v),
                      "this module's attention is splash attention; to plug in another function "
                      "use nnx.MultiHeadAttention itself"),
-    "keep_rngs": (lambda v: isinstance(v, bool), "it keeps dropout's rngs"),
     "qkv_dot_general": (lambda v: v is None, f"{_OWN_ATTENTION} for custom matmuls"),
     "out_dot_general": (lambda v: v is None, f"{_OWN_ATTENTION} for custom matmuls"),
     "qkv_dot_general_cls": (lambda v: v is None, f"{_OWN_ATTENTION} for custom matmuls"),
@@ -50,8 +45,6 @@ CONSTRUCTOR: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 # Words of nnx.MultiHeadAttention.__call__ this module does not serve, as above.
 CALL: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "deterministic": CONSTRUCTOR["deterministic"],
-    "rngs": (lambda v: True, "it feeds dropout, which this module does not apply"),
     "sow_weights": (lambda v: not v, "splash attention never builds the attention weights; "
                     "use splash_hk.attention(..., return_weights=True, config=AttentionConfig("
                     "platform='reference')) to inspect them"),
@@ -78,3 +71,24 @@ def refuse(words: dict[str, Any], known: Mapping[str, tuple[Callable[[Any], bool
     if not accepted(value):
       raise ValueError(f"`{name}={value!r}` is not served by splash_hk.flax.MultiHeadAttention"
                        f"{where}: {instead}.")
+
+
+def dropout_key(rate: float, built: bool | None, called: bool | None, kept: Any,
+                rngs: Any) -> jax.Array | None:
+  """A call's dropout key (None: no dropout), as nnx.MultiHeadAttention draws it: `called`
+  (the call's `deterministic`) over `built` (the constructor's), one of them required when
+  `rate > 0`; the key from the call's `rngs` (an nnx.Rngs or RngStream), else the module's
+  `kept` stream."""
+  if rate == 0:
+    return None
+  deterministic = built if called is None else called
+  if deterministic is None:
+    raise ValueError(f"dropout_rate={rate}: pass `deterministic` (True: no dropout, False: "
+                     "dropout) to the call or the constructor, as Flax asks.")
+  if deterministic:
+    return None
+  stream = kept if rngs is None else (rngs.dropout if isinstance(rngs, nnx.Rngs) else rngs)
+  if stream is None:
+    raise ValueError("`rngs` must be passed to the call when the module was built with "
+                     "keep_rngs=False and dropout_rate > 0 (its dropout keys come from there).")
+  return stream()

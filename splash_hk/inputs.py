@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk import validation
+from splash_hk.dropout import Dropout, key_words
 from splash_hk.config import AttentionConfig
 from splash_hk.sharding import specs
 from splash_hk.sharding.axes import MeshAxes
@@ -31,6 +32,7 @@ def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig,
   """Validates the public arguments (shapes and dtypes only); returns the call's Facts."""
   validation.validate_qkv(query, key, value, config)
   validation.validate_extras(query, key, extras)
+  validation.validate_dropout(query, key, extras, config)
   extras = extras._replace(bias=full_bias(extras.bias, query.shape[1], key.shape[1]))
   if isinstance(extras.mask, _objects.Mask):
     validation.validate_rule(extras.mask, query, key, config)
@@ -43,6 +45,7 @@ def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig,
     specs.check_load_balanced(query.shape[1], key.shape[1], mesh, axes, sequence_shards)
   return Facts.from_shapes(
       config, query.shape, key.shape, value.shape[-1],
+      explicit_dropout=config.dropout_rate > 0 and extras.dropout_mask is not None,
       default_positions=extras.q_positions is None and extras.kv_positions is None,
       mask=extras.mask, bias=extras.bias, return_weights=return_weights,
       return_residuals=return_residuals,
@@ -70,6 +73,25 @@ def _bias(extras: Extras, query_len: int, kv_len: int) -> Score | None:
   """The call's bias as a score object with jnp arrays (a dense array is `Dense(bias)`)."""
   score = full_bias(extras.bias, query_len, kv_len)
   return None if score is None else score.map_arrays(lambda side, a, **_: jnp.asarray(a))
+
+
+def _dropout(extras: Extras, call: Facts) -> Dropout | None:
+  """The call's dropout in kernel form (None at rate 0: the program of a call without it)."""
+  if call.config.dropout_rate == 0:
+    return None
+  batch, query_len, kv_len = call.query_shape[0], call.query_len, call.kv_len
+  q_index = extras.dropout_q_index
+  if q_index is None:
+    q_index = jnp.broadcast_to(kv_len - query_len + jnp.arange(query_len), (batch, query_len))
+  heads = jnp.arange(call.num_heads, dtype=jnp.int32)
+  mask = extras.dropout_mask
+  return Dropout(
+      key=None if mask is not None else key_words(extras.dropout_rng),  # [2] uint32
+      rows=jnp.arange(batch, dtype=jnp.int32),  # [B]
+      heads=jnp.zeros_like(heads) if extras.dropout_broadcast else heads,  # [Hq]
+      q_index=jnp.asarray(q_index, jnp.int32),  # [B, T]
+      kv_index=jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (batch, kv_len)),  # [B, S]
+      mask=None if mask is None else jnp.asarray(mask, jnp.bool_))  # [B|1, Hq|1, T, S]
 
 
 def sinks(softmax_aux: Shaped | None, num_heads: int) -> jax.Array | None:
@@ -114,5 +136,6 @@ def normalise(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionCon
       sinks=sinks(extras.softmax_aux, call.num_heads),  # [Hq, n] or None
       bias=_bias(extras, call.query_len, call.kv_len),  # a score object or None
       heads=None if extras.bias is None else jnp.arange(call.num_heads, dtype=jnp.int32),  # [Hq]
+      dropout=_dropout(extras, call),
   )
   return x, call

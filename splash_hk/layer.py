@@ -46,6 +46,8 @@ class Call(NamedTuple):
   kv_cache: kv_cache_lib.Cache | PagedKVCache | None = None
   lengths: ArrayLike | None = None  # [...] or [] int: tokens each row appends
   batch: RaggedBatch | None = None  # with a PagedKVCache: the step's sequences
+  dropout_rng: Any = None  # a jax.random key: attention dropout at the config's rate
+  dropout_broadcast: bool = False  # one dropout mask for every head
 
 
 class Settings(NamedTuple):
@@ -77,18 +79,20 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, call: Call, setti
                   q_positions=rows(call.q_positions), kv_positions=rows(call.kv_positions))
   step = None
   if call.kv_cache is not None:
-    if any(x is not None for x in extras):
+    if any(x is not None for x in extras[:4]):  # segment ids and positions
       raise ValueError("`kv_cache` derives positions and padding itself: do not pass "
                        "q_segment_ids, kv_segment_ids, q_positions or kv_positions with it.")
     _check_cache_dtype(call.kv_cache, k, settings.config)
     step = kv_cache_lib.append_to(call.kv_cache, k, v,
                                   row_lengths(call.lengths, tuple(lead), query_len), settings.layer)
     k, v, extras = step.key, step.value, step.extras  # [B, S_max, Hkv, *]
+    extras = extras._replace(dropout_q_index=extras.q_positions)  # the new tokens' slots
   elif call.lengths is not None:
     raise ValueError("`lengths` says how many tokens each row appends to `kv_cache`; pass "
                      "it with a kv_cache (or use q_segment_ids to mark padding).")
   mask = flat_mask(call.mask, lead, num_heads, query_len, k.shape[1], step)
-  extras = extras._replace(mask=mask, bias=call.bias, softmax_aux=sinks)
+  extras = extras._replace(mask=mask, bias=call.bias, softmax_aux=sinks,
+                           dropout_rng=call.dropout_rng, dropout_broadcast=call.dropout_broadcast)
   out = attend_heads(q, k, v, extras, config=settings.config, mesh=settings.mesh,
                      axes=settings.axes).attention_outputs  # [B, T, H, V]
   if step is not None:  # a row that could not append says so: NaN, never a finite wrong answer

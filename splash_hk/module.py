@@ -125,6 +125,7 @@ class MultiHeadAttention(hk.Module):
       mesh: jax.sharding.Mesh | None = None,
       axes: MeshAxes = MeshAxes(),
       num_sinks: int = 0,
+      dropout_rate: float = 0.0,
       name: str | None = None,
   ):
     """Initialises the module.
@@ -143,10 +144,15 @@ class MultiHeadAttention(hk.Module):
       mesh: if given, attention runs under shard_map over this mesh.
       axes: which mesh axes carry batch, heads and query sequence.
       num_sinks: learnable attention sinks per head (see `SplashAttention`).
+      dropout_rate: attention dropout (on the normalised probabilities) applied when called
+        with `is_training=True`, its key drawn with `hk.next_rng_key()`; default: the
+        config's `dropout_rate`.
       name: module name.
     """
     super().__init__(name=name)
     require_int("num_heads", num_heads)
+    self.dropout_rate = AttentionConfig(dropout_rate=dropout_rate).dropout_rate or (
+        config.dropout_rate if isinstance(config, AttentionConfig) else 0.0)
     require_int("key_size", key_size)
     for name, value in (("num_kv_heads", num_kv_heads), ("value_size", value_size),
                         ("model_size", model_size)):
@@ -188,6 +194,7 @@ class MultiHeadAttention(hk.Module):
       kv_cache: kv_cache_lib.Cache | PagedKVCache | None = None,
       lengths: ArrayLike | None = None,
       batch: RaggedBatch | None = None,
+      is_training: bool = False,
   ) -> jax.Array | tuple[jax.Array, KVCache | PagedKVCache]:
     """Attends `query` to `key`/`value` (default: self-attention).
 
@@ -220,6 +227,8 @@ class MultiHeadAttention(hk.Module):
         [N, D_q], and the call is `splash_hk.paged_attention` between the
         projections: returns ([N, D'], new PagedKVCache). `mask` and `bias`
         are then objects over positions.
+      is_training: apply the module's `dropout_rate` (a key from `hk.next_rng_key()`, so
+        the transform needs an rng); False (the default) computes without dropout.
 
     Returns:
       [..., T, D'], or ([..., T, D'], KVCache) with `kv_cache`.
@@ -229,12 +238,15 @@ class MultiHeadAttention(hk.Module):
     q = self._projection(query, self.num_heads, self.key_size, "query")  # [..., T, H, K]
     k = self._projection(key, self.num_kv_heads, self.key_size, "key")  # [..., S, Hkv, K]
     v = self._projection(value, self.num_kv_heads, self.value_size, "value")  # [..., S, Hkv, V]
+    dropout = self.dropout_rate if is_training else 0.0
     call = layer_lib.Call(mask=mask, bias=bias, q_segment_ids=q_segment_ids,
-                      kv_segment_ids=kv_segment_ids, q_positions=q_positions,
-                      kv_positions=kv_positions, kv_cache=kv_cache, lengths=lengths,
-                      batch=batch)
-    out, cache = layer_lib.attend(q, k, v, call, self.splash.settings(self.module_name),
-                              self.splash.sinks(self.num_heads))  # [..., T, H, V]
+                          kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+                          kv_positions=kv_positions, kv_cache=kv_cache, lengths=lengths,
+                          batch=batch, dropout_rng=hk.next_rng_key() if dropout else None)
+    settings = self.splash.settings(self.module_name)
+    settings = settings._replace(config=settings.config.replace(dropout_rate=dropout))
+    out, cache = layer_lib.attend(q, k, v, call, settings,
+                                  self.splash.sinks(self.num_heads))  # [..., T, H, V]
     out = out.reshape(*out.shape[:-2], self.num_heads * self.value_size)  # [..., T, H*V]
     out = hk.Linear(self.model_size, w_init=self.w_init, with_bias=self.with_bias,
                     b_init=self.b_init, name="linear")(out)  # [..., T, D']

@@ -59,21 +59,24 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
 
 
 def _block(x: KernelInputs) -> tuple:
-  """What travels: the key/value block, its positions, segment ids and the rule's key-side arrays."""
+  """What travels: the key/value block, its positions, segment ids, the rule's key-side arrays
+  and the keys' dropout indices."""
   kv_arrays = []
   if x.rule is not None:
     x.rule.map_arrays(lambda side, a: kv_arrays.append(a) if side == "kv" else a)
-  return (x.key, x.value, x.kv_positions, x.kv_segment_ids, tuple(kv_arrays))
+  dropout_index = None if x.dropout is None else x.dropout.kv_index
+  return (x.key, x.value, x.kv_positions, x.kv_segment_ids, tuple(kv_arrays), dropout_index)
 
 
 def _with_block(x: KernelInputs, block: tuple) -> KernelInputs:
-  key, value, positions, segment_ids, kv_arrays = block
+  key, value, positions, segment_ids, kv_arrays, dropout_index = block
   rule = x.rule
   if rule is not None:
     arrays = iter(kv_arrays)
     rule = rule.map_arrays(lambda side, a: next(arrays) if side == "kv" else a)
+  dropout = None if x.dropout is None else x.dropout._replace(kv_index=dropout_index)
   return x._replace(key=key, value=value, kv_positions=positions, kv_segment_ids=segment_ids,
-                    rule=rule, sinks=None)
+                    rule=rule, sinks=None, dropout=dropout)
 
 
 def _pass_on(tree, axis: AxisEntry, n: int):

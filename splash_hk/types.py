@@ -98,6 +98,10 @@ class Extras(NamedTuple):
   mask: Shaped | _objects.Mask | None = None  # [B|1, 1|Hq, T, S] bool, or a mask object
   bias: Shaped | Score | None = None  # [B|1, Hq|1, T, S] float, or a score object
   softmax_aux: Shaped | None = None  # sinks: [Hq], [Hq, n] or [Hkv, n]
+  dropout_rng: Any = None  # a jax.random key (with AttentionConfig.dropout_rate > 0)
+  dropout_mask: Shaped | None = None  # [B|1, Hq|1, T, S] bool, True = keep: overrides the hash
+  dropout_q_index: Shaped | None = None  # [B, T] int: the queries' indices (a cache: their slots)
+  dropout_broadcast: bool = False  # one dropout mask for every head (Flax's broadcast_dropout)
 
 
 class KernelInputs(NamedTuple, Generic[Leaf]):
@@ -118,6 +122,7 @@ class KernelInputs(NamedTuple, Generic[Leaf]):
   sinks: Leaf | None = None  # [Hq, n] float32
   bias: Score | None = None  # additive scores (arrays [B|1, Hq|1, T, S], per head, free); None: 0
   heads: Leaf | None = None  # [Hq] int32: each query head's global index (with a bias)
+  dropout: Any = None  # a `splash_hk.dropout.Dropout` (with dropout_rate > 0), or None
 
 
 class KernelOutput(NamedTuple, Generic[Leaf]):
@@ -151,6 +156,7 @@ class Facts:
   whole_sequence: bool = False  # a sharded sequence, but the kernel sees all of it (Ulysses)
   rule: _objects.Mask | None = None  # the position rule's skeleton: static, hashable
   bias: Score | None = None  # the bias's skeleton (None: no bias): static, hashable
+  explicit_dropout: bool = False  # a dense dropout_mask was given (not the hash)
 
   @classmethod
   def from_shapes(cls, config: AttentionConfig, query_shape: Sequence[int],

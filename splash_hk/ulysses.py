@@ -49,7 +49,11 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
       rule=None if x.rule is None else x.rule.map_arrays(
           lambda side, a: _whole_rule_array(side, a, axis)),
       bias=None if x.bias is None else x.bias.map_arrays(
-          lambda side, a, **_: _whole_rule_array(side, a, axis) if side == "qk" else a))
+          lambda side, a, **_: _whole_rule_array(side, a, axis) if side == "qk" else a),
+      dropout=None if x.dropout is None else x.dropout._replace(
+          q_index=_gather(x.dropout.q_index, axis, 1),  # [B, T]
+          kv_index=_gather(x.dropout.kv_index, axis, 1),  # [B, S]
+          mask=None if x.dropout.mask is None else _whole_rule_array("qk", x.dropout.mask, axis)))
   result = kernel.run(backend, whole, facts)  # out [B, T, Hq/n, Dv], lse [B, T, Hq/n]
   back = lambda a: jax.lax.all_to_all(a, axis, 1, 2, tiled=True)  # [B, T/n, Hq, ...]
   lse = result.lse if facts.return_residuals and result.lse is not None else None

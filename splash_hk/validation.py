@@ -108,6 +108,25 @@ def validate_extras(query: Shaped, key: Shaped, extras: Extras) -> None:
     part.check(batch, query.shape[2], query_len, kv_len)
 
 
+def validate_dropout(query: Shaped, key: Shaped, extras: Extras, config: AttentionConfig) -> None:
+  """A call with dropout has a key (or an explicit keep mask); a keep mask needs a rate."""
+  rate = config.dropout_rate
+  if extras.dropout_mask is not None:
+    if rate == 0:
+      _fail("`dropout_mask` was given with dropout_rate=0: kept probabilities are scaled by "
+            "1 / (1 - dropout_rate); set AttentionConfig(dropout_rate=...) to the rate the mask "
+            "was drawn at.")
+    _validate_mask(extras.dropout_mask, query.shape[0], query.shape[2], query.shape[1],
+                   key.shape[1], "dropout_mask")
+  elif rate > 0 and extras.dropout_rng is None:
+    _fail(f"AttentionConfig(dropout_rate={rate}) needs a key: pass "
+          "dropout_rng=jax.random.key(...) (a fresh one each step, e.g. hk.next_rng_key()), an "
+          "explicit dropout_mask, or dropout_rate=0 to evaluate.")
+  if extras.dropout_q_index is not None:
+    _validate_rows(extras.dropout_q_index, "dropout_q_index", query.shape[0], query.shape[1],
+                   "query_len")
+
+
 def _validate_mask(mask: Shaped, batch: int, num_heads: int, query_len: int, kv_len: int,
                    name: str = "mask") -> None:
   _rank(mask, 4, name, "[batch, 1 or num_heads, query_len, kv_len]")
@@ -210,6 +229,9 @@ def validate_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch:
     _fail(f"`query` must be floating with a multiple of the cache's {num_kv_heads} kv heads, got "
           f"{query.dtype} with {num_heads} heads.")
   _validate_batch(batch)
+  if config.dropout_rate:
+    _fail(f"`config.dropout_rate` is {config.dropout_rate}: attention dropout is for training and "
+          "a paged call serves inference; pass a config with dropout_rate=0.")
   _validate_positions_only(mask, bias, config, num_heads)
   if softmax_aux is not None:
     _validate_sinks(softmax_aux, num_heads, num_kv_heads)

@@ -13,13 +13,15 @@ import numpy as np
 
 def attention(q, k, v, *, causal=True, window=None, chunk=None, soft_cap=None, scale=None,
               q_seg=None, kv_seg=None, q_pos=None, kv_pos=None, mask=None, sinks=None,
-              bias=None, xp=np, with_lse=False):
+              bias=None, xp=np, with_lse=False, dropout=None):
   """q [B,T,Hq,D], k [B,S,Hkv,D], v [B,S,Hkv,Dv] -> (out [B,T,Hq,Dv], weights [B,Hq,T,S]),
   and with `with_lse` the log-sum-exp [B,T,Hq] of each row's visible logits and sinks (-inf
   where it has neither).
 
   bias: [B|1, Hq|1, T, S] added to the scaled logits before the soft cap, read only where a
   pair is visible; a -inf there removes the pair, soft cap or not.
+  dropout: (keep [B|1, Hq|1, T, S] bool, rate): the normalised weights times keep / (1 - rate)
+  before they meet the values (the returned weights and lse are before dropout).
   """
   f64 = xp.float64
   q, k, v = (xp.asarray(a, dtype=f64) for a in (q, k, v))
@@ -61,6 +63,10 @@ def attention(q, k, v, *, causal=True, window=None, chunk=None, soft_cap=None, s
     denom = denom + xp.sum(xp.exp(sink_logits[None, :, None, :] - m), axis=-1, keepdims=True)
   any_visible = allowed.any(axis=-1, keepdims=True)
   w = xp.where(any_visible, e / xp.where(any_visible, denom, 1.0), 0.0)
+  weights = w
+  if dropout is not None:
+    keep, rate = dropout
+    w = w * xp.asarray(keep, dtype=f64) / (1.0 - rate)
   if xp is np and not np.isfinite(v).all():
     # Only the keys a row sees contribute: a non-finite value must not reach rows with w == 0
     # (as w @ v would spread it there). The slow path, for inputs that hold garbage.
@@ -70,10 +76,10 @@ def attention(q, k, v, *, causal=True, window=None, chunk=None, soft_cap=None, s
   else:
     out = xp.einsum("bhts,bshd->bthd", w, v)
   if not with_lse:
-    return out, w
+    return out, weights
   has = any_visible | (sink_logits.shape[1] > 0)
   lse = xp.where(has, m + xp.log(xp.where(has, denom, 1.0)), -np.inf)[..., 0]  # [B, Hq, T]
-  return out, w, xp.swapaxes(lse, 1, 2)
+  return out, weights, xp.swapaxes(lse, 1, 2)
 
 
 def visible(b, t, s, hq, *, causal=True, window=None, chunk=None, q_seg=None, kv_seg=None,

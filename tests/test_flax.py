@@ -152,13 +152,10 @@ def test_from_haiku_says_what_does_not_fit():
 
 
 @pytest.mark.parametrize("word,default,value,needle", [
-    ("dropout_rate", 0.0, 0.1, "dropout_rate=0.1.*drop out the layer's output"),
     ("decode", False, True, "decode=True.*kv_cache=mha.init_cache"),
     ("normalize_qk", False, True, "normalize_qk=True"),
     ("attention_fn", nnx.dot_product_attention, lambda *a, **k: None,
      "attention_fn=.*nnx.MultiHeadAttention itself"),
-    ("broadcast_dropout", True, "yes", "broadcast_dropout='yes'.*only shapes dropout"),
-    ("deterministic", True, "yes", "deterministic='yes'.*only switches dropout"),
     ("qkv_dot_general", None, jax.lax.dot_general, "qkv_dot_general=.*custom matmuls"),
 ])
 def test_flax_words_it_cannot_serve_are_refused_with_what_to_use(word, default, value, needle):

@@ -32,6 +32,7 @@ class ModelConfig:
   axes: sh.MeshAxes = sh.MeshAxes()  # with a mesh: batch, heads and sequence axes
   prefix_len: int = 0  # > 0: prefix-LM, the first prefix_len positions see each other
   position_bias: str = "none"  # "none" (learned positions), "alibi" or "t5": a bias in their place
+  attention_dropout: float = 0.0  # on the attention probabilities, in training (is_training)
 
   def __post_init__(self):
     if self.model_size % self.num_heads:
@@ -51,6 +52,11 @@ class ModelConfig:
     if self.attention == "reference" and self.position_bias != "none":
       raise ValueError("--position_bias needs --attention=splash (hk.MultiHeadAttention takes "
                        "no bias).")
+    if self.attention == "reference" and self.attention_dropout:
+      raise ValueError("--attention_dropout needs --attention=splash (hk.MultiHeadAttention has "
+                       "no attention dropout).")
+    if not 0 <= self.attention_dropout < 1:
+      raise ValueError(f"--attention_dropout must lie in [0, 1), got {self.attention_dropout}.")
 
   @property
   def module_config(self) -> sh.AttentionConfig:
@@ -87,7 +93,8 @@ class Transformer(hk.Module):
     return sh.MultiHeadAttention(c.num_heads, c.model_size // c.num_heads,
                                  num_kv_heads=c.num_kv_heads, w_init=w_init,
                                  config=c.module_config, mesh=self.mesh, axes=c.axes,
-                                 num_sinks=c.num_sinks, name=f"attention_{i}")
+                                 num_sinks=c.num_sinks, dropout_rate=c.attention_dropout,
+                                 name=f"attention_{i}")
 
   def _position_bias(self):
     """layer -> its bias: ALiBi with learnable slopes per layer (from the paper's), or a
@@ -119,7 +126,7 @@ class Transformer(hk.Module):
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                caches: list[sh.KVCache] | list[sh.PagedKVCache] | None = None,
                segment_ids: jax.Array | None = None, lengths: jax.Array | None = None,
-               batch: sh.RaggedBatch | None = None):
+               batch: sh.RaggedBatch | None = None, is_training: bool = False):
     """tokens [B, T] -> logits [B, T, V] (and the new caches, with `caches`).
 
     Args:
@@ -131,6 +138,7 @@ class Transformer(hk.Module):
       segment_ids: [B, T] documents packed in a row (negative = padding); not with caches.
       lengths: with caches, [B] how many of the T tokens each row appends.
       batch: a serving step's sequences over the flat tokens (with paged `caches`).
+      is_training: attention dropout (`attention_dropout`) on; needs an rng.
     """
     c = self.config
     if batch is not None and (caches is None or positions is None or c.prefix_len
@@ -155,7 +163,7 @@ class Transformer(hk.Module):
         a = attend(x, x, x, mask=_reference_mask(tokens.shape[1], c.attention_config.window,
                                                  segment_ids))
       else:
-        a = attend(x, q_segment_ids=segment_ids, mask=mask, bias=bias(i))
+        a = attend(x, q_segment_ids=segment_ids, mask=mask, bias=bias(i), is_training=is_training)
       h = _mlp(c, i, h + a)  # [B, T, D]
     logits = _unembed(c, h)  # [B, T, V]; serving: [N, V]
     return logits if caches is None else (logits, new_caches)

@@ -50,6 +50,9 @@ _NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Query heads.")
 _NUM_KV_HEADS = flags.DEFINE_integer("num_kv_heads", None, "Key/value heads (GQA); default num_heads.")
 _SLIDING_WINDOW = flags.DEFINE_integer("sliding_window", None, "Causal sliding window (left size).")
 _NUM_SINKS = flags.DEFINE_integer("num_sinks", 0, "Learnable attention sinks per head.")
+_ATTENTION_DROPOUT = flags.DEFINE_float(
+    "attention_dropout", 0.0, "Attention dropout rate in training (on the probabilities; the "
+    "library's hash, keyed per step from --seed). 0: none.")
 _POSITION_BIAS = flags.DEFINE_enum(
     "position_bias", "none", list(model_lib.POSITION_BIASES),
     "In place of learned absolute positions: ALiBi (learnable slopes) or T5's learned "
@@ -159,7 +162,7 @@ def make_task_and_model(axes: sh.MeshAxes) -> tuple[recall.RecallTask, model_lib
         model_size=_MODEL_SIZE.value, num_heads=_NUM_HEADS.value, num_kv_heads=_NUM_KV_HEADS.value,
         num_sinks=_NUM_SINKS.value, attention=_ATTENTION.value, attention_config=attention_config,
         axes=axes, prefix_len=2 * task.num_pairs if _PREFIX_LM.value else 0,
-        position_bias=_POSITION_BIAS.value)
+        position_bias=_POSITION_BIAS.value, attention_dropout=_ATTENTION_DROPOUT.value)
   except ValueError as e:
     _fail(str(e))
   return task, config
@@ -195,8 +198,9 @@ def scalar(x) -> float:
 def make_steps(forward: hk.Transformed, optimizer: optax.GradientTransformation):
   """(train_step, evaluate): jitted; both return the answer-token loss and accuracy."""
 
-  def loss_and_accuracy(params, batch):
-    logits = forward.apply(params, None, batch["inputs"], batch.get("positions"))  # [B, T, V]
+  def loss_and_accuracy(params, batch, rng=None):
+    logits = forward.apply(params, rng, batch["inputs"], batch.get("positions"),
+                           rng is not None)  # [B, T, V]; training (dropout) when given a key
     logits = logits.astype(jnp.float32)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])  # [B, T]
     weights = batch["weights"]
@@ -205,8 +209,9 @@ def make_steps(forward: hk.Transformed, optimizer: optax.GradientTransformation)
     return jnp.sum(nll * weights) / total, jnp.sum(correct * weights) / total
 
   @jax.jit
-  def train_step(params, opt_state, batch):
-    (loss, accuracy), grads = jax.value_and_grad(loss_and_accuracy, has_aux=True)(params, batch)
+  def train_step(params, opt_state, batch, rng):
+    (loss, accuracy), grads = jax.value_and_grad(loss_and_accuracy, has_aux=True)(params, batch,
+                                                                                 rng)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, accuracy
 
@@ -235,8 +240,9 @@ def train(state: TrainState, train_step, evaluate, batches, eval_batch, seq_len:
   started, first_step = time.time(), state.step
   while state.step < _STEPS.value:
     batch = batches(_SEED.value, state.step, _BATCH_SIZE.value)
+    rng = jax.random.fold_in(jax.random.PRNGKey(_SEED.value), state.step)  # dropout's key
     state.params, state.opt_state, state.loss, state.accuracy = train_step(
-        state.params, state.opt_state, batch)
+        state.params, state.opt_state, batch, rng)
     if multi_process:  # one program at a time: gloo collectives of overlapping programs can deadlock
       jax.block_until_ready(state.loss)
     state.step += 1
@@ -275,8 +281,8 @@ def fit(mesh, axes: sh.MeshAxes, task: recall.RecallTask, config: model_lib.Mode
   if _DTYPE.value == "bfloat16":
     hk.mixed_precision.set_policy(model_lib.Transformer, jmp.get_policy(
         "params=float32,compute=bfloat16,output=float32"))
-  forward = hk.transform(lambda tokens, positions=None: model_lib.Transformer(config, mesh)(
-      tokens, positions))
+  forward = hk.transform(lambda tokens, positions=None, is_training=False: model_lib.Transformer(
+      config, mesh)(tokens, positions, is_training=is_training))
   optimizer = make_optimizer()
   train_step, evaluate = make_steps(forward, optimizer)
   params = forward.init(jax.random.PRNGKey(_SEED.value), task.batch(_SEED.value, 0, 2)["inputs"])

@@ -34,6 +34,8 @@ WhyNot = Callable[[Facts, str], "str | None"]
 Attend = Callable[[KernelInputs, Facts], KernelOutput]
 
 WEIGHTS_REFUSAL = "attention weights were requested and only the reference path materialises them"
+DROPOUT_REFUSAL = ("attention dropout was asked for (dropout_rate > 0) and this kernel does not "
+                   "apply the library's dropout hash")
 RESIDUALS_REFUSAL = ("the log-sum-exp was requested (return_residuals=True) and this kernel does "
                      "not return a differentiable one")
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk import pages
+from splash_hk import dropout
 from splash_hk.backends import base
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
@@ -51,6 +52,15 @@ def logits_and_mask(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array
   return base.soft_cap(logits, facts.config.logits_soft_cap, bias), mask
 
 
+def _keep_scale(x: KernelInputs, facts: Facts) -> jax.Array:
+  """keep / (1 - rate) of every pair, [B, Hkv, G, T, S] (broadcast)."""
+  d, num_kv_heads = x.dropout, x.key.shape[2]
+  return dropout.scale(d.key, facts.config.dropout_rate, d.rows[:, None, None, None, None],
+                       dropout.heads_by_kv(d.heads, num_kv_heads),
+                       d.q_index[:, None, None, :, None], d.kv_index[:, None, None, None, :],
+                       None if d.mask is None else dropout.mask_by_kv(d.mask, num_kv_heads))
+
+
 def why_not(facts: Facts, hardware: str) -> str | None:
   """The reference serves every call."""
   del facts, hardware
@@ -84,7 +94,8 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   weights = jnp.where(mask, weights, 0.0)
   bad_v = ~jnp.isfinite(x.value)  # [B, S, Hkv, Dv]: zeroed, then NaN where a row sees one
   value = jnp.where(bad_v, 0, x.value).astype(jnp.float32)
-  out = jnp.einsum("bkgts,bskd->btkgd", weights, value, precision=_HIGHEST)  # [B, T, Hkv, G, Dv]
+  dropped = weights if x.dropout is None else weights * _keep_scale(x, facts)  # [B, Hkv, G, T, S]
+  out = jnp.einsum("bkgts,bskd->btkgd", dropped, value, precision=_HIGHEST)  # [B, T, Hkv, G, Dv]
   seen = lambda: jnp.einsum("bkgts,bskd->btkgd", jnp.broadcast_to(mask, weights.shape).astype(
       jnp.float32), bad_v.astype(jnp.float32))
   out = jax.lax.cond(jnp.any(bad_v), lambda o: jnp.where(seen() > 0, jnp.nan, o), lambda o: o, out)

@@ -24,6 +24,8 @@ def why_not(facts: Facts, hardware: str) -> str | None:
     return base.WEIGHTS_REFUSAL
   if facts.return_residuals:
     return base.RESIDUALS_REFUSAL
+  if facts.config.dropout_rate > 0:
+    return base.DROPOUT_REFUSAL
   if hardware != "gpu":
     return f"ejkernel's Triton kernel needs a GPU (this is {hardware})"
   if not _ejkernel.available():

@@ -140,7 +140,8 @@ def _update(views: Views, q, pair: Pair, masked: bool, state):
   m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
   probs = jnp.exp(s - m_safe[..., None])
   correction = jnp.exp(m - m_safe)
-  pv = jnp.einsum("bkgqs,bksd->bkgqd", probs.astype(v.dtype), v,
+  kept = probs if pair.drop is None else probs * pair.drop  # dropout: on the normalised p
+  pv = jnp.einsum("bkgqs,bksd->bkgqd", kept.astype(v.dtype), v,
                   preferred_element_type=jnp.float32)
   if masked:
     pv = _visible_garbage(pv, mask, pair.v)
@@ -222,8 +223,10 @@ def _grads(views: Views, q, q_t, do, do_t, lse, delta, pair: Pair, masked: bool,
   if masked:  # ds is 0 where the mask is False: garbage in q or k must not meet it (0 * NaN)
     q_t, k = _finite(q_t), _finite(k)
   probs = jnp.exp(s - lse[..., None])  # [r, Hkv, Gq, bq, bk]
-  dv = _t(jnp.einsum("bkdq,bkqs->bkds", do_t, _merge_heads(probs)))  # as do^T p: see `_t`
-  ds = probs * (_dot_merged(do, v) - delta[..., None])
+  kept = probs if pair.drop is None else probs * pair.drop  # what the forward multiplied v by
+  dv = _t(jnp.einsum("bkdq,bkqs->bkds", do_t, _merge_heads(kept)))  # as do^T p: see `_t`
+  dp = _dot_merged(do, v)
+  ds = probs * ((dp if pair.drop is None else dp * pair.drop) - delta[..., None])
   if t is not None:
     ds = ds * (1.0 - t * t)
   if masked:  # where p = 0, dP may be inf (finite garbage values near the float limit)

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from splash_hk import dropout
 from splash_hk.masks import _objects
 from splash_hk.masks import _rules
 from splash_hk.scores import Score
@@ -58,6 +59,7 @@ class Pair(NamedTuple):
   v: jax.Array  # [r, Hkv, bk, Dv]
   mask: PairMask
   bias: Score | None = None  # the call's bias with its "qk" arrays cut to the pair
+  drop: jax.Array | None = None  # f32 keep / (1 - rate), broadcastable to [r, Hkv, Gq, bq, bk]
 
 
 class Views:
@@ -84,6 +86,9 @@ class Views:
     self.rule = None if x.rule is None else x.rule.map_arrays(lambda side, a: pad[side](a))
     self.bias = None if x.bias is None else x.bias.map_arrays(
         lambda side, a, **_: base.pad_axis(a, 2, self.padded_q) if side == "qk" else a)
+    self.dropout = None if x.dropout is None else x.dropout._replace(
+        q_index=base.pad_axis(x.dropout.q_index, 1, self.padded_q),  # [B, Tp]
+        mask=None if x.dropout.mask is None else pad["qk"](x.dropout.mask))
 
   def of_group(self, a: jax.Array, group) -> jax.Array:
     """Row group `group` of a batch-major array (the whole batch when groups are the batch)."""
@@ -160,7 +165,19 @@ class Views:
     mask = PairMask(q_idx < self.grid.query_len, k_idx >= j * bk,
                     self.q_block(self.q_pos, group, i, 1), self.kv_block(self.x.kv_positions, group, j),
                     q_side(self.q_seg), kv_side(self.x.kv_segment_ids), rule)
-    return Pair(k, v, mask, bias)
+    return Pair(k, v, mask, bias, self._drop(group, i, j, cut["qk"]))
+
+  def _drop(self, group, i, j, cut_qk) -> jax.Array | None:
+    """The pair's dropout scale (`splash_hk.dropout.scale`), or None without dropout."""
+    d = self.dropout
+    if d is None:
+      return None
+    rows = self.of_group(d.rows, group)[:, None, None, None, None]  # [r, 1, 1, 1, 1]
+    q_index = self.q_block(d.q_index, group, i, 1)[:, None, None, :, None]  # [r, 1, 1, bq, 1]
+    kv_index = self.kv_block(d.kv_index, group, j)[:, None, None, None, :]  # [r, 1, 1, 1, bk]
+    mask = None if d.mask is None else dropout.mask_by_kv(cut_qk(d.mask), self.num_kv_heads)
+    return dropout.scale(d.key, self.facts.config.dropout_rate, rows,
+                         dropout.heads_by_kv(d.heads, self.num_kv_heads), q_index, kv_index, mask)
 
   def add_pair(self, buf: jax.Array, block: jax.Array, group, i, j) -> jax.Array:
     """buf [B|1, H|1, Tp, S] += block [r|1, H|1, bq, bk] at block pair (i, j) of `group`."""

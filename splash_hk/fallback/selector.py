@@ -127,6 +127,8 @@ def ring_refusal(facts: Facts, backend: base.Backend) -> str | None:
             "position objects travel with the keys' positions)")
   if facts.return_weights:
     return "attention weights were requested"
+  if facts.explicit_dropout:
+    return "a dense `dropout_mask` was given (the ring passes keys, not mask columns, around)"
   if backend.forward is None or backend.backward is None:
     return f"the {backend.name} backend has no forward/backward halves for ring steps"
   return None

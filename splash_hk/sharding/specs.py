@@ -177,6 +177,11 @@ def attention_specs(
       bias=None if x.bias is None else x.bias.map_arrays(
           lambda side, a, **axis: bias_spec[side](a, **axis)),
       heads=present(x.heads, PartitionSpec(sink_heads)),
+      dropout=None if x.dropout is None else x.dropout._replace(
+          key=present(x.dropout.key, PartitionSpec()), rows=PartitionSpec(batch_entry),
+          heads=PartitionSpec(sink_heads), q_index=q_rows, kv_index=kv_rows,
+          mask=present(x.dropout.mask, None if x.dropout.mask is None
+                       else side_spec["qk"](x.dropout.mask))),
   )
   out_specs: KernelOutput[PartitionSpec] = KernelOutput(out=PartitionSpec(batch_entry, seq_entry, head_entry, None),
                            lse=PartitionSpec(batch_entry, seq_entry, head_entry),
