@@ -94,8 +94,11 @@ def scale(key: jax.Array | None, rate: float, rows: jax.Array, heads: jax.Array,
   `heads`, `q_index`, `kv_index` already laid out along the block's axes (e.g. [r, 1, 1, 1, 1],
   [1, Hkv, G, 1, 1], [r, 1, 1, bq, 1], [r, 1, 1, 1, bk]); `mask` (explicit, True = keep)
   instead of the hash when given."""
-  kept = mask if mask is not None else keep(row_bits(key, rows, heads, q_index), kv_index, rate)
-  return jnp.where(kept, jnp.float32(1.0 / (1.0 - rate)), jnp.float32(0.0))
+  if mask is None:
+    if key is None:
+      raise ValueError("a Dropout needs its key or an explicit mask (a bug in the caller)")
+    mask = keep(row_bits(key, rows, heads, q_index), kv_index, rate)
+  return jnp.where(mask, jnp.float32(1.0 / (1.0 - rate)), jnp.float32(0.0))
 
 
 def heads_by_kv(heads: jax.Array, num_kv_heads: int) -> jax.Array:

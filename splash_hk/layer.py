@@ -124,9 +124,10 @@ def attend_paged(query: jax.Array, key: jax.Array, value: jax.Array, call: Call,
   check_owner(call.kv_cache, settings.layer, "kv_cache")
   _check_cache_dtype(call.kv_cache, key, settings.config)
   key, value = key.astype(call.kv_cache.key.dtype), value.astype(call.kv_cache.value.dtype)
-  return paged_attention(query, key, value, call.kv_cache, call.batch, config=settings.config,
-                         softmax_aux=sinks, mesh=settings.mesh, axes=settings.axes,
-                         owner=settings.layer, **rules)  # [N, H, V], the cache
+  result = paged_attention(query, key, value, call.kv_cache, call.batch, config=settings.config,
+                           softmax_aux=sinks, mesh=settings.mesh, axes=settings.axes,
+                           owner=settings.layer, **rules)
+  return result[0], result[1]  # [N, H, V], the cache
 
 
 def _check_cache_dtype(cache: Any, key: jax.Array, config: AttentionConfig) -> None:

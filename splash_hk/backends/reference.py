@@ -126,8 +126,9 @@ def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Arr
       rule=x.rule, sinks=x.sinks, bias=x.bias, heads=x.heads)
   call = Facts.from_shapes(facts.config, inputs.query.shape, inputs.key.shape, facts.value_dim,
                            default_positions=False, mask=facts.rule, bias=facts.bias)
-  result = attend(inputs, call)
-  return result.out[:, 0], result.lse[:, 0]  # [N, Hq, Dv], [N, Hq]
+  out, lse, _ = attend(inputs, call)
+  assert lse is not None  # the reference always computes it
+  return out[:, 0], lse[:, 0]  # [N, Hq, Dv], [N, Hq]
 
 
 BACKEND = base.Backend(name="reference", why_not=why_not, attend=attend, rank=100,  # last resort

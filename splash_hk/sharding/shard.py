@@ -62,7 +62,10 @@ def shard_kernel(
   out_specs = out_specs._replace(lse=out_specs.lse if lse else None,
                                  weights=out_specs.weights if facts.return_weights else None)
   sequence: AxisEntry = in_specs.query[1]
-  per_shard = lambda x: body(x, sequence)._replace(**({} if lse else {"lse": None}))
+  def per_shard(x: KernelInputs) -> KernelOutput:
+    result = body(x, sequence)
+    return result if lse else result._replace(lse=None)
+
   return _jitted(jax.shard_map(per_shard, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs,
                                check_vma=False))(x)
 
