@@ -206,3 +206,21 @@ def test_the_training_binary_trains_with_attention_dropout():
   assert proc.returncode == 0, proc.stderr[-3000:]
   losses = {int(s): float(l) for s, l in re.findall(r"step=(\d+) loss=([0-9.]+)", proc.stderr)}
   assert losses[60] < losses[20], losses
+
+
+def test_broadcast_dropout_draws_one_mask_for_every_head():
+  """Flax's broadcast_dropout (through attention_fn, as nnx.MultiHeadAttention calls it): every
+  head keeps the pairs head 0 of the hash keeps."""
+  from splash_hk import flax as shx  # pylint: disable=g-import-not-at-top
+  length, rate = 32, 0.4
+  q = np.random.default_rng(9).normal(size=(2, length, 4, 16)).astype(np.float32)
+  fn = lambda q, k, v: shx.attention_fn(q, k, v, dropout_rate=rate, dropout_rng=KEY,
+                                        deterministic=False, broadcast_dropout=True)
+  got = _drawn(fn, q, length)  # [B, Hq, T, S]
+  head0 = np.asarray(sh.dropout_mask(KEY, rate, batch=2, num_heads=1, query_len=length,
+                                     kv_len=length))
+  np.testing.assert_array_equal(got, np.broadcast_to(head0, got.shape))
+  per_head = _drawn(lambda q, k, v: shx.attention_fn(
+      q, k, v, dropout_rate=rate, dropout_rng=KEY, deterministic=False,
+      broadcast_dropout=False), q, length)
+  assert (per_head[:, 1:] != per_head[:, :1]).any()
