@@ -16,6 +16,7 @@ from splash_hk.module import MultiHeadAttention
 from splash_hk.module import SplashAttention
 from splash_hk.paged import PagedKVCache
 from splash_hk.paged import RaggedBatch
+from splash_hk.paged import SharedPrefix
 from splash_hk.paged import explain_paged
 from splash_hk.paged import paged_attention
 from splash_hk.sharding import MeshAxes
@@ -36,6 +37,7 @@ __all__ = (
     "MultiHeadAttention",
     "PagedKVCache",
     "RaggedBatch",
+    "SharedPrefix",
     "SplashAttention",
     "attention",
     "detect_mode",

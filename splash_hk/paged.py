@@ -24,10 +24,11 @@ from splash_hk.masks import _rules
 from splash_hk.nodes import Static, skeleton
 from splash_hk import pages
 from splash_hk.pages import Layout, PagedCall, PagedFacts, PagedInputs, PagedKVCache, RaggedBatch
+from splash_hk.pages import SharedPrefix
 from splash_hk.scores import Score
 from splash_hk.types import Array, Decision, Shaped, as_score
 
-__all__ = ("PagedKVCache", "RaggedBatch", "explain_paged", "paged_attention")
+__all__ = ("PagedKVCache", "RaggedBatch", "SharedPrefix", "explain_paged", "paged_attention")
 
 
 def paged_facts(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: Any, *,

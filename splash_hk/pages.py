@@ -77,7 +77,34 @@ def check_owner(cache: PagedKVCache, owner: str | None, argument: str) -> None:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("cu_q_lens", "kv_lens", "page_table", "num_seqs"), meta_fields=())
+                   data_fields=("pages", "lens", "group"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class SharedPrefix:
+  """Groups of sequences that start with the same cached pages (a pytree): a cascade.
+
+  Attributes:
+    pages: [G, prefix_pages] int32; group g's prefix is `pages[g, :lens[g] // page_size]`.
+    lens: [G] int32, group g's prefix tokens: whole pages, all cached before the call.
+    group: [max_seqs] int32, each sequence's group (-1: none). A member's page table lists its
+      group's pages first and it holds at least `lens[g]` tokens (else the misuse rule).
+  """
+
+  pages: jax.Array
+  lens: jax.Array
+  group: jax.Array
+
+  @property
+  def num_groups(self) -> int:
+    return self.pages.shape[0]
+
+  @property
+  def prefix_pages(self) -> int:
+    return self.pages.shape[1]
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("cu_q_lens", "kv_lens", "page_table", "num_seqs", "prefix"),
+                   meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class RaggedBatch:
   """One step's sequences over a flat batch of new tokens (a pytree).
@@ -89,12 +116,15 @@ class RaggedBatch:
     page_table: [max_seqs, pages_per_seq] int32; s's logical page p is physical page
       `page_table[s, p]`; entries past s's length after the call are not read.
     num_seqs: int32 `[]` or `[1]`; sequences from it on (and their rows) are padding.
+    prefix: a `SharedPrefix` (cascade: each group's prefix is attended once for all its
+      members' rows, then merged with their own pages), or None.
   """
 
   cu_q_lens: jax.Array
   kv_lens: jax.Array
   page_table: jax.Array
   num_seqs: jax.Array
+  prefix: SharedPrefix | None = None
 
   @property
   def max_seqs(self) -> int:
@@ -161,6 +191,7 @@ class Misuse(NamedTuple):
   capacity: jax.Array  # length after the call past pages_per_seq * page_size
   page_range: jax.Array  # a page read or written outside [0, num_pages)
   shared_write: jax.Array  # a page written here that another listing (or the same) also reads
+  prefix: jax.Array  # a member whose table or length disagrees with its group's prefix
 
   def any(self) -> jax.Array:
     """[max_seqs] bool: the sequences that write nothing and output NaN."""
@@ -196,6 +227,37 @@ def _shared_writes(batch: RaggedBatch, listed: jax.Array, written: jax.Array,
   return jnp.any(listed & inside & conflict[jnp.clip(table, 0, num_pages - 1)], axis=1)
 
 
+def prefix_of(batch: RaggedBatch, seq: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(group [..] int32, -1 for none; prefix tokens [..] int32, 0 for none) of sequences `seq`."""
+  if batch.prefix is None:
+    return jnp.full(seq.shape, -1, jnp.int32), jnp.zeros(seq.shape, jnp.int32)
+  p = batch.prefix
+  group = p.group.astype(jnp.int32)[seq]
+  inside = (group >= 0) & (group < p.num_groups)
+  lens = jnp.where(inside, p.lens.astype(jnp.int32)[jnp.clip(group, 0, p.num_groups - 1)], 0)
+  return jnp.where(inside, group, -1), lens
+
+
+def _prefix_misuse(batch: RaggedBatch, page_size: int) -> jax.Array:
+  """[max_seqs] bool: members whose group is out of range, whose prefix is not whole cached
+  pages, or whose page table does not start with the group's pages."""
+  p = batch.prefix
+  if p is None:
+    return jnp.zeros((batch.max_seqs,), jnp.bool_)
+  group = p.group.astype(jnp.int32)
+  member = group >= 0
+  g = jnp.clip(group, 0, p.num_groups - 1)
+  lens = p.lens.astype(jnp.int32)[g]  # [max_seqs]
+  bad = member & ((group >= p.num_groups) | (lens < 0) | (lens % page_size != 0)
+                  | (lens > batch.kv_lens.astype(jnp.int32))
+                  | (lens > p.prefix_pages * page_size))
+  width = min(p.prefix_pages, batch.pages_per_seq)
+  covered = jnp.arange(width)[None, :] < (lens // page_size)[:, None]  # [max_seqs, width]
+  differs = batch.page_table[:, :width].astype(jnp.int32) != p.pages.astype(jnp.int32)[g, :width]
+  too_wide = lens > width * page_size
+  return bad | (member & (jnp.any(covered & differs, axis=1) | too_wide))
+
+
 def layout(batch: RaggedBatch, num_tokens: int, num_pages: int, page_size: int) -> Layout:
   """The rows and sequences of `batch` over a flat batch of `num_tokens` new tokens."""
   max_seqs, pages_per_seq = batch.max_seqs, batch.pages_per_seq
@@ -223,7 +285,8 @@ def layout(batch: RaggedBatch, num_tokens: int, num_pages: int, page_size: int) 
   misuse = Misuse(
       rows=in_use & bad_rows, num_seqs=jnp.broadcast_to(bad_count, (max_seqs,)),
       kv_lens=in_use & (kv < 0), capacity=in_use & too_long, page_range=out_of_range,
-      shared_write=_shared_writes(batch, listed, written, num_pages))
+      shared_write=_shared_writes(batch, listed, written, num_pages),
+      prefix=in_use & _prefix_misuse(batch, page_size))
   bad = misuse.any()  # [max_seqs]
   rows = jnp.arange(num_tokens, dtype=jnp.int32)  # [N]
   ends = jnp.where(in_use, end, jnp.iinfo(jnp.int32).max)  # [max_seqs], non-decreasing if valid
@@ -247,6 +310,10 @@ MISUSE_WORDS = {  # Misuse field -> (argument, what is wrong, what to pass inste
                      "elsewhere (another sequence, or twice)",
                      "a page of its own for every page a sequence writes (copy a shared page "
                      "first)"),
+    "prefix": ("batch.prefix", "disagrees with a member: its group is out of range, its length "
+               "is not whole pages all cached before the call, or the member's page table does "
+               "not start with the group's pages", "each member's own first pages and a length "
+               "of whole pages up to its kv_lens"),
 }
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from splash_hk.masks import _objects
 from splash_hk.config import AttentionConfig
-from splash_hk.pages import PagedKVCache, RaggedBatch
+from splash_hk.pages import PagedKVCache, RaggedBatch, SharedPrefix
 from splash_hk.scores import Score
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Extras, as_score
@@ -252,6 +252,22 @@ def _validate_batch(batch: RaggedBatch) -> None:
           f"{tuple(batch.page_table.shape)}, {tuple(num_seqs.shape)}.")
   for name in ("cu_q_lens", "kv_lens", "page_table", "num_seqs"):
     _integer(getattr(batch, name), f"batch.{name}")
+  prefix = batch.prefix
+  if prefix is None:
+    return
+  if not isinstance(prefix, SharedPrefix):
+    _fail(f"`batch.prefix` must be a splash_hk.SharedPrefix(pages, lens, group) or None, got "
+          f"{type(prefix).__name__}.")
+  _rank(prefix.pages, 2, "batch.prefix.pages", "[groups, prefix_pages]")
+  groups = prefix.pages.shape[0]
+  _rank(prefix.lens, 1, "batch.prefix.lens", f"[groups] = [{groups}]")
+  _rank(prefix.group, 1, "batch.prefix.group", f"[max_seqs] = [{max_seqs}]")
+  if prefix.lens.shape[0] != groups or prefix.group.shape[0] != max_seqs or groups < 1:
+    _fail(f"`batch.prefix` must hold pages [groups, prefix_pages], lens [groups] and group "
+          f"[max_seqs] = [{max_seqs}], got {tuple(prefix.pages.shape)}, "
+          f"{tuple(prefix.lens.shape)}, {tuple(prefix.group.shape)}.")
+  for name in ("pages", "lens", "group"):
+    _integer(getattr(prefix, name), f"batch.prefix.{name}")
 
 
 def _validate_positions_only(mask: Any, bias: Any, config: AttentionConfig,

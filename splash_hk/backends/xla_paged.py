@@ -8,6 +8,11 @@ last visible key (its own position under a causal rule, else its sequence's last
 running sum), gathers the rows' queries and the pages' keys and values, and folds each chunk
 into every row's online softmax (a row's items in one chunk meet in a scatter-max and
 scatter-adds, in a fixed order: the same bits every run). Nothing scales with `pages_per_seq`.
+
+A cascade (`RaggedBatch.prefix`) first attends each group's shared prefix once for all rows:
+the group's pages are gathered once and every row's logits against them are one dense
+matmul (rows of other groups masked out, groups without a live member skipped); the rows'
+own pages then start after the prefix, folded into the same softmax state.
 """
 
 from __future__ import annotations
@@ -82,6 +87,60 @@ def _fold(state, item: jax.Array, x: pages.PagedInputs, facts: pages.PagedFacts,
   return new_m, l, acc
 
 
+def _prefix(x: pages.PagedInputs, facts: pages.PagedFacts, lo: jax.Array, hi: jax.Array, state):
+  """The softmax state after each cascade group's prefix: every row against its group's prefix
+  keys [0, lens[g]) within its bounds [lo, hi], one dense block per group with a live member."""
+  prefix, layout = x.batch.prefix, x.layout
+  group, plen = pages.prefix_of(x.batch, layout.seq)  # [N]
+  num_kv_heads, heads_per_kv = facts.num_kv_heads, facts.num_heads // facts.num_kv_heads
+  width = prefix.prefix_pages * facts.page_size
+  kv_pos = jnp.arange(width, dtype=jnp.int32)  # [L]
+  query = x.query.reshape(-1, num_kv_heads, heads_per_kv, facts.head_dim)  # [N, Hkv, G, D]
+
+  def one(g, state):
+    pool = jnp.clip(prefix.pages[g], 0, facts.num_pages - 1)  # [prefix_pages]
+    key = x.cache.key[pool].reshape(width, num_kv_heads, -1)  # [L, Hkv, D]
+    value = x.cache.value[pool].reshape(width, num_kv_heads, -1)  # [L, Hkv, Dv]
+    visible = ((group == g)[:, None] & (kv_pos[None, :] < plen[:, None])
+               & (kv_pos[None, :] >= lo[:, None]) & (kv_pos[None, :] <= hi[:, None]))  # [N, L]
+    if x.rule is not None:
+      visible = visible & x.rule.visible(layout.pos[:, None], kv_pos[None, :])
+    logits = jnp.einsum("nkgd,lkd->nkgl", query, key, precision=_HIGHEST,
+                        preferred_element_type=jnp.float32) * facts.scale  # [N, Hkv, G, L]
+    bias = None
+    if x.bias is not None:
+      bias = base.bias_block(x.bias, layout.pos[:, None],
+                             jnp.broadcast_to(kv_pos, (layout.pos.shape[0], width)), x.heads,
+                             heads_per_kv)[..., 0, :]
+      bias = jnp.where(visible[:, None, None, :], bias, 0.0)
+      logits = logits + bias
+    seen = visible[:, None, None, :] & (True if bias is None else bias != -jnp.inf)
+    logits = jnp.where(seen, base.soft_cap(logits, facts.config.logits_soft_cap, bias), -jnp.inf)
+    return _merge_block(state, logits, seen, value, jnp.any(visible, axis=0))
+
+  live = lambda g: jnp.any((group == g) & layout.row_live)
+  return jax.lax.fori_loop(0, prefix.num_groups, lambda g, state: jax.lax.cond(
+      live(g), lambda s: one(g, s), lambda s: s, state), state)
+
+
+def _merge_block(state, logits, seen, value, used):
+  """The state (m, l, acc) with a dense block of every row's logits [N, Hkv, G, L] folded in
+  (values [L, Hkv, Dv]; `used` [L]: keys some row sees; a non-finite value a row sees makes
+  that row's column NaN, one it does not see changes nothing)."""
+  m, l, acc = state
+  block_max = jnp.max(logits, axis=-1)  # [N, Hkv, G]
+  new_m = jnp.maximum(m, block_max)
+  safe = jnp.where(new_m == -jnp.inf, 0.0, new_m)
+  alpha = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - safe))
+  p = jnp.where(seen, jnp.exp(logits - safe[..., None]), 0.0)  # [N, Hkv, G, L]
+  bad = ~jnp.isfinite(value) & used[:, None, None]  # [L, Hkv, Dv]
+  clean = jnp.where(used[:, None, None] & ~bad, value, 0).astype(jnp.float32)
+  pv = jnp.einsum("nkgl,lkd->nkgd", p, clean, precision=_HIGHEST)  # [N, Hkv, G, Dv]
+  hits = jnp.einsum("nkgl,lkd->nkgd", seen.astype(jnp.float32), bad.astype(jnp.float32))
+  pv = jnp.where(hits > 0, jnp.nan, pv)
+  return new_m, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
+
+
 def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:
   """out [N, Hq, Dv] of every live row over its sequence's pages (other rows: 0), and its lse
   [N, Hq] (base's convention)."""
@@ -89,12 +148,15 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, ja
   num_kv_heads = facts.num_kv_heads
   groups = num_heads // num_kv_heads
   lo, hi = key_bounds(x, facts)  # [N]
+  shape = (num_tokens, num_kv_heads, groups)
+  state = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, facts.value_dim)))
+  if x.batch.prefix is not None:  # a cascade: prefixes once, then each row's own pages after
+    state = _prefix(x, facts, lo, hi, state)
+    lo = jnp.maximum(lo, pages.prefix_of(x.batch, x.layout.seq)[1])
   first_page = jnp.maximum(lo, 0) // facts.page_size
   count = jnp.where(hi >= lo, hi // facts.page_size - first_page + 1, 0)  # [N] pages per row
   ends = jnp.cumsum(count)  # [N]
   rows = (lo, hi, first_page, ends - count, ends, ends[-1])
-  shape = (num_tokens, num_kv_heads, groups)
-  state = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, facts.value_dim)))
 
   def body(carry):
     step, state = carry
