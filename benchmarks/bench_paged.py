@@ -75,7 +75,7 @@ def _fixed_call(lens, max_len) -> Callable[[], Any]:
   return lambda: step(q, kv, extras)
 
 
-def _ratio(first: Sequence[Callable[[], Any]], second: Sequence[Callable[[], Any]],
+def ratio(first: Sequence[Callable[[], Any]], second: Sequence[Callable[[], Any]],
            repeats: int) -> float:
   """Median over `repeats` rounds of (time of the `first` calls) / (time of the `second`),
   the two timed one after the other in each round (the machine's drift cancels)."""
@@ -95,10 +95,10 @@ def report(repeats: int, max_len: int = 4096) -> dict[str, float]:
   used = sum(-(-(int(n) + 1) // PAGE) for n in lens) * PAGE
   paged_bytes, fixed_bytes = used * HKV * D * 4 * 2, 16 * max_len * HKV * D * 4 * 2
   figures = {
-      "decode_wide_over_narrow": _ratio([_paged_call(lens, ones, 8 * narrow_pages)], [narrow],
+      "decode_wide_over_narrow": ratio([_paged_call(lens, ones, 8 * narrow_pages)], [narrow],
                                         repeats),
-      "decode_paged_over_kv_cache": _ratio([narrow], [_fixed_call(lens, max_len)], repeats),
-      "mixed_over_apart": _ratio([_paged_call(mixed_lens, mixed_q, narrow_pages)], apart,
+      "decode_paged_over_kv_cache": ratio([narrow], [_fixed_call(lens, max_len)], repeats),
+      "mixed_over_apart": ratio([_paged_call(mixed_lens, mixed_q, narrow_pages)], apart,
                                  repeats),
       "paged_mib": paged_bytes / 2**20, "kv_cache_mib": fixed_bytes / 2**20}
   print(f"decode, 16 sequences of 64..{max_len} tokens: pages_per_seq for {8 * max_len} / for "

@@ -146,6 +146,9 @@ def test_sharing_a_prefix_cuts_pages_and_prefill_by_three(served_model):
   assert with_.skipped_tokens >= 31 * 256 - PAGE, with_
   assert runs[True].outputs == runs[False].outputs
   assert not engine_lib.greedy_mismatches(config, params, requests, runs[True].outputs)
+  # The cascade: each step reads the shared prefix once for its group; the same outputs.
+  cascade = engine_lib.serve(engine, requests, prefix_sharing=True, cascade=True, check=True)
+  assert cascade.outputs == runs[True].outputs
 
 
 SUMMARY = {
@@ -346,10 +349,11 @@ class ServingMachine(stateful.RuleBasedStateMachine):
   LONGEST = 2 * PAGE + 40 + 12  # a shared prefix, a tail and new tokens: 6 pages
 
   @stateful.initialize(pages=st.integers(-(-LONGEST // PAGE), 40),
-                       chunk=st.sampled_from([8, 16, 64]), sharing=st.booleans())
-  def start(self, pages, chunk, sharing):
+                       chunk=st.sampled_from([8, 16, 64]), sharing=st.booleans(),
+                       cascade=st.booleans())
+  def start(self, pages, chunk, sharing, cascade):
     sched = dataclasses.replace(SCHED, prefill_chunk=chunk, prefix_sharing=sharing,
-                                vocab_size=TASK.vocab_size)
+                                vocab_size=TASK.vocab_size, cascade=cascade)
     self.scheduler = Scheduler(sched, PageAllocator(pages))
     self.pages, self.next_id, self.rng = pages, 0, np.random.default_rng(pages * 7 + chunk)
 
@@ -413,3 +417,29 @@ def test_any_interleaving_of_submit_step_and_cancel_keeps_every_invariant(served
   stateful.run_state_machine_as_test(ServingMachine, settings=hypothesis.settings(
       max_examples=20, stateful_step_count=30, deadline=None, derandomize=True, database=None,
       suppress_health_check=list(hypothesis.HealthCheck)))
+
+
+def test_the_cascade_groups_requests_by_their_shared_first_pages():
+  """Plans list, as one group, the requests whose first cached pages are the same shared pages
+  (never a page the step writes), and nothing for a request alone."""
+  scheduler = Scheduler(dataclasses.replace(SCHED, cascade=True), PageAllocator(40))
+  prompt = tuple(range(3 * PAGE + 5))
+  for i, p in enumerate((prompt, prompt + (7,), tuple(range(100, 120)))):
+    scheduler.add(Request(i, p, 6))
+  grouped = False
+  while not scheduler.idle:
+    plan = scheduler.schedule()
+    pages, lens, group = plan.prefix
+    for s, (seq, q) in enumerate(plan.work):
+      g = group[s]
+      if g >= 0:
+        n = lens[g] // PAGE
+        assert list(pages[g, :n]) == seq.pages[:n] and lens[g] <= seq.computed
+        assert all(scheduler.allocator.refs(p) > 1 for p in pages[g, :n])
+      if seq.request.id == 2:
+        assert g == -1
+    members = [seq.request.id for s, (seq, _) in enumerate(plan.work) if group[s] == 0]
+    grouped |= sorted(members) == [0, 1]
+    scheduler.complete(plan, np.zeros(len(plan.tokens), np.int32))
+    scheduler.check()
+  assert grouped, "requests 0 and 1 share 3 pages: some step groups them"

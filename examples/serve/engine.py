@@ -84,17 +84,23 @@ class PagedEngine:
   def pool_bytes(self) -> int:
     return _nbytes(self.caches)
 
-  def warm_up(self) -> None:
-    """Compiles every bucket and the page copy with calls that write nothing."""
-    empty = Plan(tokens=np.zeros(0, np.int32), positions=np.zeros(0, np.int32),
-                 cu_q_lens=np.zeros(self.sched.max_seqs + 1, np.int32),
-                 kv_lens=np.zeros(self.sched.max_seqs, np.int32),
-                 page_table=np.zeros((self.sched.max_seqs, self.sched.pages_per_seq), np.int32),
-                 num_seqs=0, copies=[], work=[], samples=[])
-    jax.block_until_ready(self.run(empty, self.buckets[0])[0])  # the pools learn their layers
+  def warm_up(self, cascades: tuple[bool, ...] | None = None) -> None:
+    """Compiles every bucket (with and/or without a cascade's grouping: `cascades`, default
+    the engine's) and the page copy with calls that write nothing."""
+    c = self.sched
+    groups = (np.zeros((c.max_seqs, c.pages_per_seq), np.int32), np.zeros(c.max_seqs, np.int32),
+              np.full(c.max_seqs, -1, np.int32))
+    for cascade in cascades or (c.cascade,):
+      empty = Plan(tokens=np.zeros(0, np.int32), positions=np.zeros(0, np.int32),
+                   cu_q_lens=np.zeros(c.max_seqs + 1, np.int32),
+                   kv_lens=np.zeros(c.max_seqs, np.int32),
+                   page_table=np.zeros((c.max_seqs, c.pages_per_seq), np.int32),
+                   num_seqs=0, copies=[], work=[], samples=[],
+                   prefix=groups if cascade else None)
+      jax.block_until_ready(self.run(empty, self.buckets[0])[0])  # the pools learn their layers
+      for size in self.buckets:
+        jax.block_until_ready(self.run(empty, size)[0])
     self._copy_shared([])  # every destination past the pool: nothing is copied
-    for size in self.buckets:
-      jax.block_until_ready(self.run(empty, size)[0])
 
   def _copy_shared(self, copies: list[tuple[int, int]]) -> None:
     """Each (src, dst) page copied in every layer's pool, as one program for any count."""
@@ -112,8 +118,10 @@ class PagedEngine:
     pad = lambda a: np.pad(a, (0, size - n))
     if plan.copies:
       self._copy_shared(plan.copies)
+    prefix = None if plan.prefix is None else sh.SharedPrefix(*plan.prefix)
     batch = sh.RaggedBatch(cu_q_lens=plan.cu_q_lens, kv_lens=plan.kv_lens,
-                           page_table=plan.page_table, num_seqs=np.int32(plan.num_seqs))
+                           page_table=plan.page_table, num_seqs=np.int32(plan.num_seqs),
+                           prefix=prefix)
     sampled, finite, self.caches = self._step(self.params, pad(plan.tokens),
                                               pad(plan.positions), self.caches, batch)
     return np.asarray(sampled)[:n], np.asarray(finite)[:n]
@@ -128,16 +136,18 @@ def _copy_pages(caches: list[sh.PagedKVCache], src: jax.Array, dst: jax.Array):
 def serve(engine: PagedEngine, requests: list[Request], *, prefix_sharing: bool,
           prefill_chunk: int | None = None, num_pages: int | None = None,
           log_every: int = 0, cancels: dict[int, int] | None = None,
-          check: bool = False) -> Served:
+          check: bool = False, cascade: bool | None = None) -> Served:
   """Serves `requests` (each arriving at its step) with continuous batching to the end.
 
   `prefill_chunk` and `num_pages` (the first pages of the engine's pool) change the
   scheduling without compiling again. `cancels`: request id -> the step before which it is
   cancelled (wherever it is then; nothing if it has finished). A refused request is logged and
   listed in the result, the others served. `check`: the scheduler's invariants after every
-  step."""
+  step. `cascade` (default: the engine's): plans group the sequences that share their first
+  pages (`splash_hk.SharedPrefix`), so each shared prefix is read once a step."""
   sched = dataclasses.replace(engine.sched, prefix_sharing=prefix_sharing,
-                              prefill_chunk=prefill_chunk or engine.sched.prefill_chunk)
+                              prefill_chunk=prefill_chunk or engine.sched.prefill_chunk,
+                              cascade=engine.sched.cascade if cascade is None else cascade)
   scheduler = Scheduler(sched, PageAllocator(num_pages or engine.num_pages))
   pending = sorted(requests, key=lambda r: (r.arrival, r.id))
   cancelling = sorted((step, rid) for rid, step in (cancels or {}).items())

@@ -53,6 +53,7 @@ class SchedulerConfig:
   pages_per_seq: int = 24  # the page table's width: a sequence's longest length / page_size
   prefix_sharing: bool = True
   vocab_size: int | None = None  # prompts with a token outside [0, vocab_size) are refused
+  cascade: bool = False  # plans group sequences whose first cached pages are shared (a cascade)
 
   def __post_init__(self):
     if min(self.page_size, self.max_seqs, self.prefill_chunk, self.pages_per_seq) < 1:
@@ -95,6 +96,7 @@ class Plan:
   copies: list[tuple[int, int]]  # (source, destination) pages to copy before the step
   work: list[tuple[Sequence, int]]  # each scheduled sequence and its tokens this step
   samples: list[tuple[Sequence, int]]  # sequences that get a token, and the row that gives it
+  prefix: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # cascade: pages, lens, group
 
 
 @dataclasses.dataclass
@@ -367,4 +369,24 @@ class Scheduler:
     cu[len(work) + 1:] = cu[len(work)]
     return Plan(tokens=np.asarray(tokens, np.int32), positions=np.asarray(positions, np.int32),
                 cu_q_lens=cu, kv_lens=kv_lens, page_table=table, num_seqs=len(work),
-                copies=copies, work=work, samples=samples)
+                copies=copies, work=work, samples=samples,
+                prefix=self._groups(work) if c.cascade else None)
+
+  def _groups(self, work: list[tuple[Sequence, int]]) -> tuple[np.ndarray, ...]:
+    """The step's cascade: sequences whose first cached pages are the same shared pages (held
+    by more than one request, all below what the sequence has computed) form a group, as
+    `splash_hk.SharedPrefix`'s arrays (pages [max_seqs, pages_per_seq], lens, group)."""
+    c = self.config
+    pages = np.zeros((c.max_seqs, c.pages_per_seq), np.int32)
+    lens = np.zeros(c.max_seqs, np.int32)
+    group = np.full(c.max_seqs, -1, np.int32)
+    found: dict[tuple[int, ...], int] = {}
+    for s, (seq, _) in enumerate(work):
+      n = 0
+      while (n < len(seq.pages) and (n + 1) * c.page_size <= seq.computed
+             and self.allocator.refs(seq.pages[n]) > 1):
+        n += 1
+      if n:
+        g = found.setdefault(tuple(seq.pages[:n]), len(found))
+        pages[g, :n], lens[g], group[s] = seq.pages[:n], n * c.page_size, g
+    return pages, lens, group

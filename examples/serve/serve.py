@@ -57,6 +57,12 @@ _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 64,
                                       "Prompt tokens a request computes in one step.")
 _PREFIX_SHARING = flags.DEFINE_bool(
     "prefix_sharing", True, "Reuse the pool's full pages of an equal prompt prefix.")
+_CASCADE = flags.DEFINE_bool(
+    "cascade", False, "Group the sequences that share their first pages in each step, so a "
+    "shared prefix is read once a step (splash_hk.SharedPrefix). Off by default: on this CPU "
+    "the demo workloads ran slower with it (docs/guide/caches.md).")
+_COMPARE_CASCADE = flags.DEFINE_bool(
+    "compare_cascade", False, "Also serve the requests without --cascade and print the ratio.")
 _COMPARE_STATIC = flags.DEFINE_bool(
     "compare_static", True, "Also serve the requests as static batches of --max_seqs with KVCache.")
 _CHECK = flags.DEFINE_bool("check", False, "Check every finished output against greedy decoding "
@@ -92,7 +98,8 @@ def _config(requests: list[workload_lib.Request], vocab_size: int) -> SchedulerC
     return SchedulerConfig(page_size=_PAGE_SIZE.value, max_seqs=_MAX_SEQS.value,
                            step_tokens=_STEP_TOKENS.value, prefill_chunk=_PREFILL_CHUNK.value,
                            pages_per_seq=-(-longest // _PAGE_SIZE.value),
-                           prefix_sharing=_PREFIX_SHARING.value, vocab_size=vocab_size)
+                           prefix_sharing=_PREFIX_SHARING.value, vocab_size=vocab_size,
+                           cascade=_CASCADE.value)
   except ValueError as e:
     _fail(str(e))
 
@@ -166,7 +173,7 @@ def run() -> None:
     _fail(str(e))
   num_pages = _NUM_PAGES.value or _default_pages(requests, sched)
   paged = engine_lib.PagedEngine(config, params, sched, num_pages)
-  paged.warm_up()
+  paged.warm_up((True, False) if _COMPARE_CASCADE.value else None)
   logging.info("serving %d requests: pool of %d pages of %d slots per layer, steps of %d "
                "tokens (buckets %s), prefill chunks of %d, prefix sharing %s", len(requests),
                num_pages, sched.page_size, sched.step_tokens, paged.buckets, sched.prefill_chunk,
@@ -177,6 +184,13 @@ def run() -> None:
                               check=_CHECK.value)
   except ValueError as e:
     _fail(str(e))
+  if _COMPARE_CASCADE.value:
+    other = engine_lib.serve(paged, requests, prefix_sharing=sched.prefix_sharing,
+                             cancels=cancels, cascade=not sched.cascade)
+    with_, without = (served, other) if sched.cascade else (other, served)
+    print(f"cascade / no cascade: {(with_.tokens / with_.seconds) / (without.tokens / without.seconds):.2f}x "
+          f"tokens/s ({with_.tokens / with_.seconds:.0f} / {without.tokens / without.seconds:.0f}); "
+          f"outputs equal: {with_.outputs == without.outputs}")
   static = None
   if _COMPARE_STATIC.value:
     static_engine = engine_lib.StaticEngine(config, params, sched.max_seqs)

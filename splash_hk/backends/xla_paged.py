@@ -87,15 +87,33 @@ def _fold(state, item: jax.Array, x: pages.PagedInputs, facts: pages.PagedFacts,
   return new_m, l, acc
 
 
+def cascade_groups(x: pages.PagedInputs) -> tuple[jax.Array, jax.Array]:
+  """([N] each row's cascade group, -1 for none; [N] its prefix tokens, 0 for none): groups
+  with fewer than two live member sequences do not count (a prefix read once for one sequence
+  saves nothing: its rows read it with their own pages)."""
+  layout, prefix = x.layout, x.batch.prefix
+  assert prefix is not None, "only a cascade has groups"
+  group, plen = pages.prefix_of(x.batch, layout.seq)  # [N]
+  num_groups = prefix.num_groups
+  first = jnp.zeros_like(layout.row_in).at[x.batch.cu_q_lens[:-1]].set(True, mode="drop")
+  starts = first & layout.row_live & (group >= 0)  # one row per live member sequence
+  members = jnp.zeros((num_groups,), jnp.int32).at[jnp.where(starts, group, num_groups)].add(
+      1, mode="drop")  # [groups]
+  shared = (group >= 0) & (members[jnp.clip(group, 0, num_groups - 1)] > 1)
+  return jnp.where(shared, group, -1), jnp.where(shared, plen, 0)
+
+
 def _prefix(x: pages.PagedInputs, facts: pages.PagedFacts, lo: jax.Array, hi: jax.Array, state):
   """The softmax state after each cascade group's prefix: every row against its group's prefix
-  keys [0, lens[g]) within its bounds [lo, hi], one dense block per group with a live member."""
+  keys [0, lens[g]) within its bounds [lo, hi], one dense block per group with live members."""
   prefix, layout = x.batch.prefix, x.layout
-  group, plen = pages.prefix_of(x.batch, layout.seq)  # [N]
+  assert prefix is not None, "only a cascade has prefixes"
+  group, plen = cascade_groups(x)  # [N]
   num_kv_heads, heads_per_kv = facts.num_kv_heads, facts.num_heads // facts.num_kv_heads
   width = prefix.prefix_pages * facts.page_size
   kv_pos = jnp.arange(width, dtype=jnp.int32)  # [L]
-  query = x.query.reshape(-1, num_kv_heads, heads_per_kv, facts.head_dim)  # [N, Hkv, G, D]
+  query = jnp.swapaxes(x.query.reshape(-1, num_kv_heads, heads_per_kv * facts.head_dim), 0, 1)
+  query = query.reshape(num_kv_heads, -1, facts.head_dim)  # [Hkv, N * G, D]
 
   def one(g, state):
     pool = jnp.clip(prefix.pages[g], 0, facts.num_pages - 1)  # [prefix_pages]
@@ -105,8 +123,9 @@ def _prefix(x: pages.PagedInputs, facts: pages.PagedFacts, lo: jax.Array, hi: ja
                & (kv_pos[None, :] >= lo[:, None]) & (kv_pos[None, :] <= hi[:, None]))  # [N, L]
     if x.rule is not None:
       visible = visible & x.rule.visible(layout.pos[:, None], kv_pos[None, :])
-    logits = jnp.einsum("nkgd,lkd->nkgl", query, key, precision=_HIGHEST,
-                        preferred_element_type=jnp.float32) * facts.scale  # [N, Hkv, G, L]
+    logits = jnp.einsum("kmd,kld->kml", query, jnp.swapaxes(key, 0, 1), precision=_HIGHEST,
+                        preferred_element_type=jnp.float32) * facts.scale  # [Hkv, N * G, L]
+    logits = jnp.moveaxis(logits.reshape(num_kv_heads, -1, heads_per_kv, width), 0, 1)
     bias = None
     if x.bias is not None:
       bias = base.bias_block(x.bias, layout.pos[:, None],
@@ -134,10 +153,17 @@ def _merge_block(state, logits, seen, value, used):
   alpha = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - safe))
   p = jnp.where(seen, jnp.exp(logits - safe[..., None]), 0.0)  # [N, Hkv, G, L]
   bad = ~jnp.isfinite(value) & used[:, None, None]  # [L, Hkv, Dv]
-  clean = jnp.where(used[:, None, None] & ~bad, value, 0).astype(jnp.float32)
-  pv = jnp.einsum("nkgl,lkd->nkgd", p, clean, precision=_HIGHEST)  # [N, Hkv, G, Dv]
-  hits = jnp.einsum("nkgl,lkd->nkgd", seen.astype(jnp.float32), bad.astype(jnp.float32))
-  pv = jnp.where(hits > 0, jnp.nan, pv)
+  clean = jnp.swapaxes(jnp.where(used[:, None, None] & ~bad, value, 0), 0, 1)  # [Hkv, L, Dv]
+  n, num_kv_heads, groups, width = p.shape
+  by_head = jnp.moveaxis(p, 1, 0).reshape(num_kv_heads, n * groups, width)  # [Hkv, N * G, L]
+  pv = jnp.einsum("kml,kld->kmd", by_head, clean.astype(jnp.float32), precision=_HIGHEST)
+  pv = jnp.moveaxis(pv.reshape(num_kv_heads, n, groups, -1), 0, 1)  # [N, Hkv, G, Dv]
+
+  def poison(pv):  # rows that see a non-finite value: NaN in its column
+    hits = jnp.einsum("nkgl,lkd->nkgd", seen.astype(jnp.float32), bad.astype(jnp.float32))
+    return jnp.where(hits > 0, jnp.nan, pv)
+
+  pv = jax.lax.cond(jnp.any(bad), poison, lambda pv: pv, pv)
   return new_m, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
 
 
@@ -152,7 +178,7 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, ja
   state = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, facts.value_dim)))
   if x.batch.prefix is not None:  # a cascade: prefixes once, then each row's own pages after
     state = _prefix(x, facts, lo, hi, state)
-    lo = jnp.maximum(lo, pages.prefix_of(x.batch, x.layout.seq)[1])
+    lo = jnp.maximum(lo, cascade_groups(x)[1])
   first_page = jnp.maximum(lo, 0) // facts.page_size
   count = jnp.where(hi >= lo, hi // facts.page_size - first_page + 1, 0)  # [N] pages per row
   ends = jnp.cumsum(count)  # [N]
