@@ -97,10 +97,6 @@ class SharedPrefix:
   def num_groups(self) -> int:
     return self.pages.shape[0]
 
-  @property
-  def prefix_pages(self) -> int:
-    return self.pages.shape[1]
-
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("cu_q_lens", "kv_lens", "page_table", "num_seqs", "prefix"),
@@ -248,14 +244,12 @@ def _prefix_misuse(batch: RaggedBatch, page_size: int) -> jax.Array:
   member = group >= 0
   g = jnp.clip(group, 0, p.num_groups - 1)
   lens = p.lens.astype(jnp.int32)[g]  # [max_seqs]
-  bad = member & ((group >= p.num_groups) | (lens < 0) | (lens % page_size != 0)
-                  | (lens > batch.kv_lens.astype(jnp.int32))
-                  | (lens > p.prefix_pages * page_size))
-  width = min(p.prefix_pages, batch.pages_per_seq)
+  width = min(p.pages.shape[1], batch.pages_per_seq)
+  bad = ((group >= p.num_groups) | (lens < 0) | (lens % page_size != 0) | (lens > width * page_size)
+         | (lens > batch.kv_lens.astype(jnp.int32)))
   covered = jnp.arange(width)[None, :] < (lens // page_size)[:, None]  # [max_seqs, width]
   differs = batch.page_table[:, :width].astype(jnp.int32) != p.pages.astype(jnp.int32)[g, :width]
-  too_wide = lens > width * page_size
-  return bad | (member & (jnp.any(covered & differs, axis=1) | too_wide))
+  return member & (bad | jnp.any(covered & differs, axis=1))
 
 
 def layout(batch: RaggedBatch, num_tokens: int, num_pages: int, page_size: int) -> Layout:

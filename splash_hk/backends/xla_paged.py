@@ -110,7 +110,7 @@ def _prefix(x: pages.PagedInputs, facts: pages.PagedFacts, lo: jax.Array, hi: ja
   assert prefix is not None, "only a cascade has prefixes"
   group, plen = cascade_groups(x)  # [N]
   num_kv_heads, heads_per_kv = facts.num_kv_heads, facts.num_heads // facts.num_kv_heads
-  width = prefix.prefix_pages * facts.page_size
+  width = prefix.pages.shape[1] * facts.page_size
   kv_pos = jnp.arange(width, dtype=jnp.int32)  # [L]
   query = jnp.swapaxes(x.query.reshape(-1, num_kv_heads, heads_per_kv * facts.head_dim), 0, 1)
   query = query.reshape(num_kv_heads, -1, facts.head_dim)  # [Hkv, N * G, D]
