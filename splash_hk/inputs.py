@@ -80,9 +80,12 @@ def _dropout(extras: Extras, call: Facts) -> Dropout | None:
   if call.config.dropout_rate == 0:
     return None
   batch, query_len, kv_len = call.query_shape[0], call.query_len, call.kv_len
+  kv_index = jnp.arange(kv_len, dtype=jnp.int32)
+  if call.load_balanced:  # tokens in dual-chunk order: each keeps its original index
+    kv_index = jnp.asarray(_rules.load_balanced_order(kv_len, call.sequence_shards), jnp.int32)
   q_index = extras.dropout_q_index
-  if q_index is None:
-    q_index = jnp.broadcast_to(kv_len - query_len + jnp.arange(query_len), (batch, query_len))
+  if q_index is None:  # end-aligned: query t has S - T + t (load-balanced: its token's, T == S)
+    q_index = jnp.broadcast_to(kv_index[kv_len - query_len:], (batch, query_len))
   heads = jnp.arange(call.num_heads, dtype=jnp.int32)
   mask = extras.dropout_mask
   return Dropout(
@@ -90,7 +93,7 @@ def _dropout(extras: Extras, call: Facts) -> Dropout | None:
       rows=jnp.arange(batch, dtype=jnp.int32),  # [B]
       heads=jnp.zeros_like(heads) if extras.dropout_broadcast else heads,  # [Hq]
       q_index=jnp.asarray(q_index, jnp.int32),  # [B, T]
-      kv_index=jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (batch, kv_len)),  # [B, S]
+      kv_index=jnp.broadcast_to(kv_index, (batch, kv_len)),  # [B, S]
       mask=None if mask is None else jnp.asarray(mask, jnp.bool_))  # [B|1, Hq|1, T, S]
 
 

@@ -96,6 +96,12 @@ def test_the_same_bits_on_every_tile_mesh_strategy_and_backend():
   for strategy in ("all_gather", "ring", "ulysses"):
     runs[strategy] = dict(config=sh.AttentionConfig(dropout_rate=rate), mesh=mesh, axes=sh.MeshAxes(
         batch="dp", heads="tp", sequence="sp", sequence_strategy=strategy))
+  balanced = sh.MeshAxes(sequence="sp", sequence_strategy="ring", load_balanced=True)
+  lb, back = (lambda a: sh.sharding.load_balance(a, 4)), (lambda a: sh.sharding.restore_order(a, 4))
+  got = _drawn(lambda q, k, v: back(sh.attention(
+      lb(q), lb(k), lb(v), config=sh.AttentionConfig(dropout_rate=rate), mesh=harness.mesh("sp4"),
+      axes=balanced, dropout_rng=KEY).attention_outputs), q, length)
+  np.testing.assert_array_equal(got, want, err_msg="load-balanced ring")  # bits go with tokens
   for name, kw in runs.items():
     decision = sh.explain(q, q, q, dropout_rng=KEY, **kw)
     assert decision.ring == (name == "ring") and decision.ulysses == (name == "ulysses"), name
