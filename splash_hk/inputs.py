@@ -20,6 +20,7 @@ from splash_hk.sharding import specs
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.masks import _objects
 from splash_hk.masks import _rules
+from splash_hk.nodes import skeleton
 from splash_hk.scores import Dense, Score
 from splash_hk.types import Extras, Facts, KernelInputs, Shaped, as_score
 
@@ -33,7 +34,9 @@ def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig,
   validation.validate_qkv(query, key, value, config)
   validation.validate_extras(query, key, extras)
   validation.validate_dropout(query, key, extras, config)
-  extras = extras._replace(bias=full_bias(extras.bias, query.shape[1], key.shape[1]))
+  # The facts keep the bias's skeleton: broadcast its shapes, not its arrays.
+  extras = extras._replace(bias=full_bias(skeleton(as_score(extras.bias)), query.shape[1],
+                                          key.shape[1]))
   if isinstance(extras.mask, _objects.Mask):
     validation.validate_rule(extras.mask, query, key, config)
   sequence_shards = head_shards = 1

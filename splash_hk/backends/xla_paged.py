@@ -103,12 +103,13 @@ def cascade_groups(x: pages.PagedInputs) -> tuple[jax.Array, jax.Array]:
   return jnp.where(shared, group, -1), jnp.where(shared, plen, 0)
 
 
-def _prefix(x: pages.PagedInputs, facts: pages.PagedFacts, lo: jax.Array, hi: jax.Array, state):
+def _prefix(x: pages.PagedInputs, facts: pages.PagedFacts, lo: jax.Array, hi: jax.Array,
+            group: jax.Array, plen: jax.Array, state):
   """The softmax state after each cascade group's prefix: every row against its group's prefix
-  keys [0, lens[g]) within its bounds [lo, hi], one dense block per group with live members."""
+  keys [0, plen) within its bounds [lo, hi], one dense block per group with live members
+  (`group`, `plen` [N]: `cascade_groups`)."""
   prefix, layout = x.batch.prefix, x.layout
   assert prefix is not None, "only a cascade has prefixes"
-  group, plen = cascade_groups(x)  # [N]
   num_kv_heads, heads_per_kv = facts.num_kv_heads, facts.num_heads // facts.num_kv_heads
   width = prefix.pages.shape[1] * facts.page_size
   kv_pos = jnp.arange(width, dtype=jnp.int32)  # [L]
@@ -177,8 +178,9 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, ja
   shape = (num_tokens, num_kv_heads, groups)
   state = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, facts.value_dim)))
   if x.batch.prefix is not None:  # a cascade: prefixes once, then each row's own pages after
-    state = _prefix(x, facts, lo, hi, state)
-    lo = jnp.maximum(lo, cascade_groups(x)[1])
+    group, plen = cascade_groups(x)  # [N]
+    state = _prefix(x, facts, lo, hi, group, plen, state)
+    lo = jnp.maximum(lo, plen)
   first_page = jnp.maximum(lo, 0) // facts.page_size
   count = jnp.where(hi >= lo, hi // facts.page_size - first_page + 1, 0)  # [N] pages per row
   ends = jnp.cumsum(count)  # [N]
