@@ -11,7 +11,7 @@ LOCK := requirements-lock.txt
 $(STAMP): setup.py $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c $(LOCK) -e '.[test,examples,gpu,flax,docs]'
+	$(PY) -m pip install -q -c $(LOCK) -e '.[test,examples,gpu,flax,quant,docs]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -66,8 +66,10 @@ demo: $(STAMP)
 
 # Trains the demo model briefly (ALiBi positions), serves 64 requests with continuous
 # batching over pages, then the same requests as static batches with KVCache.
+# Extra flags for the serving binary: make serve-demo SERVE_FLAGS=--kv_dtype=int8
+SERVE_FLAGS ?=
 serve-demo: $(STAMP)
-	$(PY) -m examples.serve --check
+	$(PY) -m examples.serve --check $(SERVE_FLAGS)
 
 multihost-demo: $(STAMP)
 	$(PY) -m examples.train.launch --num_processes=2 --devices_per_process=4 -- \

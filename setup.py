@@ -29,6 +29,7 @@ setuptools.setup(
         "test": ["pytest>=9.2.0", "pytest-xdist>=3.8.0", "hypothesis>=6.170.17", "mypy>=2.4.1"],
         "examples": ["optax>=0.2.8", "tqdm>=4.70.1", "matplotlib>=3.11.2"],
         "flax": ["flax>=0.12.8"],  # splash_hk.flax only; nothing else imports flax
+        "quant": ["qwix>=0.1.8"],  # qwix.QArray inputs; sh.Quantized needs nothing extra
         "docs": ["sphinx>=9.0.4", "myst-parser>=5.2.0"],  # make docs
     },
 )

@@ -27,9 +27,10 @@ import splash_hk as sh
 HQ, HKV, D, PAGE = 8, 2, 64, 16
 
 
-def pool_for(lens: Sequence[int], q_lens: Sequence[int], pages_per_seq: int, seed: int = 0
-             ) -> tuple[sh.PagedKVCache, sh.RaggedBatch]:
-  """A pool holding exactly the sequences' pages (shuffled) and the step's batch."""
+def pool_for(lens: Sequence[int], q_lens: Sequence[int], pages_per_seq: int, seed: int = 0,
+             dim: int = D, dtype: Any = jnp.float32) -> tuple[sh.PagedKVCache, sh.RaggedBatch]:
+  """A pool holding exactly the sequences' pages (shuffled), of head dim `dim` in `dtype`
+  (int8, fp8: quantized), and the step's batch."""
   rng = np.random.default_rng(seed)
   need = [-(-(n + q) // PAGE) for n, q in zip(lens, q_lens)]
   order = rng.permutation(sum(need))
@@ -39,9 +40,8 @@ def pool_for(lens: Sequence[int], q_lens: Sequence[int], pages_per_seq: int, see
     table[s, :n] = order[start:start + n]
     start += n
   pool = sum(need)
-  cache = sh.PagedKVCache(
-      jnp.asarray(rng.normal(size=(pool, PAGE, HKV, D)), jnp.float32),
-      jnp.asarray(rng.normal(size=(pool, PAGE, HKV, D)), jnp.float32))
+  cache = sh.PagedKVCache(*(_stored(rng.normal(size=(pool, PAGE, HKV, dim)), dtype)
+                            for _ in "kv"))
   cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   batch = sh.RaggedBatch(jnp.asarray(cu), jnp.asarray(lens, jnp.int32), jnp.asarray(table),
                          jnp.asarray(len(lens), jnp.int32))
@@ -59,12 +59,19 @@ def _paged_call(lens, q_lens, pages_per_seq) -> Callable[[], Any]:
   return lambda: step(q, k, cache, batch)
 
 
-def _fixed_call(lens, max_len) -> Callable[[], Any]:
-  """One decode token per row against a [16, max_len] KVCache's slots (`attention`)."""
+def _stored(a: np.ndarray, dtype: Any) -> Any:
+  """`a` as a cache stores it in `dtype`: float32, or quantized per (token, kv head)."""
+  a = jnp.asarray(a, jnp.float32)
+  return a if dtype == jnp.float32 else sh.quantize(a, dtype)
+
+
+def fixed_call(lens, max_len, dim: int = D, dtype: Any = jnp.float32) -> Callable[[], Any]:
+  """One decode token per row against a [16, max_len] KVCache's slots (`attention`), keys and
+  values of head dim `dim` stored in `dtype` (int8, fp8: quantized)."""
   rng = np.random.default_rng(2)
   rows = len(lens)
-  q = jnp.asarray(rng.normal(size=(rows, 1, HQ, D)), jnp.float32)
-  kv = jnp.asarray(rng.normal(size=(rows, max_len, HKV, D)), jnp.float32)
+  q = jnp.asarray(rng.normal(size=(rows, 1, HQ, dim)), jnp.float32)
+  kv = _stored(rng.normal(size=(rows, max_len, HKV, dim)), dtype)
   slots = np.arange(max_len)
   extras = dict(q_positions=jnp.asarray(np.asarray(lens)[:, None], jnp.int32),
                 kv_positions=jnp.asarray(np.tile(slots, (rows, 1)), jnp.int32),
@@ -97,7 +104,7 @@ def report(repeats: int, max_len: int = 4096) -> dict[str, float]:
   figures = {
       "decode_wide_over_narrow": ratio([_paged_call(lens, ones, 8 * narrow_pages)], [narrow],
                                         repeats),
-      "decode_paged_over_kv_cache": ratio([narrow], [_fixed_call(lens, max_len)], repeats),
+      "decode_paged_over_kv_cache": ratio([narrow], [fixed_call(lens, max_len)], repeats),
       "mixed_over_apart": ratio([_paged_call(mixed_lens, mixed_q, narrow_pages)], apart,
                                  repeats),
       "paged_mib": paged_bytes / 2**20, "kv_cache_mib": fixed_bytes / 2**20}

@@ -19,6 +19,8 @@ from splash_hk.paged import RaggedBatch
 from splash_hk.paged import SharedPrefix
 from splash_hk.paged import explain_paged
 from splash_hk.paged import paged_attention
+from splash_hk.quant import Quantized
+from splash_hk.quant import quantize
 from splash_hk.sharding import MeshAxes
 from splash_hk.types import AttentionOutput
 from splash_hk.types import Decision
@@ -36,6 +38,7 @@ __all__ = (
     "Mode",
     "MultiHeadAttention",
     "PagedKVCache",
+    "Quantized",
     "RaggedBatch",
     "SharedPrefix",
     "SplashAttention",
@@ -48,6 +51,7 @@ __all__ = (
     "masks",
     "merge_attention",
     "paged_attention",
+    "quantize",
     "scores",
     "sharding",
 )

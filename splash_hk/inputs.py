@@ -9,10 +9,12 @@ segment ids for both sides or neither, sinks as [Hq, n] float32.
 
 from __future__ import annotations
 
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from splash_hk import quant
 from splash_hk import validation
 from splash_hk.dropout import Dropout, key_words
 from splash_hk.config import AttentionConfig
@@ -25,12 +27,36 @@ from splash_hk.scores import Dense, Score
 from splash_hk.types import Extras, Facts, KernelInputs, Shaped, as_score
 
 __all__ = ("Extras", "facts", "normalise", "sinks")
+QKV = ("query", "key", "value")
+
+
+def compute_dtype(query: Shaped, key: Shaped, value: Shaped, config: AttentionConfig) -> Any:
+  """The dtype a call computes in: the runtime dtype, else that of its first floating (not
+  quantized) input, else float32 (quantized inputs dequantize to it, block by block)."""
+  if config.runtime_dtype is not None:
+    return jnp.dtype(config.runtime_dtype)
+  plain = [a.dtype for a in (query, key, value) if not quant.is_quantized(a)]
+  return jnp.dtype(plain[0]) if plain else jnp.dtype(jnp.float32)
+
+
+def as_shapes(query: Shaped, key: Shaped, value: Shaped,
+              config: AttentionConfig) -> tuple[Shaped, Shaped, Shaped]:
+  """q, k, v with each quantized one (checked, naming it) as the shape and compute dtype it
+  stands for: what the shape and dtype checks read."""
+  if not any(quant.is_quantized(a) for a in (query, key, value)):
+    return query, key, value
+  dtype = compute_dtype(query, key, value, config)
+  shaped = lambda a, name: jax.ShapeDtypeStruct(quant.as_quantized(a, name).shape, dtype) if (
+      quant.is_quantized(a)) else a
+  return shaped(query, "query"), shaped(key, "key"), shaped(value, "value")
 
 
 def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig, extras: Extras,
           mesh: jax.sharding.Mesh | None = None, axes: MeshAxes = MeshAxes(),
           return_weights: bool = False, return_residuals: bool = False) -> Facts:
   """Validates the public arguments (shapes and dtypes only); returns the call's Facts."""
+  quantized = tuple(name for name, a in zip(QKV, (query, key, value)) if quant.is_quantized(a))
+  query, key, value = as_shapes(query, key, value, config)
   validation.validate_qkv(query, key, value, config)
   validation.validate_extras(query, key, extras)
   validation.validate_dropout(query, key, extras, config)
@@ -54,7 +80,7 @@ def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig,
       return_residuals=return_residuals,
       sequence_shards=sequence_shards,
       load_balanced=axes.load_balanced, sequence_strategy=axes.sequence_strategy,
-      head_shards=head_shards)
+      head_shards=head_shards, quantized=quantized)
 
 
 def _rule(extras: Extras, config: AttentionConfig) -> _objects.Mask | None:
@@ -100,6 +126,24 @@ def _dropout(extras: Extras, call: Facts) -> Dropout | None:
       mask=None if mask is None else jnp.asarray(mask, jnp.bool_))  # [B|1, Hq|1, T, S]
 
 
+def _arrays(query: Shaped, key: Shaped, value: Shaped, config: AttentionConfig,
+            spread: bool) -> tuple[jax.Array, Any, Any]:
+  """q, k, v as kernels take them: floats in the compute dtype, a quantized query dequantized,
+  quantized keys and values kept (`quant.Quantized`, refusing gradients; with `spread`, their
+  scales broadcast over batch, sequence and heads so they shard like their values)."""
+  dtype = compute_dtype(query, key, value, config)
+  arrays: list[Any] = []
+  for name, given in zip(QKV, (query, key, value)):
+    a = quant.guard(quant.as_quantized(given, name), name)
+    if isinstance(a, quant.Quantized) and name == "query":
+      arrays.append(a.dequantize(dtype))  # [B, T, Hq, D]
+    elif isinstance(a, quant.Quantized):
+      arrays.append(quant.spread(a, (0, 1, 2)) if spread else a)
+    else:
+      arrays.append(jnp.asarray(a, dtype))
+  return arrays[0], arrays[1], arrays[2]
+
+
 def sinks(softmax_aux: Shaped | None, num_heads: int) -> jax.Array | None:
   """Sinks [Hq], [Hq, n] or [Hkv, n] (kv-head sinks serve their group) as [Hq, n] float32."""
   if softmax_aux is None:
@@ -116,9 +160,7 @@ def normalise(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionCon
   """Validated public arguments -> (KernelInputs with defaults filled in, Facts)."""
   call = facts(query, key, value, config=config, extras=extras, mesh=mesh, axes=axes,
                return_weights=return_weights, return_residuals=return_residuals)
-  query, key, value = (jnp.asarray(a) for a in (query, key, value))
-  if config.runtime_dtype is not None:
-    query, key, value = (a.astype(config.runtime_dtype) for a in (query, key, value))
+  query, key, value = _arrays(query, key, value, config, spread=mesh is not None)
   batch = call.query_shape[0]
   q_pos, kv_pos = _rules.end_aligned_positions(batch, call.query_len, call.kv_len)
   if call.load_balanced:  # default positions are the tokens' original ones

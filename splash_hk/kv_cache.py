@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from splash_hk import quant
 from splash_hk.config import known_now
 from splash_hk.types import Extras
 
@@ -51,10 +52,14 @@ class KVCache:
   @classmethod
   def zeros(cls, batch: int, max_len: int, num_kv_heads: int, key_size: int,
             value_size: int | None = None, dtype: Any = jnp.float32) -> KVCache:
-    """An empty cache (length 0 in every row, no owner yet), built outside any transform."""
+    """An empty cache (length 0 in every row, no owner yet), built outside any transform.
+
+    `dtype` int8, float8_e4m3fn or float8_e5m2 (or int4) stores `key` and `value` as
+    `Quantized` with one float32 scale per (token, kv head), set as each token is written.
+    """
     return cls(
-        key=jnp.zeros((batch, max_len, num_kv_heads, key_size), dtype),
-        value=jnp.zeros((batch, max_len, num_kv_heads, value_size or key_size), dtype),
+        key=quant.zeros((batch, max_len, num_kv_heads, key_size), dtype),
+        value=quant.zeros((batch, max_len, num_kv_heads, value_size or key_size), dtype),
         length=jnp.zeros((batch,), jnp.int32),
     )
 
@@ -135,8 +140,8 @@ class KVCache:
 class Append(NamedTuple):
   """What one call appends: the buffers to attend to, their masks, the new cache."""
 
-  key: jax.Array  # [B, S_max, Hkv, D] with the new keys written
-  value: jax.Array  # [B, S_max, Hkv, Dv]
+  key: Any  # [B, S_max, Hkv, D] with the new keys written (an array or `Quantized`)
+  value: Any  # [B, S_max, Hkv, Dv]
   extras: Extras  # positions and segment ids of queries [B, T] and slots [B, S_max]
   cache: Any  # the cache after this call (of the kind given)
   failed: jax.Array  # [B] bool: rows that wrote nothing; their outputs must be NaN
@@ -197,8 +202,8 @@ def _append(cache: KVCache, k: jax.Array, v: jax.Array, lengths: jax.Array,
   new = start[:, None] + jnp.arange(query_len, dtype=jnp.int32)  # [B, T] slots and positions
   target = jnp.where(failed[:, None], max_len, new)  # a failed row writes nothing (dropped)
   rows = jnp.arange(batch)[:, None]
-  keys = cache.key.at[rows, target].set(k.astype(cache.key.dtype), mode="drop")
-  values = cache.value.at[rows, target].set(v.astype(cache.value.dtype), mode="drop")
+  keys = quant.write(cache.key, (rows, target), k)  # quantized as written, for such a cache
+  values = quant.write(cache.value, (rows, target), v)
   end = jnp.where(failed, start, start + lengths)  # [B]
   slots = jnp.arange(max_len, dtype=jnp.int32)  # [S_max]
   live = (jnp.arange(query_len) < lengths[:, None]) & ~failed[:, None]  # [B, T]

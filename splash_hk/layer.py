@@ -29,6 +29,7 @@ from splash_hk.kv_cache import KVCache, row_lengths
 from splash_hk.masks import Mask
 from splash_hk.paged import paged_attention
 from splash_hk.pages import PagedKVCache, RaggedBatch, check_owner
+from splash_hk.quant import Quantized
 from splash_hk.scores import Score
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Array, Extras
@@ -122,8 +123,10 @@ def attend_paged(query: jax.Array, key: jax.Array, value: jax.Array, call: Call,
                      f"not pass {', '.join(given)}.")
   rules: Any = dict(mask=call.mask, bias=call.bias)  # arrays: paged validation says what to pass
   check_owner(call.kv_cache, settings.layer, "kv_cache")
-  _check_cache_dtype(call.kv_cache, key, settings.config)
-  key, value = key.astype(call.kv_cache.key.dtype), value.astype(call.kv_cache.value.dtype)
+  # A pool stores keys in its own dtype (cast or quantized as written) and the kernel reads
+  # them in the query's: narrower pools are a choice, not a mismatch.
+  if not isinstance(call.kv_cache.key, Quantized):  # a quantized pool quantizes as it writes
+    key, value = key.astype(call.kv_cache.key.dtype), value.astype(call.kv_cache.value.dtype)
   result = paged_attention(query, key, value, call.kv_cache, call.batch, config=settings.config,
                            softmax_aux=sinks, mesh=settings.mesh, axes=settings.axes,
                            owner=settings.layer, **rules)
@@ -134,6 +137,8 @@ def _check_cache_dtype(cache: Any, key: jax.Array, config: AttentionConfig) -> N
   """A cache of another dtype than the layer's keys, with no `runtime_dtype` to reconcile them,
   is a ValueError naming `kv_cache` (the caller passed no query, key or value to blame)."""
   held = getattr(getattr(cache, "key", None), "dtype", None)
+  if isinstance(getattr(cache, "key", None), Quantized):  # quantized as written, from any float
+    return
   if held is None or held == key.dtype or config.runtime_dtype is not None:
     return
   raise ValueError(

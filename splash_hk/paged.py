@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from splash_hk import inputs
 from splash_hk import kernel
+from splash_hk import quant
 from splash_hk import sharding
 from splash_hk import validation
 from splash_hk.config import AttentionConfig, staged, traced
@@ -62,7 +63,7 @@ def _write(cache: PagedKVCache, key: jax.Array, value: jax.Array, batch: RaggedB
   logical = jnp.clip(layout.pos // page_size, 0, batch.pages_per_seq - 1)  # [N]
   page = jnp.where(layout.row_live, batch.page_table[layout.seq, logical], num_pages)  # [N]
   slot = layout.pos % page_size  # [N]
-  put = lambda pool, new: pool.at[page, slot].set(new.astype(pool.dtype), mode="drop")
+  put = lambda pool, new: quant.write(pool, (page, slot), new)  # quantized as written
   return cache.replace(key=put(cache.key, key), value=put(cache.value, value))
 
 
@@ -127,15 +128,18 @@ def paged_attention(
     pages.raise_misuse(layout.misuse, n=facts.num_tokens, max_seqs=facts.max_seqs,
                        capacity=facts.pages_per_seq * facts.page_size,
                        num_pages=facts.num_pages)
-  query = jnp.asarray(query)
+  query = quant.guard(quant.as_quantized(query, "query"), "query")
+  query = query.dequantize() if isinstance(query, quant.Quantized) else jnp.asarray(query)
   if config.runtime_dtype is not None:
     query = query.astype(config.runtime_dtype)
+  new = lambda a, name: quant.guard(quant.as_quantized(a, name), name) if quant.is_quantized(
+      a) else jnp.asarray(a)
   rule = _rules.call_rule(**config.rules, mask=mask)
   score = as_score(bias)
   call = PagedCall(
       query=query,  # [N, Hq, D]
-      key=jnp.asarray(key),  # [N, Hkv, D]
-      value=jnp.asarray(value),  # [N, Hkv, Dv]
+      key=new(key, "key"),  # [N, Hkv, D] (quantized ones are written dequantized)
+      value=new(value, "value"),  # [N, Hkv, Dv]
       cache=cache, batch=batch,
       rule=None if rule is None else rule.map_arrays(lambda side, a: jnp.asarray(a)),
       bias=None if score is None else score.map_arrays(lambda side, a, **_: jnp.asarray(a)),

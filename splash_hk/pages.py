@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from splash_hk import quant
 from splash_hk.config import AttentionConfig
 from splash_hk.masks import _objects
 from splash_hk.scores import Score
@@ -46,10 +47,10 @@ class PagedKVCache:
   @classmethod
   def zeros(cls, num_pages: int, page_size: int, num_kv_heads: int, key_size: int,
             value_size: int | None = None, dtype: Any = jnp.float32) -> PagedKVCache:
-    """A pool of `num_pages` zeroed pages of `page_size` slots."""
-    return cls(key=jnp.zeros((num_pages, page_size, num_kv_heads, key_size), dtype),
-               value=jnp.zeros((num_pages, page_size, num_kv_heads, value_size or key_size),
-                               dtype))
+    """A pool of zeroed pages (a quantized `dtype` stores `Quantized`, as `KVCache.zeros`)."""
+    shape = (num_pages, page_size, num_kv_heads)
+    return cls(key=quant.zeros((*shape, key_size), dtype),
+               value=quant.zeros((*shape, value_size or key_size), dtype))
 
   @property
   def num_pages(self) -> int:

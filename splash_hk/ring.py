@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk import kernel
+from splash_hk import quant
 from splash_hk.backends import base
 from splash_hk.sharding.axes import AxisEntry
 from splash_hk.types import Facts, KernelInputs, KernelOutput
@@ -51,7 +52,8 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
     d_out, d_lse = cotangents
     grads = _backward(halves, y, facts, axis, n, out, lse, d_out, d_lse)
     none = jax.tree.map(lambda _: None, y)
-    return (none._replace(query=grads.dq, key=grads.dk, value=grads.dv, sinks=grads.d_sinks,
+    return (none._replace(query=grads.dq, key=quant.cotangent(y.key, grads.dk),
+                          value=quant.cotangent(y.value, grads.dv), sinks=grads.d_sinks,
                           bias=grads.d_bias),)
 
   run.defvjp(run_fwd, run_bwd)

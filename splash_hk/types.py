@@ -112,8 +112,8 @@ class KernelInputs(NamedTuple, Generic[Leaf]):
   """
 
   query: Leaf  # [B, T, Hq, D]
-  key: Leaf  # [B, S, Hkv, D]
-  value: Leaf  # [B, S, Hkv, Dv]
+  key: Leaf | Any  # [B, S, Hkv, D], or a `splash_hk.quant.Quantized` of that shape
+  value: Leaf | Any  # [B, S, Hkv, Dv], or a `Quantized`
   q_positions: Leaf  # [B, T] int32
   kv_positions: Leaf  # [B, S] int32
   q_segment_ids: Leaf | None = None  # [B, T] int32, negative = padding
@@ -157,6 +157,7 @@ class Facts:
   rule: _objects.Mask | None = None  # the position rule's skeleton: static, hashable
   bias: Score | None = None  # the bias's skeleton (None: no bias): static, hashable
   explicit_dropout: bool = False  # a dense dropout_mask was given (not the hash)
+  quantized: tuple[str, ...] = ()  # the arguments given quantized ("query", "key", "value")
 
   @classmethod
   def from_shapes(cls, config: AttentionConfig, query_shape: Sequence[int],

@@ -36,7 +36,7 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
   # Only as many kv-head copies as make the kv heads split with their query heads.
   x = repeat_kv_heads(x, kv_head_repeats(x.query.shape[2], x.key.shape[2],
                                          facts.sequence_shards))
-  to_heads = lambda a: jax.lax.all_to_all(a, axis, 2, 1, tiled=True)
+  to_heads = lambda a: jax.tree.map(lambda t: jax.lax.all_to_all(t, axis, 2, 1, tiled=True), a)
   gather = lambda a: None if a is None else _gather(a, axis, 1)
   whole: KernelInputs = x._replace(
       query=to_heads(x.query),  # [B, T, Hq/n, D]

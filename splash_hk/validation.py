@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from splash_hk.masks import _objects
 from splash_hk.config import AttentionConfig
 from splash_hk.pages import PagedKVCache, RaggedBatch, SharedPrefix
+from splash_hk.quant import Quantized, as_quantized, is_quantized
 from splash_hk.scores import Score
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Extras, as_score
@@ -207,8 +208,13 @@ def validate_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch:
   if not isinstance(batch, RaggedBatch):
     _fail(f"`batch` must be a splash_hk.RaggedBatch(cu_q_lens, kv_lens, page_table, num_seqs), "
           f"got {type(batch).__name__}.")
-  _rank(cache.key, 4, "cache.key", "[num_pages, page_size, num_kv_heads, head_dim]")
-  _rank(cache.value, 4, "cache.value", "[num_pages, page_size, num_kv_heads, value_head_dim]")
+  quantized = isinstance(cache.key, Quantized)
+  _quantized_pool(cache)
+  query, key, value = (_shaped(a, name) for a, name in ((query, "query"), (key, "key"),
+                                                        (value, "value")))
+  _rank(_shaped(cache.key), 4, "cache.key", "[num_pages, page_size, num_kv_heads, head_dim]")
+  _rank(_shaped(cache.value), 4, "cache.value",
+        "[num_pages, page_size, num_kv_heads, value_head_dim]")
   pool = tuple(cache.key.shape[:3])
   if tuple(cache.value.shape[:3]) != pool:
     _fail(f"`cache.value` must be [num_pages, page_size, num_kv_heads, value_head_dim] = "
@@ -222,7 +228,7 @@ def validate_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch:
     if tuple(x.shape) != want:
       _fail(f"`{name}` must be [num_tokens, num_kv_heads (the cache's), size (the cache's)] = "
             f"{want}, got {tuple(x.shape)}.")
-    if x.dtype != cached.dtype:
+    if not quantized and x.dtype != cached.dtype:
       _fail(f"`{name}` is {x.dtype} and the cache holds {cached.dtype}: pass "
             f"{name}.astype(cache.{name}.dtype).")
   if not jnp.issubdtype(query.dtype, jnp.floating) or num_heads % num_kv_heads:
@@ -235,6 +241,30 @@ def validate_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch:
   _validate_positions_only(mask, bias, config, num_heads)
   if softmax_aux is not None:
     _validate_sinks(softmax_aux, num_heads, num_kv_heads)
+
+
+def _shaped(x: Any, name: str = "") -> Any:
+  """A quantized array (checked, naming `name`) as the shape and float dtype it stands for."""
+  if not is_quantized(x):
+    return x
+  x = as_quantized(x, name)
+  return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _quantized_pool(cache: PagedKVCache) -> None:
+  """A pool holds floats in both fields, or `Quantized` in both with a scale per (token, head)."""
+  kinds = {isinstance(cache.key, Quantized), isinstance(cache.value, Quantized)}
+  if kinds == {False}:
+    return
+  if len(kinds) == 2:
+    _fail("`cache.key` and `cache.value` must both be quantized or both floating; build the pool "
+          "with PagedKVCache.zeros(..., dtype=jnp.int8).")
+  for name in ("key", "value"):
+    a = as_quantized(getattr(cache, name), f"cache.{name}")
+    if tuple(a.scale.shape) != (*a.shape[:-1], 1):
+      _fail(f"`cache.{name}.scale` must hold one scale per (token, kv head), "
+            f"{(*a.shape[:-1], 1)}, got {tuple(a.scale.shape)}; build the pool with "
+            "PagedKVCache.zeros(..., dtype=...).")
 
 
 def _validate_batch(batch: RaggedBatch) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks import bench
 from benchmarks import bench_paged
+from benchmarks import bench_quant
 from benchmarks import bench_report
 from benchmarks import bench_workloads
 from examples.train import paths
@@ -149,3 +150,13 @@ def test_paged_bench_prints_its_ratios_and_bytes(capsys):
   used = sum(-(-(n + 1) // 16) for n in np.linspace(64, 255, 16).astype(int)) * 16
   assert figures["paged_mib"] == pytest.approx(used * 2 * 64 * 4 * 2 / 2**20)
   assert figures["kv_cache_mib"] == pytest.approx(16 * 256 * 2 * 64 * 4 * 2 / 2**20)
+
+
+def test_quant_bench_prints_its_figures(capsys):
+  figures = bench_quant.report(max_len=512, dims=[64], repeats=1)
+  names = ("pool_tokens_int8_over_f32", "paged_decode_int8_over_f32", "fixed_decode_int8_over_f32",
+           "paged_prefill_int8_over_f32", "int8_decode_temp_over_dequantized_pool")
+  assert set(figures) == {f"{n}_d64" for n in names}
+  assert all(v > 0 for v in figures.values()), figures
+  assert figures["pool_tokens_int8_over_f32_d64"] == 256 / 68  # bytes: (4 * 64) / (64 + 4)
+  assert "fixed_decode_int8_over_f32_d64" in capsys.readouterr().out

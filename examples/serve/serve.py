@@ -23,6 +23,7 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
+import jax.numpy as jnp
 import numpy as np
 
 from examples.serve import engine as engine_lib
@@ -68,6 +69,13 @@ _COMPARE_STATIC = flags.DEFINE_bool(
 _CHECK = flags.DEFINE_bool("check", False, "Check every finished output against greedy decoding "
                            "of its prompt with a full forward, and the scheduler's invariants "
                            "after every step.")
+KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8,
+             "fp8": jnp.float8_e4m3fn}
+_KV_DTYPE = flags.DEFINE_enum(
+    "kv_dtype", "float32", list(KV_DTYPES), "What the page pools store keys and values in; int8 "
+    "and fp8 (float8_e4m3fn) are quantized as written, with a float32 scale per token and kv "
+    "head. Other than float32, the requests are also served with float32 pools and the greedy "
+    "agreement printed. The static comparison keeps float32 caches.")
 _SERVE_SEED = flags.DEFINE_integer("serve_seed", 0, "Seed of the requests.")
 _LOG_EVERY_STEPS = flags.DEFINE_integer("log_every_steps", 25, "Steps between progress lines.")
 
@@ -147,6 +155,20 @@ def report(served: engine_lib.Served, requests, static: engine_lib.Served | None
           + (f" (not: requests {mismatches})" if mismatches else ""))
 
 
+def agreement(served: engine_lib.Served, reference: engine_lib.Served, requests) -> None:
+  """How far the --kv_dtype run's greedy outputs agree with the float32 pools' run."""
+  both = [r.id for r in requests if r.id in served.outputs and r.id in reference.outputs]
+  same = sum(served.outputs[i] == reference.outputs[i] for i in both)
+  pairs = [(a, b) for i in both for a, b in zip(served.outputs[i], reference.outputs[i])]
+  tokens = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+  scored = [r for r in requests if r.answer is not None and r.id in reference.outputs]
+  right = sum(reference.outputs[r.id][0] == r.answer for r in scored)
+  print(f"--kv_dtype={_KV_DTYPE.value} against float32 pools: {same}/{len(both)} requests "
+        f"identical, {tokens:.1%} of tokens equal; float32 pools' recall answers: "
+        f"{right}/{len(scored)} right; KV pool {served.kv_bytes / reference.kv_bytes:.2f}x "
+        "the bytes")
+
+
 def run() -> None:
   axes = train.make_axes(None)
   task, config = train.make_task_and_model(axes)
@@ -172,7 +194,7 @@ def run() -> None:
   except ValueError as e:
     _fail(str(e))
   num_pages = _NUM_PAGES.value or _default_pages(requests, sched)
-  paged = engine_lib.PagedEngine(config, params, sched, num_pages)
+  paged = engine_lib.PagedEngine(config, params, sched, num_pages, KV_DTYPES[_KV_DTYPE.value])
   paged.warm_up((True, False) if _COMPARE_CASCADE.value else None)
   logging.info("serving %d requests: pool of %d pages of %d slots per layer, steps of %d "
                "tokens (buckets %s), prefill chunks of %d, prefix sharing %s", len(requests),
@@ -191,6 +213,11 @@ def run() -> None:
     print(f"cascade / no cascade: {(with_.tokens / with_.seconds) / (without.tokens / without.seconds):.2f}x "
           f"tokens/s ({with_.tokens / with_.seconds:.0f} / {without.tokens / without.seconds:.0f}); "
           f"outputs equal: {with_.outputs == without.outputs}")
+  if _KV_DTYPE.value != "float32":
+    full = engine_lib.PagedEngine(config, params, sched, num_pages)
+    full.warm_up()
+    agreement(served, engine_lib.serve(full, requests, prefix_sharing=sched.prefix_sharing,
+                                       cancels=cancels), requests)
   static = None
   if _COMPARE_STATIC.value:
     static_engine = engine_lib.StaticEngine(config, params, sched.max_seqs)

@@ -4,6 +4,7 @@ splash attention."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import haiku as hk
 import jax
@@ -111,17 +112,22 @@ class Transformer(hk.Module):
                                                    bidirectional=False)
     return _no_bias
 
-  def init_caches(self, batch: int, capacity: int | None = None) -> list[sh.KVCache]:
+  def init_caches(self, batch: int, capacity: int | None = None,
+                  dtype: Any = jnp.float32) -> list[sh.KVCache]:
     """Empty KV caches of `capacity` slots (default: the model's max_len)."""
     c = self.config
     return [sh.KVCache.zeros(batch, capacity or c.max_len, c.num_kv_heads or c.num_heads,
-                             c.model_size // c.num_heads) for _ in range(c.num_layers)]
+                             c.model_size // c.num_heads, dtype=dtype)
+            for _ in range(c.num_layers)]
 
-  def init_paged_caches(self, num_pages: int, page_size: int) -> list[sh.PagedKVCache]:
-    """One empty pool of `num_pages` pages of `page_size` slots per layer."""
+  def init_paged_caches(self, num_pages: int, page_size: int,
+                        dtype: Any = jnp.float32) -> list[sh.PagedKVCache]:
+    """One empty pool of `num_pages` pages of `page_size` slots per layer (int8 or fp8:
+    quantized as written)."""
     c = self.config
     return [sh.PagedKVCache.zeros(num_pages, page_size, c.num_kv_heads or c.num_heads,
-                                  c.model_size // c.num_heads) for _ in range(c.num_layers)]
+                                  c.model_size // c.num_heads, dtype=dtype)
+            for _ in range(c.num_layers)]
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                caches: list[sh.KVCache] | list[sh.PagedKVCache] | None = None,

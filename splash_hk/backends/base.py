@@ -40,6 +40,15 @@ RESIDUALS_REFUSAL = ("the log-sum-exp was requested (return_residuals=True) and 
                      "not return a differentiable one")
 
 
+def quantized_refusal(facts: Facts) -> str | None:
+  """Why a kernel that takes floating inputs only cannot serve the call, or None."""
+  if not facts.quantized:
+    return None
+  names = " and ".join(f"`{name}`" for name in facts.quantized)
+  return (f"{names} {'is' if len(facts.quantized) == 1 else 'are'} quantized (sh.Quantized or "
+          "qwix.QArray) and this kernel takes floating inputs only")
+
+
 class Partial(NamedTuple):
   """A forward half's result over the keys it was given."""
 

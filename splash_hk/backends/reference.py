@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from splash_hk import pages
 from splash_hk import dropout
+from splash_hk import quant
 from splash_hk.backends import base
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
@@ -70,8 +71,10 @@ def why_not(facts: Facts, hardware: str) -> str | None:
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   """Dense attention on one shard: out [B, T, Hq, Dv], lse [B, T, Hq], weights if asked for.
 
-  GQA groups query heads over their kv head instead of repeating keys/values.
+  GQA groups query heads over their kv head instead of repeating keys/values; quantized keys
+  and values are dequantized whole (this path is dense anyway).
   """
+  x = x._replace(key=quant.tile(x.key, x.query.dtype), value=quant.tile(x.value, x.query.dtype))
   batch, query_len, num_heads, _ = x.query.shape
   num_kv_heads, kv_len = x.key.shape[2], x.key.shape[1]
   groups = num_heads // num_kv_heads
@@ -113,7 +116,8 @@ def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Arr
   layout, page_size = x.layout, facts.page_size
   num_tokens, kv_len = facts.num_tokens, facts.pages_per_seq * page_size
   table = jnp.clip(x.batch.page_table, 0, facts.num_pages - 1)[layout.seq]  # [N, pages_per_seq]
-  gather = lambda pool: pool[table].reshape(num_tokens, kv_len, *pool.shape[2:])  # [N, S, Hkv, .]
+  gather = lambda pool: quant.cut(pool, 0, lambda t: t[table].reshape(
+      num_tokens, kv_len, *t.shape[2:]))  # [N, S, Hkv, .]
   kv_positions = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (num_tokens, kv_len))
   inputs = KernelInputs(
       query=x.query[:, None],  # [N, 1, Hq, D]

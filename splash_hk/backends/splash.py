@@ -50,6 +50,8 @@ def why_not(facts: Facts, hardware: str) -> str | None:
     return base.RESIDUALS_REFUSAL
   if facts.config.dropout_rate > 0:
     return base.DROPOUT_REFUSAL
+  if facts.quantized:
+    return base.quantized_refusal(facts)
   if hardware != "tpu" and not config.interpret:
     return (f"the Pallas splash kernel needs a TPU (this is {hardware}); set "
             "AttentionConfig(interpret=True) to run it in interpret mode")

@@ -26,6 +26,8 @@ def why_not(facts: Facts, hardware: str) -> str | None:
     return base.RESIDUALS_REFUSAL
   if facts.config.dropout_rate > 0:
     return base.DROPOUT_REFUSAL
+  if facts.quantized:
+    return base.quantized_refusal(facts)
   if hardware != "gpu":
     return f"ejkernel's Triton kernel needs a GPU (this is {hardware})"
   if not _ejkernel.available():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from splash_hk import quant
 from splash_hk.backends import base
 from splash_hk.backends import xla_bias
 from splash_hk.backends import xla_paged
@@ -61,7 +62,8 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
     grads = backward(y, facts, tiles, lse, d_out, delta, bias_grads=wanted["bias"])
     none = jax.tree.map(lambda _: None, y)  # integer and boolean inputs get no cotangent
-    return (none._replace(query=grads.dq, key=grads.dk, value=grads.dv, sinks=grads.d_sinks,
+    return (none._replace(query=grads.dq, key=quant.cotangent(y.key, grads.dk),
+                          value=quant.cotangent(y.value, grads.dv), sinks=grads.d_sinks,
                           bias=grads.d_bias),)
 
   run.defvjp(run_fwd, run_bwd, symbolic_zeros=dense_bias)
@@ -83,11 +85,14 @@ def _dot_merged(a: jax.Array, b: jax.Array) -> jax.Array:
   return out.reshape(*a.shape[:-1], b.shape[-2])
 
 
-def _logits(q: jax.Array, k: jax.Array, cap: float | None,
-            bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
-  """f32 logits [r, Hkv, Gq, bq, bk] from pre-scaled q (plus `bias`), and tanh(s / cap) (None
-  without cap); a -inf bias keeps its pair at -inf (`base.soft_cap`)."""
+def _logits(q: jax.Array, k: jax.Array, cap: float | None, bias: jax.Array | None = None,
+            k_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+  """f32 logits [r, Hkv, Gq, bq, bk] from pre-scaled q (times quantized keys' per-token
+  `k_scale`, plus `bias`), and tanh(s / cap) (None without cap); a -inf bias keeps its pair at
+  -inf (`base.soft_cap`)."""
   s = _dot_merged(q, k)
+  if k_scale is not None:
+    s = s * k_scale
   if bias is not None:
     s = s + bias
   if cap is None:
@@ -95,6 +100,11 @@ def _logits(q: jax.Array, k: jax.Array, cap: float | None,
   t = jnp.tanh(s / cap)
   capped = cap * t
   return (capped if bias is None else jnp.where(bias == -jnp.inf, -jnp.inf, capped)), t
+
+
+def _integer(views: Views, pair: Pair) -> bool:
+  """The pair's values are integers (finite) with their scales apart: nothing to clean in them."""
+  return views.integer_values and pair.v_scale is not None
 
 
 def _finite(a: jax.Array) -> jax.Array:
@@ -108,28 +118,34 @@ def _block_scores(views: Views, q, pair: Pair, masked: bool):
   zeroed (k only enters the logits, which the mask replaces).
   """
   mask = views.element_mask(pair.mask) if masked and pair.bias is not None else None
-  s, t = _logits(q, pair.k, views.facts.config.logits_soft_cap, xla_bias.block(views, pair, mask))
+  s, t = _logits(q, pair.k, views.facts.config.logits_soft_cap, xla_bias.block(views, pair, mask),
+                 pair.k_scale)
   if not masked:
     return s, t, pair.v, None
   mask = views.element_mask(pair.mask) if mask is None else mask
-  return jnp.where(mask, s, -jnp.inf), t, _finite(pair.v), mask
+  return jnp.where(mask, s, -jnp.inf), t, pair.v if _integer(views, pair) else _finite(pair.v), mask
 
 
-def _visible_garbage(pv: jax.Array, mask: jax.Array, v: jax.Array) -> jax.Array:
+def _visible_garbage(pv: jax.Array, mask: jax.Array, v: jax.Array | None,
+                     v_scale: jax.Array | None = None) -> jax.Array:
   """p @ v of a masked block with NaN where a visible value holds NaN/Inf (a rare case).
 
-  Such values were zeroed so they cannot reach rows that do not see them; the
-  rows that do see one get NaN in that value column.
+  Such values (and quantized values' scales, [r, Hkv, 1, 1, bk]) were zeroed so they cannot
+  reach rows that do not see them; the rows that do see one get NaN in that value column.
+  `v` None: integer values, always finite (only their scales are checked).
   """
   def poison(pv):
-    bad = ~jnp.isfinite(v)  # [r, Hkv, bk, Dv]
+    bad = jnp.zeros((), jnp.bool_) if v is None else ~jnp.isfinite(v)  # [r, Hkv, bk, Dv]
+    if v_scale is not None:  # a non-finite scale spoils its token's whole value
+      bad = bad | ~jnp.isfinite(jnp.swapaxes(v_scale[:, :, 0], -1, -2))
     seen = jnp.einsum("bkgqs,bksd->bkgqd", jnp.broadcast_to(mask, pv.shape[:4] + mask.shape[-1:])
                       .astype(jnp.float32), bad.astype(jnp.float32))
     return jnp.where(seen > 0, jnp.nan, pv)
 
   # The sum is non-finite if any entry is (and, rarely, if finite ones overflow: then
   # `poison` finds nothing to poison). One reduction, cheaper than any(~isfinite(v)).
-  return jax.lax.cond(~jnp.isfinite(jnp.sum(v)), poison, lambda pv: pv, pv)
+  total = sum(jnp.sum(a) for a in (v, v_scale) if a is not None)
+  return jax.lax.cond(~jnp.isfinite(total), poison, lambda pv: pv, pv)
 
 
 def _update(views: Views, q, pair: Pair, masked: bool, state):
@@ -141,10 +157,13 @@ def _update(views: Views, q, pair: Pair, masked: bool, state):
   probs = jnp.exp(s - m_safe[..., None])
   correction = jnp.exp(m - m_safe)
   kept = probs if pair.drop is None else probs * pair.drop  # dropout: on the normalised p
+  v_scale = pair.v_scale
+  if v_scale is not None:  # quantized values' per-token scales: a column of p
+    kept = kept * (_finite(v_scale) if masked else v_scale)
   pv = jnp.einsum("bkgqs,bksd->bkgqd", kept.astype(v.dtype), v,
                   preferred_element_type=jnp.float32)
   if masked:
-    pv = _visible_garbage(pv, mask, pair.v)
+    pv = _visible_garbage(pv, mask, None if _integer(views, pair) else pair.v, v_scale)
   return m_new, l * correction + jnp.sum(probs, axis=-1), acc * correction[..., None] + pv
 
 
@@ -164,7 +183,7 @@ def forward(x: KernelInputs, facts: Facts, tiles: Tiles, out_dtype=None,
             kv_in_place: bool = False) -> base.Partial:
   """out [B, T, Hq, Dv] (query dtype or `out_dtype`) and lse [B, T, Hq] f32 (`base`'s convention)."""
   grid = xla_plan.Grid.of(x, tiles[0], tiles[1])
-  views = Views(x, facts, grid, kv_in_place)
+  views = Views(x, facts, grid, kv_in_place, columns=True)
   plan = xla_plan.block_plan(x, grid)
   batch, padded_q, num_heads, _ = views.q.shape
   nq = grid.num_q_blocks

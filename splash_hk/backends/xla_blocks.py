@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk import dropout
+from splash_hk import quant
 from splash_hk.masks import _objects
 from splash_hk.masks import _rules
 from splash_hk.scores import Score
@@ -60,21 +61,27 @@ class Pair(NamedTuple):
   mask: PairMask
   bias: Score | None = None  # the call's bias with its "qk" arrays cut to the pair
   drop: jax.Array | None = None  # f32 keep / (1 - rate), broadcastable to [r, Hkv, Gq, bq, bk]
+  k_scale: jax.Array | None = None  # quantized keys' per-token scales: [r|1, Hkv|1, 1, 1, bk|1]
+  v_scale: jax.Array | None = None  # quantized values' per-token scales, as k_scale
 
 
 class Views:
   """One call's arrays as the block loops read them (static tiles, traced arrays)."""
 
   def __init__(self, x: KernelInputs, facts: Facts, grid: xla_plan.Grid,
-               kv_in_place: bool = False):
-    self.x, self.facts, self.grid = x, facts, grid
+               kv_in_place: bool = False, columns: bool = False):
+    self.x, self.facts, self.grid, self.columns = x, facts, grid, columns
+    # Quantized integer values are finite: only their scales can carry NaN or Inf.
+    self.integer_values = (isinstance(x.value, quant.Quantized) and
+                           jnp.issubdtype(x.value.values.dtype, jnp.integer))
     self.num_kv_heads = x.key.shape[2]
     self.heads_per_kv = x.query.shape[2] // self.num_kv_heads  # Gq
     self.padded_q = grid.num_q_blocks * grid.block_q  # Tp
     self.q = self.pad_queries(x.query)  # [B, Tp, Hq, D]
     self.heads_major = (not kv_in_place and
                         xla_plan.reads_per_kv_block(facts, grid) > READS_FOR_HEADS_MAJOR)
-    to_heads = (lambda a: jnp.swapaxes(a, 1, 2)) if self.heads_major else (lambda a: a)
+    to_heads = (lambda a: jax.tree.map(lambda t: jnp.swapaxes(t, 1, 2), a)) if (
+        self.heads_major) else (lambda a: a)
     self.k, self.v = to_heads(x.key), to_heads(x.value)  # [B, Hkv, S, D] or as given
     self.kv_axis = 2 if self.heads_major else 1
     self.q_pos = base.pad_axis(x.q_positions, 1, self.padded_q)  # [B, Tp]
@@ -128,12 +135,22 @@ class Views:
     return jax.lax.dynamic_slice_in_dim(self.of_group(a, group), self.kv_start(j),
                                         self.grid.block_kv, axis)
 
-  def keys(self, group, j) -> tuple[jax.Array, jax.Array]:
-    """Key block [r, Hkv, bk, D] and value block [r, Hkv, bk, Dv]."""
-    block = lambda a: self.kv_block(a, group, j, self.kv_axis)
-    if self.heads_major:
-      return block(self.k), block(self.v)
-    return jnp.swapaxes(block(self.k), 1, 2), jnp.swapaxes(block(self.v), 1, 2)
+  def keys(self, group, j) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+    """Key block [r, Hkv, bk, D] and value block [r, Hkv, bk, Dv] in the query's dtype, and
+    their scales as columns of the logits [r, Hkv, 1, 1, bk] (or None). A quantized block's
+    scale multiplies its tile, or with `columns` and one scale per token (and head) is left to
+    multiply the logits' columns (keys) and the probabilities' (values): fewer products."""
+    def block(a):
+      a = quant.cut(a, 0, lambda t: self.of_group(t, group))
+      a = quant.cut(a, self.kv_axis, lambda t: jax.lax.dynamic_slice_in_dim(
+          t, self.kv_start(j), self.grid.block_kv, self.kv_axis))
+      if not self.columns or not isinstance(a, quant.Quantized) or a.scale.shape[-1] != 1:
+        return to_heads(quant.tile(a, self.x.query.dtype)), None
+      column = jnp.swapaxes(to_heads(a.scale), -1, -2)[:, :, None]  # [r|1, Hkv|1, 1, 1, bk|1]
+      return to_heads(a.values).astype(self.x.query.dtype), column
+    to_heads = (lambda a: a) if self.heads_major else (lambda a: jnp.swapaxes(a, 1, 2))
+    (k, k_scale), (v, v_scale) = block(self.k), block(self.v)
+    return k, v, k_scale, v_scale
 
   def add_kv(self, buf: jax.Array, block: jax.Array, group, j) -> jax.Array:
     """buf (laid out like `self.k`) += block [r, Hkv, bk, D] at kv block j of `group`."""
@@ -151,7 +168,7 @@ class Views:
 
   def pair(self, group, i, j) -> Pair:
     """Slices of block pair (i, j), and what its element mask reads."""
-    k, v = self.keys(group, j)
+    k, v, k_scale, v_scale = self.keys(group, j)
     bq, bk = self.grid.block_q, self.grid.block_kv
     q_idx = i * bq + jnp.arange(bq)  # [bq]
     k_idx = self.kv_start(j) + jnp.arange(bk)  # [bk]
@@ -165,7 +182,7 @@ class Views:
     mask = PairMask(q_idx < self.grid.query_len, k_idx >= j * bk,
                     self.q_block(self.q_pos, group, i, 1), self.kv_block(self.x.kv_positions, group, j),
                     q_side(self.q_seg), kv_side(self.x.kv_segment_ids), rule)
-    return Pair(k, v, mask, bias, self._drop(group, i, j, cut["qk"]))
+    return Pair(k, v, mask, bias, self._drop(group, i, j, cut["qk"]), k_scale, v_scale)
 
   def _drop(self, group, i, j, cut_qk) -> jax.Array | None:
     """The pair's dropout scale (`splash_hk.dropout.scale`), or None without dropout."""

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk import pages
+from splash_hk import quant
 from splash_hk.backends import base
 
 ITEMS = 256  # (row, page) pairs per loop step
@@ -63,10 +64,13 @@ def _fold(state, item: jax.Array, x: pages.PagedInputs, facts: pages.PagedFacts,
   if x.rule is not None:
     visible = visible & x.rule.visible(q_pos[:, None], kv_pos)  # [I, page]
   query = x.query[row].reshape(-1, num_kv_heads, groups, facts.head_dim)  # [I, Hkv, G, D]
-  key = x.cache.key[physical]  # [I, page, Hkv, D]; garbage's logits are masked below
-  value = jnp.where(visible[:, :, None, None], x.cache.value[physical], 0)  # [I, page, Hkv, Dv]
-  logits = jnp.einsum("ikgd,iskd->ikgs", query, key, precision=_HIGHEST,
+  key, key_scale = quant.pages(x.cache.key, physical)  # [I, page, Hkv, D]; garbage is masked
+  value, value_scale = quant.pages(x.cache.value, physical)  # [I, page, Hkv, Dv]
+  value = jnp.where(visible[:, :, None, None], value, 0)
+  logits = jnp.einsum("ikgd,iskd->ikgs", query, key.astype(query.dtype), precision=_HIGHEST,
                       preferred_element_type=jnp.float32) * facts.scale  # [I, Hkv, G, page]
+  if key_scale is not None:  # per (token, head): a column of the logits
+    logits = logits * _column(key_scale)
   bias = None
   if x.bias is not None:
     bias = base.bias_block(x.bias, q_pos[:, None], kv_pos, x.heads, groups)[..., 0, :]
@@ -82,9 +86,16 @@ def _fold(state, item: jax.Array, x: pages.PagedInputs, facts: pages.PagedFacts,
   shift = new_m[row][..., None]  # [I, Hkv, G, 1]
   p = jnp.where(visible & (logits > -jnp.inf), jnp.exp(logits - shift), 0.0)  # [I, Hkv, G, page]
   l = l * alpha + jnp.zeros_like(l).at[row].add(jnp.sum(p, axis=-1))
+  if value_scale is not None:  # per (token, head): a column of the probabilities
+    p = p * jnp.where(visible, _column(value_scale), 0.0)
   pv = jnp.einsum("ikgs,iskd->ikgd", p, value.astype(jnp.float32), precision=_HIGHEST)
   acc = acc * alpha[..., None] + jnp.zeros_like(acc).at[row].add(pv)
   return new_m, l, acc
+
+
+def _column(scale: jax.Array) -> jax.Array:
+  """Per-token scales [I, page, Hkv, 1] as a column of the logits: [I, Hkv, 1, page]."""
+  return jnp.moveaxis(scale, 1, 3)
 
 
 def cascade_groups(x: pages.PagedInputs) -> tuple[jax.Array, jax.Array]:
@@ -118,8 +129,9 @@ def _prefix(x: pages.PagedInputs, facts: pages.PagedFacts, lo: jax.Array, hi: ja
 
   def one(g, state):
     pool = jnp.clip(prefix.pages[g], 0, facts.num_pages - 1)  # [prefix_pages]
-    key = x.cache.key[pool].reshape(width, num_kv_heads, -1)  # [L, Hkv, D]
-    value = x.cache.value[pool].reshape(width, num_kv_heads, -1)  # [L, Hkv, Dv]
+    whole = lambda a: quant.tile(quant.cut(a, 0, lambda t: t[pool].reshape(
+        width, num_kv_heads, -1)), jnp.float32)  # the group's block, dequantized as a tile
+    key, value = whole(x.cache.key), whole(x.cache.value)  # [L, Hkv, D], [L, Hkv, Dv]
     visible = ((group == g)[:, None] & (kv_pos[None, :] < plen[:, None])
                & (kv_pos[None, :] >= lo[:, None]) & (kv_pos[None, :] <= hi[:, None]))  # [N, L]
     if x.rule is not None:

@@ -93,7 +93,8 @@ def shard_paged(
                                                 for d in range(ndim)))
   by_side = lambda side, a, axis=0: at_heads(axis, a.ndim) if side == "head" else whole
   specs: PagedCall[PartitionSpec] = PagedCall(
-      query=at_heads(1, 3), key=at_heads(1, 3), value=at_heads(1, 3),
+      query=at_heads(1, 3), key=jax.tree.map(lambda a: at_heads(1, 3), call.key),
+      value=jax.tree.map(lambda a: at_heads(1, 3), call.value),
       cache=jax.tree.map(lambda a: at_heads(2, 4), call.cache),
       batch=jax.tree.map(lambda a: whole, call.batch),
       rule=None if call.rule is None else call.rule.map_arrays(lambda side, a: whole),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
@@ -114,8 +115,9 @@ def repeat_kv_heads(x: KernelInputs, repeats: int) -> KernelInputs:
   """x with every kv head repeated `repeats` times in place (see `kv_head_repeats`)."""
   if repeats == 1:
     return x
-  return x._replace(key=jnp.repeat(x.key, repeats, axis=2),  # [B, S, Hkv * r, D]
-                    value=jnp.repeat(x.value, repeats, axis=2))  # [B, S, Hkv * r, Dv]
+  repeat = lambda a: jax.tree.map(lambda t: jnp.repeat(t, repeats, axis=2), a)  # quantized too
+  return x._replace(key=repeat(x.key),  # [B, S, Hkv * r, D]
+                    value=repeat(x.value))  # [B, S, Hkv * r, Dv]
 
 
 def attention_specs(
@@ -166,8 +168,8 @@ def attention_specs(
   present = lambda value, spec: None if value is None else spec
   in_specs: KernelInputs[PartitionSpec] = KernelInputs(
       query=PartitionSpec(batch_entry, seq_entry, head_entry, None),
-      key=kv_spec,
-      value=kv_spec,
+      key=jax.tree.map(lambda a: kv_spec, x.key),  # a quantized one's scale: spread like it
+      value=jax.tree.map(lambda a: kv_spec, x.value),
       q_positions=q_rows,
       kv_positions=kv_rows,
       q_segment_ids=present(x.q_segment_ids, q_rows),

@@ -1,0 +1,201 @@
+"""Quantized keys and values: `Quantized` (8- or 4-bit values with float32 scales) and `quantize`.
+
+`Quantized(values, scale)` stands for `values * scale` in float32; the scale broadcasts over the
+values (per tensor, token, head or channel). The kernels never build that product for a whole
+cache or K/V: the xla backend takes block slices of values and scales and multiplies them per
+tile (`cut`, `tile`), the paged kernel multiplies a page's logits and probabilities by its
+per-token scales. A `qwix.QArray` (symmetric) is read as a `Quantized` (`as_quantized`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+VALUE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.int4), jnp.dtype(jnp.float8_e4m3fn),
+                jnp.dtype(jnp.float8_e5m2))
+NAMES = "int8, int4, float8_e4m3fn or float8_e5m2"
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("values", "scale"),
+                   meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+  """Quantized values and their scales (a pytree): the array `values * scale` in float32.
+
+  Attributes:
+    values: [...] int8, int4, float8_e4m3fn or float8_e5m2.
+    scale: float32 broadcastable to `values` (one per tensor, token, head or channel).
+  """
+
+  values: jax.Array
+  scale: jax.Array
+
+  shape = property(lambda self: tuple(self.values.shape))
+  ndim = property(lambda self: len(self.values.shape))
+  dtype = property(lambda self: jnp.dtype(self.scale.dtype))  # what it dequantizes to
+
+  def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+    """`values * scale` in float32, then cast to `dtype`."""
+    return (self.values.astype(jnp.float32) * self.scale.astype(jnp.float32)).astype(dtype)
+
+  @property
+  def nbytes(self) -> int:
+    """How many bytes the values and the scales hold together."""
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in (self.values,
+                                                                               self.scale))
+
+
+def _largest(dtype: Any) -> float:
+  """The largest magnitude a symmetric quantization maps to (int8: 127, fp8: the finite max)."""
+  dtype = jnp.dtype(dtype)
+  return float(jnp.iinfo(dtype).max if jnp.issubdtype(dtype, jnp.integer) else
+               jnp.finfo(dtype).max)
+
+
+def check_dtype(dtype: Any, name: str) -> jnp.dtype:
+  """`dtype` as a quantized values dtype, or a ValueError naming `name`."""
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError:
+    dtype = None
+  if dtype not in VALUE_DTYPES:
+    raise ValueError(f"`{name}` must be a quantized dtype ({NAMES}), got {dtype}.")
+  return dtype
+
+
+def quantize(x: Any, dtype: Any, axis: int | tuple[int, ...] = -1) -> Quantized:
+  """`x` quantized symmetrically with one float32 scale per slice along `axis` (absmax).
+
+  int8 (and int4): `scale = absmax / 127` (7), values rounded half to even and clipped to
+  [-127, 127]; fp8: `scale = absmax / finfo(dtype).max`, values rounded by the cast; an all-zero
+  slice gets scale 1. The scale keeps `x`'s rank (size 1 along `axis`).
+  """
+  dtype = check_dtype(dtype, "dtype")
+  x = jnp.asarray(x, jnp.float32)
+  largest = _largest(dtype)
+  absmax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+  scale = jnp.where(absmax == 0, 1.0, absmax / largest)
+  scaled = x / scale
+  if jnp.issubdtype(dtype, jnp.integer):
+    scaled = jnp.clip(jnp.round(scaled), -largest, largest)
+  return Quantized(scaled.astype(dtype), scale.astype(jnp.float32))
+
+
+def is_quantized(x: Any) -> bool:
+  """A `Quantized` or a `qwix.QArray` (read by its fields: qwix stays an optional extra)."""
+  return isinstance(x, Quantized) or (hasattr(x, "qvalue") and hasattr(x, "scale"))
+
+
+def as_quantized(x: Any, name: str) -> Any:
+  """`x` as a `Quantized` whose scale has the values' rank (a `qwix.QArray` converted), or `x`
+  unchanged when it is not quantized. Bad values or scales are a ValueError naming `name`."""
+  if not is_quantized(x):
+    return x
+  if not isinstance(x, Quantized):
+    if getattr(x, "zero_point", None) is not None:
+      raise ValueError(f"`{name}` is a qwix.QArray with a zero_point (asymmetric): pass a "
+                       "symmetric one (zero_point None), or sh.quantize(x, dtype).")
+    if getattr(x, "qtype", None) is not None and jnp.dtype(x.qtype) != jnp.dtype(x.qvalue.dtype):
+      raise ValueError(f"`{name}` is a qwix.QArray of qtype {x.qtype} stored as "
+                       f"{x.qvalue.dtype}: pass one stored in its own dtype ({NAMES}).")
+    x = Quantized(x.qvalue, x.scale)
+  check_dtype(x.values.dtype, f"{name}.values")
+  values, scale = x.values, x.scale
+  if not jnp.issubdtype(scale.dtype, jnp.floating):
+    raise ValueError(f"`{name}.scale` must be floating (float32), got {scale.dtype}.")
+  shape = tuple(values.shape)
+  if len(scale.shape) > len(shape):
+    raise ValueError(f"`{name}.scale` {tuple(scale.shape)} has more axes than its values {shape}.")
+  full = (1,) * (len(shape) - len(scale.shape)) + tuple(scale.shape)
+  if any(s not in (1, v) for s, v in zip(full, shape)):
+    raise ValueError(
+        f"`{name}.scale` {tuple(scale.shape)} must broadcast to its values {shape} (one scale "
+        "per tensor, token, head or channel); scales shared by tiles of a channel (qwix "
+        "sub-channel) are not served: quantize with one scale per token or per channel.")
+  return Quantized(values, jnp.reshape(scale, full) if hasattr(scale, "reshape") else scale)
+
+
+def spread(x: Quantized, axes: tuple[int, ...]) -> Quantized:
+  """`x` with its scale broadcast along `axes` (so it splits and travels like its values)."""
+  shape = tuple(v if a in axes else s for a, (s, v) in enumerate(zip(x.scale.shape, x.shape)))
+  return Quantized(x.values, jnp.broadcast_to(x.scale, shape))
+
+
+def cut(a: Any, axis: int, fn: Callable[[jax.Array], jax.Array]) -> Any:
+  """`fn` (a slice or gather along `axis`) of an array, or of a `Quantized`'s values and of its
+  scale where the scale is not broadcast along `axis`."""
+  if not isinstance(a, Quantized):
+    return fn(a)
+  return Quantized(fn(a.values), a.scale if a.scale.shape[axis] == 1 else fn(a.scale))
+
+
+def tile(a: Any, dtype: Any) -> jax.Array:
+  """A block (array or `Quantized` slice) as `dtype` values: the scale applied on the tile."""
+  if not isinstance(a, Quantized):
+    return a
+  return (a.values.astype(jnp.float32) * a.scale).astype(dtype)
+
+
+def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
+  """A zeroed buffer of `shape`: floats, or for a quantized `dtype` a `Quantized` with one
+  scale per (..., last axis but one) (a cache's: per token and head)."""
+  if jnp.dtype(dtype) not in VALUE_DTYPES:
+    return jnp.zeros(shape, dtype)
+  return Quantized(jnp.zeros(shape, dtype), jnp.ones((*shape[:-1], 1), jnp.float32))
+
+
+def write(buf: Any, index: Any, new: Any) -> Any:
+  """`buf.at[index].set(new, mode="drop")` for an array, or for a `Quantized` buffer: `new`
+  (floats, or quantized: dequantized first) quantized along its last axis as it is written."""
+  new = as_quantized(new, "key")
+  new = new.dequantize() if isinstance(new, Quantized) else jnp.asarray(new)
+  if not isinstance(buf, Quantized):
+    return buf.at[index].set(new.astype(buf.dtype), mode="drop")
+  q = quantize(new, buf.values.dtype)
+  return Quantized(buf.values.at[index].set(q.values, mode="drop"),
+                   buf.scale.at[index].set(q.scale, mode="drop"))
+
+
+def pages(pool: Any, index: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+  """`pool[index]` as (values, scales or None): a quantized pool's values as stored and its
+  scales [..., page, Hkv, 1], for a kernel to apply after its dots."""
+  if not isinstance(pool, Quantized):
+    return pool[index], None
+  return pool.values[index], pool.scale[index]
+
+
+def cotangent(primal: Any, grad: jax.Array) -> jax.Array | None:
+  """A gradient for a custom VJP's input: None for a quantized one (it has none)."""
+  return None if isinstance(primal, Quantized) else grad
+
+
+def _refuse(name: str):
+  raise ValueError(
+      f"`{name}` is quantized and something differentiates it: a quantized input has no "
+      f"gradient here. Wrap it in jax.lax.stop_gradient, or pass floats (`{name}.dequantize()`) "
+      "to differentiate through it.")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _guarded(leaves: tuple, name: str) -> tuple:
+  return leaves
+
+
+@_guarded.defjvp
+def _guarded_jvp(name, primals, tangents):  # JAX calls it only when something is perturbed
+  del primals, tangents
+  _refuse(name)
+
+
+def guard(x: Any, name: str) -> Any:
+  """`x` unchanged; a `Quantized` raises a ValueError naming `name` when differentiated."""
+  if not isinstance(x, Quantized):
+    return x
+  values, scale = _guarded((x.values, x.scale), name)
+  return Quantized(values, scale)

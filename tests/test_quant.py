@@ -1,0 +1,328 @@
+"""Quantized keys and values: `sh.quantize`'s definition, `attention` over `sh.Quantized` and
+`qwix.QArray` inputs, int8/fp8 fixed and paged caches, against the float64 oracle run on the
+dequantized values (values * scale, computed here in NumPy)."""
+
+import dataclasses
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import harness
+import oracle
+import splash_hk as sh
+import test_paged
+
+B, T, HQ, HKV, D = 2, 300, 4, 2, 64  # T crosses a block boundary at the default tiles
+FORMATS = {"int8": (np.int8, 127), "int4": (ml_dtypes.int4, 7),
+           "fp8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "fp8_e5m2": (ml_dtypes.float8_e5m2,
+                                                                      57344.0)}
+
+
+def _np_quantize(x, kind, axis=-1, scale=None):
+  """DESIGN's rule in NumPy: (values, scale) with scale = absmax / largest (1 for all-zero), or
+  the values for a given `scale` (XLA divides by a constant as a product with its reciprocal:
+  the library's scales may differ from these in the last bit)."""
+  dtype, largest = FORMATS[kind]
+  x = np.asarray(x, np.float32)
+  absmax = np.max(np.abs(x), axis=axis, keepdims=True)
+  if scale is None:
+    scale = np.where(absmax == 0, np.float32(1), absmax / np.float32(largest)).astype(np.float32)
+  scaled = x / scale
+  if kind.startswith("int"):
+    scaled = np.clip(np.round(scaled), -largest, largest)  # np.round: half to even
+  with np.errstate(invalid="ignore"):  # NaN slots (garbage pages) cast to anything
+    return scaled.astype(dtype), scale
+
+
+def _dequantized(q):
+  """values * scale in float64 (the value a `Quantized` stands for)."""
+  return np.asarray(q.values).astype(np.float64) * np.asarray(q.scale, np.float64)
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_quantize_follows_its_definition(kind):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(3, 5, 2, 16)).astype(np.float32) * 3
+  x[0, 0, 0] = 0  # an all-zero slice: scale 1
+  x[1, 0, 0, :2] = [127, 0.5]  # int8: exactly half a step
+  for axis in (-1, (1, 3)):
+    got = sh.quantize(x, getattr(jnp, np.dtype(FORMATS[kind][0]).name), axis=axis)
+    scale = _np_quantize(x, kind, axis)[1]
+    np.testing.assert_allclose(np.asarray(got.scale), scale, rtol=2 ** -23, atol=0)
+    values, scale = _np_quantize(x, kind, axis, scale=np.asarray(got.scale))
+    assert got.values.dtype == values.dtype and got.scale.shape == scale.shape
+    np.testing.assert_array_equal(np.asarray(got.values).astype(np.float32),
+                                  values.astype(np.float32))
+  assert float(sh.quantize(x, jnp.int8).scale[0, 0, 0, 0]) == 1.0
+
+
+def test_quantize_refuses_a_dtype_it_cannot_hold():
+  with pytest.raises(ValueError, match="`dtype` must be a quantized dtype"):
+    sh.quantize(np.ones((2, 4)), jnp.int16)
+
+
+SCALES = ("tensor", "token", "head", "channel", "token_head")  # every form DESIGN names
+
+
+def _scale_shape(form, length, dim):
+  """The scale's shape for values [B, length, Hkv, dim] (leading 1s may be left out)."""
+  return {"tensor": (), "token": (B, length, 1, 1), "head": (HKV, 1), "channel": (dim,),
+          "token_head": (B, length, HKV, 1)}[form]
+
+
+def _quantized(rng, shape, kind, scale_shape):
+  """Random values of `kind` with random positive scales of `scale_shape` (tokamax's cases)."""
+  dtype, largest = FORMATS[kind]
+  values = rng.uniform(-largest, largest, size=shape)
+  values = (np.round(values) if kind.startswith("int") else values).astype(dtype)
+  scale = rng.uniform(0.5, 1.5, size=scale_shape).astype(np.float32) / largest
+  return sh.Quantized(jnp.asarray(values), jnp.asarray(scale))
+
+
+def _inputs(seed, kind="int8", scale="token_head", length=T, value_dim=D):
+  rng = np.random.default_rng(seed)
+  q = rng.normal(size=(B, length, HQ, D)).astype(np.float32)
+  k = _quantized(rng, (B, length, HKV, D), kind, _scale_shape(scale, length, D))
+  v = _quantized(rng, (B, length, HKV, value_dim), kind, _scale_shape(scale, length, value_dim))
+  cot = rng.normal(size=(B, length, HQ, value_dim)).astype(np.float32)
+  return q, k, v, cot
+
+
+def _check_q_grads(f, q, k, v, cot, **rules):
+  """out and d/dq of f(q) (k, v quantized) against the oracle on the dequantized k, v."""
+  got = harness.values_and_grads(f, (q,), cot)
+  want_out, want_grads = harness.oracle_values_and_grads(q, _dequantized(k), _dequantized(v),
+                                                         cot, **rules)
+  harness.assert_close(got, (want_out, want_grads[:1]), names=("dq",))
+
+
+@pytest.mark.parametrize("platform", ["xla", "reference"])
+@pytest.mark.parametrize("kind,scale", [("int8", "token_head"), ("int8", "tensor"),
+                                        ("int4", "channel"), ("fp8_e4m3", "token"),
+                                        ("fp8_e5m2", "head")])
+def test_values_and_query_gradients_match_the_oracle_on_the_dequantized_values(platform, kind,
+                                                                               scale):
+  q, k, v, cot = _inputs(1, kind, scale)
+  config = sh.AttentionConfig(platform=platform, allow_fallback=False)
+  f = lambda q: sh.attention(q, k, v, config=config).attention_outputs
+  _check_q_grads(f, q, k, v, cot)
+
+
+RULES = {
+    "window": (sh.AttentionConfig(sliding_window=(70, 0)), dict(window=(70, 0))),
+    "chunk": (sh.AttentionConfig(chunk_size=128), dict(chunk=128)),
+    "bidirectional_soft_cap": (sh.AttentionConfig(causal=False, logits_soft_cap=5.0),
+                               dict(causal=False, soft_cap=5.0)),
+}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_every_rule_with_sinks_a_bias_and_value_size(rule):
+  config, rules = RULES[rule]
+  q, k, v, cot = _inputs(2, "int8", "token_head", value_dim=48)
+  rng = np.random.default_rng(3)
+  sinks = rng.normal(size=(HQ,)).astype(np.float32)
+  bias = rng.normal(size=(1, HQ, T, T)).astype(np.float32)
+  config = dataclasses.replace(config, platform="xla", allow_fallback=False)
+  out = sh.attention(q, k, v, config=config, softmax_aux=sinks, bias=bias).attention_outputs
+  want, _ = oracle.attention(q, _dequantized(k), _dequantized(v), sinks=sinks, bias=bias, **rules)
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
+
+
+def test_a_quantized_query_and_a_decode_step_of_a_long_cache():
+  rng = np.random.default_rng(4)
+  q = sh.quantize(rng.normal(size=(B, 1, HQ, D)), jnp.int8)
+  k = _quantized(rng, (B, 2048, HKV, D), "int8", (B, 2048, HKV, 1))
+  v = _quantized(rng, (B, 2048, HKV, D), "int8", (B, 2048, HKV, 1))
+  out = sh.attention(q, k, v).attention_outputs
+  want, _ = oracle.attention(_dequantized(q), _dequantized(k), _dequantized(v))
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
+
+
+@pytest.mark.parametrize("mesh_name,axes", [
+    ("2x4", sh.MeshAxes(batch="dp", heads="tp")),
+    ("sp4", sh.MeshAxes(batch=None, heads=None, sequence="sp", sequence_strategy="ring")),
+    ("sp2", sh.MeshAxes(batch=None, heads=None, sequence="sp", sequence_strategy="ulysses")),
+])
+def test_meshes_ring_and_ulysses(mesh_name, axes):
+  q, k, v, cot = _inputs(5, "int8", "tensor", length=256)
+  config = sh.AttentionConfig(platform="xla", allow_fallback=False)
+  mesh = harness.mesh(mesh_name)
+  f = lambda q: sh.attention(q, k, v, config=config, mesh=mesh, axes=axes).attention_outputs
+  got = harness.values_and_grads(f, (q,), cot)
+  want_out, want_grads = harness.oracle_values_and_grads(q, _dequantized(k), _dequantized(v), cot)
+  harness.assert_close(got, (want_out, want_grads[:1]), grad="sharded_grad", names=("dq",))
+
+
+def test_gradients_of_a_quantized_input_are_refused_naming_it():
+  q, k, v, _ = _inputs(6)
+  loss = lambda scale: sh.attention(q, sh.Quantized(k.values, scale), v).attention_outputs.sum()
+  with pytest.raises(ValueError, match="`key` is quantized and something differentiates it"):
+    jax.grad(loss)(k.scale)
+  stopped = lambda scale: loss(jax.lax.stop_gradient(scale))
+  assert float(jnp.abs(jax.grad(stopped)(k.scale)).sum()) == 0.0
+
+
+def test_splash_and_triton_fall_back_naming_the_quantized_arguments():
+  q, k, v, _ = _inputs(7)
+  for platform in ("splash", "triton"):
+    config = sh.AttentionConfig(platform=platform, interpret=True)
+    decision = sh.explain(q, k, v, config=config)
+    assert decision.backend == "xla" and "`key` and `value` are quantized" in decision.reason
+    with pytest.raises(ValueError, match="`key` and `value` are quantized"):
+      sh.explain(q, k, v, config=dataclasses.replace(config, allow_fallback=False))
+  assert "`value` is quantized" in sh.explain(q, _dequantized(k).astype(np.float32), v,
+                                              config=config).reason
+
+
+def test_qwix_qarrays_round_trip_and_asymmetric_or_tiled_ones_are_refused():
+  qarray = pytest.importorskip("qwix._src.core.qarray")
+  rng = np.random.default_rng(8)
+  q = rng.normal(size=(B, 64, HQ, D)).astype(np.float32)
+  kv = rng.normal(size=(2, B, 64, HKV, D)).astype(np.float32)
+  per_token = qarray.HowToQuantize(qtype=jnp.int8, channelwise_axes=(0, 1, 2))
+  k, v = (qarray.quantize(jnp.asarray(a), per_token) for a in kv)
+  out = sh.attention(q, k, v).attention_outputs
+  dq = lambda a: np.asarray(a.qvalue, np.float64) * np.asarray(a.scale, np.float64)
+  np.testing.assert_allclose(np.asarray(out), oracle.attention(q, dq(k), dq(v))[0],
+                             **harness.tol())
+  tiled = qarray.quantize(jnp.asarray(kv[0]), qarray.HowToQuantize(
+      qtype=jnp.int8, channelwise_axes=(0, 1, 2), tiled_axes={3: 16}))
+  with pytest.raises(ValueError, match="`key.scale` .* must broadcast to its values"):
+    sh.attention(q, tiled, v)
+  shifted = dataclasses.replace(k, zero_point=jnp.zeros_like(k.scale))
+  with pytest.raises(ValueError, match="`key` is a qwix.QArray with a zero_point"):
+    sh.attention(q, shifted, v)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_a_quantized_cache_in_the_haiku_module_decodes_as_the_oracle_attends(kind):
+  heads, kv_heads, size, batch, prefill, decode = 4, 2, 16, 2, 9, 4
+  dtype = getattr(jnp, np.dtype(FORMATS[kind][0]).name)
+  x = np.random.default_rng(9).normal(size=(batch, prefill + decode, 32)).astype(np.float32)
+
+  @hk.transform
+  def run(x):
+    mha = sh.MultiHeadAttention(heads, size, num_kv_heads=kv_heads, model_size=32,
+                                w_init=hk.initializers.VarianceScaling(1.0))
+    cache = mha.init_cache(batch, 16, dtype=dtype)
+    outs = []
+    for start, stop in [(0, prefill)] + [(t, t + 1) for t in range(prefill, prefill + decode)]:
+      out, cache = mha(x[:, start:stop], kv_cache=cache)
+      outs.append(out)
+    return jnp.concatenate(outs, axis=1), cache
+
+  params = run.init(jax.random.key(0), x)
+  out, cache = jax.jit(run.apply)(params, None, x)
+  assert cache.key.values.dtype == dtype and cache.key.scale.shape == (batch, 16, kv_heads, 1)
+  p = {n: {w: np.asarray(a, np.float64) for w, a in m.items()} for n, m in params.items()}
+  lin = lambda a, m: a @ p[f"multi_head_attention/{m}"]["w"] + p[f"multi_head_attention/{m}"]["b"]
+  n = prefill + decode
+  q = lin(x, "query").reshape(batch, n, heads, size)
+  k = lin(x, "key").reshape(batch, n, kv_heads, size)
+  stored = _dequantized(cache.key)[:, :n]
+  np.testing.assert_array_equal(np.asarray(cache.key.values)[:, :n].astype(np.float32),
+                                _np_quantize(stored, kind)[0].astype(np.float32))
+  assert np.max(np.abs(stored - k)) <= np.max(np.abs(k)) / FORMATS[kind][1] * 16
+  attended, _ = oracle.attention(q, stored, _dequantized(cache.value)[:, :n])
+  want = lin(attended.reshape(batch, n, -1), "linear")
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
+
+
+def _quantized_step(kind, seed, **kwargs):
+  """test_paged's mixed step over a quantized pool; the oracle's histories dequantized."""
+  step = test_paged._step(seed=seed, **kwargs)
+  dtype = getattr(jnp, np.dtype(FORMATS[kind][0]).name)
+  pool = lambda a: sh.Quantized(*(jnp.asarray(t) for t in _np_quantize(a, kind)))
+  step.cache = sh.PagedKVCache(pool(step.cache.key), pool(step.cache.value))
+  as_stored = lambda h: np.asarray(_np_quantize(h, kind)[0], np.float64) * _np_quantize(h, kind)[1]
+  step.history_k = [as_stored(h) for h in step.history_k]
+  step.history_v = [as_stored(h) for h in step.history_v]
+  assert step.cache.key.values.dtype == dtype
+  return step
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("rule", ["causal", "window", "soft_cap"])
+def test_a_paged_step_over_a_quantized_pool_matches_the_oracle_and_writes_its_tokens(kind, rule):
+  config, rules = test_paged.RULES[rule]
+  step = _quantized_step(kind, 1)
+  config = dataclasses.replace(config, platform="xla", allow_fallback=False)
+  out, cache = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
+      step.q, step.k, step.v, step.cache, step.batch)
+  np.testing.assert_allclose(np.asarray(out), test_paged._oracle(step, **rules), **harness.tol())
+  table, kv_lens = np.asarray(step.batch.page_table), np.asarray(step.batch.kv_lens)
+  slots = [(table[s, t // 4], t % 4) for s, ql in enumerate(step.q_lens)
+           for t in range(kv_lens[s], kv_lens[s] + ql)]  # where each new row is written
+  for name, new in (("key", step.k), ("value", step.v)):  # the new tokens quantized as written
+    got, want = getattr(cache, name), jax.tree.map(np.array, getattr(step.cache, name))
+    got_scale = np.asarray(got.scale)
+    for row, slot in enumerate(slots):
+      want.scale[slot] = _np_quantize(new[row], kind)[1]
+      want.values[slot] = _np_quantize(new[row], kind, scale=got_scale[slot])[0]
+    np.testing.assert_allclose(got_scale, want.scale, rtol=2 ** -23, atol=0)
+    np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8),
+                                  want.values.view(np.uint8))  # bit for bit, NaN pages too
+
+
+def test_paged_sinks_gqa_bias_and_the_cascade_over_an_int8_pool():
+  step = _quantized_step("int8", 2, value_dim=24)
+  sinks = np.random.default_rng(3).normal(size=(HKV, 2)).astype(np.float32)
+  params, dense = harness.score_case("alibi", np.arange(40)[None], np.arange(40)[None],
+                                     test_paged.HQ)
+  bias = lambda ql, s: np.asarray(dense(params))[:, :, s - ql:s, :s]
+  config = sh.AttentionConfig(platform="xla", allow_fallback=False)
+  call = jax.jit(lambda *a, s, b: sh.paged_attention(*a, config=config, softmax_aux=s, bias=b))
+  want = test_paged._oracle(step, sinks=sinks, bias=bias)
+  out, _ = call(step.q, step.k, step.v, step.cache, step.batch, s=sinks,
+                b=harness.score_object("alibi", params))
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
+  table = np.asarray(step.batch.page_table)
+  prefix = sh.SharedPrefix(jnp.asarray(table[:1, :1]), jnp.asarray([4], jnp.int32),
+                           jnp.asarray([0, -1, 0, -1, -1], jnp.int32))
+  grouped = dataclasses.replace(step.batch, prefix=prefix)
+  out, _ = call(step.q, step.k, step.v, step.cache, grouped, s=sinks,
+                b=harness.score_object("alibi", params))
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
+
+
+# Each format's error bound on random normal keys and values at T = 4096 (causal, one scale per
+# token and kv head, as the caches quantize), stated in docs/guide/quantized.md: the relative
+# output error (Frobenius) against the float64 oracle on the unquantized values.
+ERROR_BOUNDS = {"int8": 0.01, "fp8_e4m3": 0.04, "fp8_e5m2": 0.08, "int4": 0.16}
+
+
+def test_each_formats_error_at_4096_tokens_is_within_its_stated_bound():
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.normal(size=(1, 4096, n, D)).astype(np.float32) for n in (2, 1, 1))
+  want, _ = oracle.attention(q, k, v)
+  errors = {}
+  for kind in ERROR_BOUNDS:
+    dtype = getattr(jnp, np.dtype(FORMATS[kind][0]).name)
+    out = sh.attention(q, sh.quantize(k, dtype), sh.quantize(v, dtype)).attention_outputs
+    errors[kind] = np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want)
+  assert all(errors[kind] < bound for kind, bound in ERROR_BOUNDS.items()), errors
+  assert errors["int8"] < errors["fp8_e4m3"] < errors["fp8_e5m2"] < errors["int4"], errors
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_garbage_past_the_padding_changes_nothing_and_a_visible_nan_reaches_only_its_rows(kind):
+  q, k, v, _ = _inputs(10, kind, "token_head")
+  spoil = lambda a, where: sh.Quantized(a.values, jnp.asarray(a.scale).at[where].set(jnp.nan))
+  kv_seg = np.zeros((B, T), np.int32)
+  kv_seg[:, 250:] = -1  # padding keys: their scales (so their values) are NaN
+  k, v = spoil(k, (slice(None), slice(250, None))), spoil(v, (slice(None), slice(250, None)))
+  rules = dict(q_segment_ids=np.zeros((B, T), np.int32), kv_segment_ids=kv_seg)
+  out = sh.attention(q, k, v, **rules).attention_outputs
+  want, _ = oracle.attention(q, _dequantized(k), _dequantized(v), q_seg=rules["q_segment_ids"],
+                             kv_seg=kv_seg)
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
+  out = np.asarray(sh.attention(q, k, spoil(v, (0, 100, 1)), **rules).attention_outputs)
+  assert np.isnan(out[0, 100:, 2:]).all()  # the rows that see key 100, query heads of kv head 1
+  np.testing.assert_allclose(out[0, :100], want[0, :100], **harness.tol())
+  np.testing.assert_allclose(out[:, :, :2], want[:, :, :2], **harness.tol())
+  np.testing.assert_allclose(out[1], want[1], **harness.tol())
