@@ -210,6 +210,27 @@ def test_cache_prefill_with_lengths_then_decode_equals_full_forward():
     other(x[:, :1], kv_cache=cache)
 
 
+def test_an_int8_cache_decodes_as_the_oracle_attends_over_its_stored_keys():
+  m = _module(num_sinks=1)
+  x = np.random.default_rng(5).normal(size=(2, 7, 12)).astype(np.float32)
+  step = nnx.jit(lambda m, x, c: m(x, kv_cache=c))
+  out, cache = step(m, x[:, :4], m.init_cache(2, 16, dtype=jnp.int8))
+  outs = [out]
+  for t in range(4, 7):
+    out, cache = step(m, x[:, t:t + 1], cache)
+    outs.append(out)
+  assert cache.key.values.dtype == jnp.int8 and cache.key.scale.shape == (2, 16, 2, 1)
+  p = _params(m)
+  stored = lambda q: (np.asarray(q.values, np.float64) * np.asarray(q.scale, np.float64))[:, :7]
+  proj = lambda n: np.einsum("btf,fhd->bthd", x.astype(np.float64), np.asarray(
+      p[n]["kernel"], np.float64)) + np.asarray(p[n]["bias"], np.float64)
+  o, _ = oracle.attention(proj("query"), stored(cache.key), stored(cache.value),
+                          sinks=np.asarray(p["sinks"], np.float64))
+  want = np.einsum("bthd,hdo->bto", o, np.asarray(p["out"]["kernel"], np.float64)) + np.asarray(
+      p["out"]["bias"], np.float64)
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, axis=1)), want, **harness.tol())
+
+
 def test_module_serves_paged_steps_as_the_oracle_attends():
   m = shx.MultiHeadAttention(num_heads=4, in_features=16, qkv_features=32, num_kv_heads=2,
                              num_sinks=1, bias_init=nnx.initializers.normal(0.1),

@@ -269,6 +269,18 @@ def test_a_paged_step_over_a_quantized_pool_matches_the_oracle_and_writes_its_to
                                   want.values.view(np.uint8))  # bit for bit, NaN pages too
 
 
+def test_a_paged_steps_new_tokens_and_queries_may_come_quantized():
+  step = _quantized_step("int8", 4)
+  q8 = sh.quantize(step.q, jnp.int8)  # padding rows' NaN stays in their rows
+  k8, v8 = (sh.quantize(a, jnp.int8) for a in (step.k, step.v))
+  out, cache = jax.jit(sh.paged_attention)(q8, k8, v8, step.cache, step.batch)
+  step.q = _dequantized(q8)
+  np.testing.assert_allclose(np.asarray(out), test_paged._oracle(step), **harness.tol())
+  float_pool = sh.PagedKVCache.zeros(40, 4, HKV, test_paged.D)
+  out, cache = jax.jit(sh.paged_attention)(q8, k8, v8, float_pool, step.batch)
+  assert cache.key.dtype == jnp.float32  # a float pool takes them dequantized
+
+
 def test_paged_sinks_gqa_bias_and_the_cascade_over_an_int8_pool():
   step = _quantized_step("int8", 2, value_dim=24)
   sinks = np.random.default_rng(3).normal(size=(HKV, 2)).astype(np.float32)
