@@ -9,83 +9,15 @@ import numpy as np
 import pytest
 
 import harness
+import paged_cases
 import oracle
 import splash_hk as sh
 from splash_hk import paged
 from splash_hk.fallback import selector
 
-HQ, HKV, D = 4, 2, 16
-PAGE = 4
-
-
-@dataclasses.dataclass
-class Step:
-  """One ragged step over a pool, with every sequence's whole history (for the oracle)."""
-
-  q: np.ndarray  # [N, Hq, D]
-  k: np.ndarray  # [N, Hkv, D]
-  v: np.ndarray  # [N, Hkv, Dv]
-  cache: sh.PagedKVCache
-  batch: sh.RaggedBatch
-  history_k: list  # per sequence [kv_len + q_len, Hkv, D]
-  history_v: list
-  q_lens: list
-
-
-def _step(seed, kv_lens=(5, 0, 12, 3), q_lens=(1, 7, 3, 1), max_seqs=5, pad_rows=2,
-          pages_per_seq=6, num_pages=40, value_dim=D, shared_prefix=True, dtype=np.float32,
-          hq=HQ, hkv=HKV):
-  """Sequences at different stages (a decode, a prefill, a chunked prefill, ...), pages shuffled
-  through the pool, NaN in every slot no sequence holds; sequences 0 and 2 share their first
-  page (their histories agree there) when it lies below both their lengths."""
-  rng = np.random.default_rng(seed)
-  n_seqs, n = len(kv_lens), sum(q_lens) + pad_rows
-  key = np.full((num_pages, PAGE, hkv, D), np.nan, dtype)
-  value = np.full((num_pages, PAGE, hkv, value_dim), np.nan, dtype)
-  free = list(rng.permutation(num_pages))
-  table = np.full((max_seqs, pages_per_seq), -1, np.int32)
-  history_k, history_v = [], []
-  for s, (kv, ql) in enumerate(zip(kv_lens, q_lens)):
-    hk = rng.normal(size=(kv + ql, hkv, D)).astype(dtype)
-    hv = rng.normal(size=(kv + ql, hkv, value_dim)).astype(dtype)
-    for p in range(-(-(kv + ql) // PAGE)):
-      if shared_prefix and s == 2 and p == 0 and min(kv_lens[0], kv_lens[2]) >= PAGE:
-        table[s, p] = table[0, 0]  # the page below both lengths: the same tokens
-        hk[:PAGE], hv[:PAGE] = history_k[0][:PAGE], history_v[0][:PAGE]
-        continue
-      table[s, p] = free.pop()
-    for t in range(kv):
-      key[table[s, t // PAGE], t % PAGE] = hk[t]
-      value[table[s, t // PAGE], t % PAGE] = hv[t]
-    history_k.append(hk)
-    history_v.append(hv)
-  cu = np.zeros(max_seqs + 1, np.int32)
-  cu[1:n_seqs + 1] = np.cumsum(q_lens)
-  cu[n_seqs + 1:] = cu[n_seqs]
-  lens = np.zeros(max_seqs, np.int32)
-  lens[:n_seqs] = kv_lens
-  new = lambda h: np.concatenate([hh[kv:] for hh, kv in zip(h, kv_lens)] +
-                                 [np.full((pad_rows, *h[0].shape[1:]), np.nan, dtype)])
-  q = rng.normal(size=(n, hq, D)).astype(dtype)
-  q[sum(q_lens):] = np.nan
-  batch = sh.RaggedBatch(jnp.asarray(cu), jnp.asarray(lens), jnp.asarray(table),
-                         jnp.asarray(n_seqs, jnp.int32))
-  return Step(q, new(history_k), new(history_v), sh.PagedKVCache(jnp.asarray(key),
-              jnp.asarray(value)), batch, history_k, history_v, list(q_lens))
-
-
-def _oracle(step, sinks=None, bias=None, **rules):
-  """[N, Hq, Dv] float64: each sequence's rows against its whole history; padding rows 0."""
-  outs = []
-  start = 0
-  for hk, hv, ql in zip(step.history_k, step.history_v, step.q_lens):
-    q = step.q[start:start + ql][None]
-    dense = None if bias is None else bias(ql, len(hk))
-    out, _ = oracle.attention(q, hk[None], hv[None], sinks=sinks, bias=dense, **rules)
-    outs.append(out[0])
-    start += ql
-  pad = np.zeros((step.q.shape[0] - start, step.q.shape[1], step.v.shape[-1]))
-  return np.concatenate(outs + [pad])
+HQ, HKV, D, PAGE = paged_cases.HQ, paged_cases.HKV, paged_cases.D, paged_cases.PAGE
+RULES = paged_cases.RULES
+_step, _oracle = paged_cases.step, paged_cases.attend
 
 
 def _check_cache(step, cache):
@@ -100,13 +32,6 @@ def _check_cache(step, cache):
   np.testing.assert_array_equal(np.asarray(cache.value), value)
 
 
-RULES = {
-    "causal": (sh.AttentionConfig(), dict()),
-    "window": (sh.AttentionConfig(sliding_window=(3, 0)), dict(window=(3, 0))),
-    "chunk": (sh.AttentionConfig(chunk_size=5), dict(chunk=5)),
-    "bidirectional": (sh.AttentionConfig(causal=False), dict(causal=False)),
-    "soft_cap": (sh.AttentionConfig(logits_soft_cap=2.0), dict(soft_cap=2.0)),
-}
 
 
 # The reference path (a dense gather into the reference attend, which every attention test

@@ -14,7 +14,7 @@ import pytest
 import harness
 import oracle
 import splash_hk as sh
-import test_paged
+import paged_cases
 
 B, T, HQ, HKV, D = 2, 300, 4, 2, 64  # T crosses a block boundary at the default tiles
 FORMATS = {"int8": (np.int8, 127), "int4": (ml_dtypes.int4, 7),
@@ -234,8 +234,8 @@ def test_a_quantized_cache_in_the_haiku_module_decodes_as_the_oracle_attends(kin
 
 
 def _quantized_step(kind, seed, **kwargs):
-  """test_paged's mixed step over a quantized pool; the oracle's histories dequantized."""
-  step = test_paged._step(seed=seed, **kwargs)
+  """paged_cases' mixed step over a quantized pool; the oracle's histories dequantized."""
+  step = paged_cases.step(seed=seed, **kwargs)
   dtype = getattr(jnp, np.dtype(FORMATS[kind][0]).name)
   pool = lambda a: sh.Quantized(*(jnp.asarray(t) for t in _np_quantize(a, kind)))
   step.cache = sh.PagedKVCache(pool(step.cache.key), pool(step.cache.value))
@@ -249,12 +249,12 @@ def _quantized_step(kind, seed, **kwargs):
 @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("rule", ["causal", "window", "soft_cap"])
 def test_a_paged_step_over_a_quantized_pool_matches_the_oracle_and_writes_its_tokens(kind, rule):
-  config, rules = test_paged.RULES[rule]
+  config, rules = paged_cases.RULES[rule]
   step = _quantized_step(kind, 1)
   config = dataclasses.replace(config, platform="xla", allow_fallback=False)
   out, cache = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
       step.q, step.k, step.v, step.cache, step.batch)
-  np.testing.assert_allclose(np.asarray(out), test_paged._oracle(step, **rules), **harness.tol())
+  np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())
   table, kv_lens = np.asarray(step.batch.page_table), np.asarray(step.batch.kv_lens)
   slots = [(table[s, t // 4], t % 4) for s, ql in enumerate(step.q_lens)
            for t in range(kv_lens[s], kv_lens[s] + ql)]  # where each new row is written
@@ -275,8 +275,8 @@ def test_a_paged_steps_new_tokens_and_queries_may_come_quantized():
   k8, v8 = (sh.quantize(a, jnp.int8) for a in (step.k, step.v))
   out, cache = jax.jit(sh.paged_attention)(q8, k8, v8, step.cache, step.batch)
   step.q = _dequantized(q8)
-  np.testing.assert_allclose(np.asarray(out), test_paged._oracle(step), **harness.tol())
-  float_pool = sh.PagedKVCache.zeros(40, 4, HKV, test_paged.D)
+  np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step), **harness.tol())
+  float_pool = sh.PagedKVCache.zeros(40, 4, HKV, paged_cases.D)
   out, cache = jax.jit(sh.paged_attention)(q8, k8, v8, float_pool, step.batch)
   assert cache.key.dtype == jnp.float32  # a float pool takes them dequantized
 
@@ -285,11 +285,11 @@ def test_paged_sinks_gqa_bias_and_the_cascade_over_an_int8_pool():
   step = _quantized_step("int8", 2, value_dim=24)
   sinks = np.random.default_rng(3).normal(size=(HKV, 2)).astype(np.float32)
   params, dense = harness.score_case("alibi", np.arange(40)[None], np.arange(40)[None],
-                                     test_paged.HQ)
+                                     paged_cases.HQ)
   bias = lambda ql, s: np.asarray(dense(params))[:, :, s - ql:s, :s]
   config = sh.AttentionConfig(platform="xla", allow_fallback=False)
   call = jax.jit(lambda *a, s, b: sh.paged_attention(*a, config=config, softmax_aux=s, bias=b))
-  want = test_paged._oracle(step, sinks=sinks, bias=bias)
+  want = paged_cases.attend(step, sinks=sinks, bias=bias)
   out, _ = call(step.q, step.k, step.v, step.cache, step.batch, s=sinks,
                 b=harness.score_object("alibi", params))
   np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
