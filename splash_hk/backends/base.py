@@ -40,13 +40,20 @@ RESIDUALS_REFUSAL = ("the log-sum-exp was requested (return_residuals=True) and 
                      "not return a differentiable one")
 
 
-def quantized_refusal(facts: Facts) -> str | None:
-  """Why a kernel that takes floating inputs only cannot serve the call, or None."""
-  if not facts.quantized:
-    return None
-  names = " and ".join(f"`{name}`" for name in facts.quantized)
-  return (f"{names} {'is' if len(facts.quantized) == 1 else 'are'} quantized (sh.Quantized or "
-          "qwix.QArray) and this kernel takes floating inputs only")
+def plain_kernel_refusal(facts: Facts) -> str | None:
+  """Why a kernel that computes plain attention only (no weights, differentiable lse, dropout
+  hash or quantized inputs: splash's and Triton's) cannot serve the call, or None."""
+  if facts.return_weights:
+    return WEIGHTS_REFUSAL
+  if facts.return_residuals:
+    return RESIDUALS_REFUSAL
+  if facts.config.dropout_rate > 0:
+    return DROPOUT_REFUSAL
+  if facts.quantized:
+    names = " and ".join(f"`{name}`" for name in facts.quantized)
+    return (f"{names} {'is' if len(facts.quantized) == 1 else 'are'} quantized (sh.Quantized or "
+            "qwix.QArray) and this kernel takes floating inputs only")
+  return None
 
 
 class Partial(NamedTuple):

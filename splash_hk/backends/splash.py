@@ -44,14 +44,9 @@ def why_not(facts: Facts, hardware: str) -> str | None:
   """Why JAX's Pallas splash kernel cannot serve this call, or None."""
   config, query_len, kv_len = facts.config, facts.query_len, facts.kv_len
   shards = facts.query_slices
-  if facts.return_weights:
-    return base.WEIGHTS_REFUSAL
-  if facts.return_residuals:
-    return base.RESIDUALS_REFUSAL
-  if facts.config.dropout_rate > 0:
-    return base.DROPOUT_REFUSAL
-  if facts.quantized:
-    return base.quantized_refusal(facts)
+  refusal = base.plain_kernel_refusal(facts)
+  if refusal is not None:
+    return refusal
   if hardware != "tpu" and not config.interpret:
     return (f"the Pallas splash kernel needs a TPU (this is {hardware}); set "
             "AttentionConfig(interpret=True) to run it in interpret mode")

@@ -20,14 +20,9 @@ from splash_hk.types import Facts, KernelInputs, KernelOutput, Mode
 
 def why_not(facts: Facts, hardware: str) -> str | None:
   """Why ejkernel's Triton kernel cannot serve this call, or None."""
-  if facts.return_weights:
-    return base.WEIGHTS_REFUSAL
-  if facts.return_residuals:
-    return base.RESIDUALS_REFUSAL
-  if facts.config.dropout_rate > 0:
-    return base.DROPOUT_REFUSAL
-  if facts.quantized:
-    return base.quantized_refusal(facts)
+  refusal = base.plain_kernel_refusal(facts)
+  if refusal is not None:
+    return refusal
   if hardware != "gpu":
     return f"ejkernel's Triton kernel needs a GPU (this is {hardware})"
   if not _ejkernel.available():
