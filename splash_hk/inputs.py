@@ -46,9 +46,7 @@ def as_shapes(query: Shaped, key: Shaped, value: Shaped,
   if not any(quant.is_quantized(a) for a in (query, key, value)):
     return query, key, value
   dtype = compute_dtype(query, key, value, config)
-  shaped = lambda a, name: jax.ShapeDtypeStruct(quant.as_quantized(a, name).shape, dtype) if (
-      quant.is_quantized(a)) else a
-  return shaped(query, "query"), shaped(key, "key"), shaped(value, "value")
+  return tuple(quant.shaped(a, name, dtype) for a, name in zip((query, key, value), QKV))
 
 
 def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig, extras: Extras,
@@ -134,7 +132,7 @@ def _arrays(query: Shaped, key: Shaped, value: Shaped, config: AttentionConfig,
   dtype = compute_dtype(query, key, value, config)
   arrays: list[Any] = []
   for name, given in zip(QKV, (query, key, value)):
-    a = quant.guard(quant.as_quantized(given, name), name)
+    a = quant.checked(given, name)
     if isinstance(a, quant.Quantized) and name == "query":
       arrays.append(a.dequantize(dtype))  # [B, T, Hq, D]
     elif isinstance(a, quant.Quantized):

@@ -202,8 +202,8 @@ def _append(cache: KVCache, k: jax.Array, v: jax.Array, lengths: jax.Array,
   new = start[:, None] + jnp.arange(query_len, dtype=jnp.int32)  # [B, T] slots and positions
   target = jnp.where(failed[:, None], max_len, new)  # a failed row writes nothing (dropped)
   rows = jnp.arange(batch)[:, None]
-  keys = quant.write(cache.key, (rows, target), k)  # quantized as written, for such a cache
-  values = quant.write(cache.value, (rows, target), v)
+  keys = quant.write(cache.key, (rows, target), k, "key")  # quantized as written, if it is
+  values = quant.write(cache.value, (rows, target), v, "value")
   end = jnp.where(failed, start, start + lengths)  # [B]
   slots = jnp.arange(max_len, dtype=jnp.int32)  # [S_max]
   live = (jnp.arange(query_len) < lengths[:, None]) & ~failed[:, None]  # [B, T]

@@ -136,9 +136,9 @@ def attend_paged(query: jax.Array, key: jax.Array, value: jax.Array, call: Call,
 def _check_cache_dtype(cache: Any, key: jax.Array, config: AttentionConfig) -> None:
   """A cache of another dtype than the layer's keys, with no `runtime_dtype` to reconcile them,
   is a ValueError naming `kv_cache` (the caller passed no query, key or value to blame)."""
-  held = getattr(getattr(cache, "key", None), "dtype", None)
   if isinstance(getattr(cache, "key", None), Quantized):  # quantized as written, from any float
     return
+  held = getattr(getattr(cache, "key", None), "dtype", None)
   if held is None or held == key.dtype or config.runtime_dtype is not None:
     return
   raise ValueError(

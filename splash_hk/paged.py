@@ -63,8 +63,8 @@ def _write(cache: PagedKVCache, key: jax.Array, value: jax.Array, batch: RaggedB
   logical = jnp.clip(layout.pos // page_size, 0, batch.pages_per_seq - 1)  # [N]
   page = jnp.where(layout.row_live, batch.page_table[layout.seq, logical], num_pages)  # [N]
   slot = layout.pos % page_size  # [N]
-  put = lambda pool, new: quant.write(pool, (page, slot), new)  # quantized as written
-  return cache.replace(key=put(cache.key, key), value=put(cache.value, value))
+  put = lambda pool, new, name: quant.write(pool, (page, slot), new, name)  # quantized as written
+  return cache.replace(key=put(cache.key, key, "key"), value=put(cache.value, value, "value"))
 
 
 def paged_attention(
@@ -128,12 +128,11 @@ def paged_attention(
     pages.raise_misuse(layout.misuse, n=facts.num_tokens, max_seqs=facts.max_seqs,
                        capacity=facts.pages_per_seq * facts.page_size,
                        num_pages=facts.num_pages)
-  query = quant.guard(quant.as_quantized(query, "query"), "query")
+  query = quant.checked(query, "query")
   query = query.dequantize() if isinstance(query, quant.Quantized) else jnp.asarray(query)
   if config.runtime_dtype is not None:
     query = query.astype(config.runtime_dtype)
-  new = lambda a, name: quant.guard(quant.as_quantized(a, name), name) if quant.is_quantized(
-      a) else jnp.asarray(a)
+  new = lambda a, name: quant.checked(a, name) if quant.is_quantized(a) else jnp.asarray(a)
   rule = _rules.call_rule(**config.rules, mask=mask)
   score = as_score(bias)
   call = PagedCall(

@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 VALUE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.int4), jnp.dtype(jnp.float8_e4m3fn),
                 jnp.dtype(jnp.float8_e5m2))
@@ -43,12 +42,6 @@ class Quantized:
   def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
     """`values * scale` in float32, then cast to `dtype`."""
     return (self.values.astype(jnp.float32) * self.scale.astype(jnp.float32)).astype(dtype)
-
-  @property
-  def nbytes(self) -> int:
-    """How many bytes the values and the scales hold together."""
-    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in (self.values,
-                                                                               self.scale))
 
 
 def _largest(dtype: Any) -> float:
@@ -121,6 +114,21 @@ def as_quantized(x: Any, name: str) -> Any:
   return Quantized(values, jnp.reshape(scale, full) if hasattr(scale, "reshape") else scale)
 
 
+def checked(x: Any, name: str) -> Any:
+  """A call's argument as a kernel takes it: `as_quantized`, then `guard`ed (anything not
+  quantized unchanged)."""
+  return guard(as_quantized(x, name), name)
+
+
+def shaped(x: Any, name: str, dtype: Any = None) -> Any:
+  """A quantized argument (checked, naming `name`) as the shape and float dtype it stands for
+  (`dtype`, else the scale's): what shape and dtype checks read. Anything else unchanged."""
+  if not is_quantized(x):
+    return x
+  x = as_quantized(x, name)
+  return jax.ShapeDtypeStruct(x.shape, x.dtype if dtype is None else dtype)
+
+
 def spread(x: Quantized, axes: tuple[int, ...]) -> Quantized:
   """`x` with its scale broadcast along `axes` (so it splits and travels like its values)."""
   shape = tuple(v if a in axes else s for a, (s, v) in enumerate(zip(x.scale.shape, x.shape)))
@@ -150,10 +158,11 @@ def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
   return Quantized(jnp.zeros(shape, dtype), jnp.ones((*shape[:-1], 1), jnp.float32))
 
 
-def write(buf: Any, index: Any, new: Any) -> Any:
+def write(buf: Any, index: Any, new: Any, name: str) -> Any:
   """`buf.at[index].set(new, mode="drop")` for an array, or for a `Quantized` buffer: `new`
-  (floats, or quantized: dequantized first) quantized along its last axis as it is written."""
-  new = as_quantized(new, "key")
+  (floats, or quantized: dequantized first; `name` names it in errors) quantized along its last
+  axis as it is written."""
+  new = as_quantized(new, name)
   new = new.dequantize() if isinstance(new, Quantized) else jnp.asarray(new)
   if not isinstance(buf, Quantized):
     return buf.at[index].set(new.astype(buf.dtype), mode="drop")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from splash_hk.masks import _objects
 from splash_hk.config import AttentionConfig
 from splash_hk.pages import PagedKVCache, RaggedBatch, SharedPrefix
-from splash_hk.quant import Quantized, as_quantized, is_quantized
+from splash_hk.quant import Quantized, as_quantized, shaped
 from splash_hk.scores import Score
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.types import Extras, as_score
@@ -210,10 +210,11 @@ def validate_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch:
           f"got {type(batch).__name__}.")
   quantized = isinstance(cache.key, Quantized)
   _quantized_pool(cache)
-  query, key, value = (_shaped(a, name) for a, name in ((query, "query"), (key, "key"),
-                                                        (value, "value")))
-  _rank(_shaped(cache.key), 4, "cache.key", "[num_pages, page_size, num_kv_heads, head_dim]")
-  _rank(_shaped(cache.value), 4, "cache.value",
+  query, key, value = (shaped(a, name) for a, name in ((query, "query"), (key, "key"),
+                                                       (value, "value")))
+  _rank(shaped(cache.key, "cache.key"), 4, "cache.key",
+        "[num_pages, page_size, num_kv_heads, head_dim]")
+  _rank(shaped(cache.value, "cache.value"), 4, "cache.value",
         "[num_pages, page_size, num_kv_heads, value_head_dim]")
   pool = tuple(cache.key.shape[:3])
   if tuple(cache.value.shape[:3]) != pool:
@@ -241,14 +242,6 @@ def validate_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch:
   _validate_positions_only(mask, bias, config, num_heads)
   if softmax_aux is not None:
     _validate_sinks(softmax_aux, num_heads, num_kv_heads)
-
-
-def _shaped(x: Any, name: str = "") -> Any:
-  """A quantized array (checked, naming `name`) as the shape and float dtype it stands for."""
-  if not is_quantized(x):
-    return x
-  x = as_quantized(x, name)
-  return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 def _quantized_pool(cache: PagedKVCache) -> None:
