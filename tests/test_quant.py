@@ -269,6 +269,17 @@ def test_a_paged_step_over_a_quantized_pool_matches_the_oracle_and_writes_its_to
                                   want.values.view(np.uint8))  # bit for bit, NaN pages too
 
 
+def test_a_long_prefill_chunk_beside_decodes_over_an_int8_pool_at_a_real_size():
+  # 300 prefill rows after 77 cached tokens (thousands of loop items) beside three decodes.
+  step = _quantized_step("int8", 5, kv_lens=(77, 130, 30, 250), q_lens=(300, 1, 1, 1),
+                         pages_per_seq=100, num_pages=400, pad_rows=3)
+  config = sh.AttentionConfig(platform="xla", allow_fallback=False, sliding_window=(200, 0))
+  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
+      step.q, step.k, step.v, step.cache, step.batch)
+  np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, window=(200, 0)),
+                             **harness.tol())
+
+
 def test_a_paged_steps_new_tokens_and_queries_may_come_quantized():
   step = _quantized_step("int8", 4)
   q8 = sh.quantize(step.q, jnp.int8)  # padding rows' NaN stays in their rows
@@ -328,8 +339,11 @@ def test_garbage_past_the_padding_changes_nothing_and_a_visible_nan_reaches_only
   kv_seg = np.zeros((B, T), np.int32)
   kv_seg[:, 250:] = -1  # padding keys: their scales (so their values) are NaN
   k, v = spoil(k, (slice(None), slice(250, None))), spoil(v, (slice(None), slice(250, None)))
-  rules = dict(q_segment_ids=np.zeros((B, T), np.int32), kv_segment_ids=kv_seg)
+  q_seg = np.zeros((B, T), np.int32)
+  q_seg[1, 5] = -1  # a padded query: sees nothing, outputs 0
+  rules = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
   out = sh.attention(q, k, v, **rules).attention_outputs
+  assert not np.asarray(out[1, 5]).any()
   want, _ = oracle.attention(q, _dequantized(k), _dequantized(v), q_seg=rules["q_segment_ids"],
                              kv_seg=kv_seg)
   np.testing.assert_allclose(np.asarray(out), want, **harness.tol())

@@ -202,6 +202,23 @@ def test_int8_pools_serve_the_same_requests_in_a_third_of_the_bytes(served_model
   same = sum(served.outputs[i] == full.outputs[i] for i in full.outputs)
   assert len(served.outputs) == 64 and same >= 0.8 * 64, same
   assert served.free_at_end == served.num_pages
+  # What a step writes: the first layer's keys of one 20-token prompt (the same in both pools,
+  # as they come from the embeddings), each within half a step of its int8 quantization.
+  table = np.zeros((SCHED.max_seqs, SCHED.pages_per_seq), np.int32)
+  table[0, :2] = [0, 1]
+  plan = Plan(tokens=np.arange(20, dtype=np.int32) % TASK.vocab_size,
+              positions=np.arange(20, dtype=np.int32),
+              cu_q_lens=np.array([0] + [20] * SCHED.max_seqs, np.int32),
+              kv_lens=np.zeros(SCHED.max_seqs, np.int32), page_table=table, num_seqs=1,
+              copies=[], work=[], samples=[])
+  engine.run(plan)
+  int8.run(plan)
+  want = np.asarray(engine.caches[0].key).reshape(-1, *engine.caches[0].key.shape[2:])[:20]
+  got = int8.caches[0].key
+  values = np.asarray(got.values, np.float64).reshape(-1, *want.shape[1:])
+  scale = np.asarray(got.scale, np.float64).reshape(-1, *got.scale.shape[2:])
+  step = np.max(np.abs(want), axis=-1, keepdims=True) / 127
+  assert np.all(np.abs(values[:20] * scale[:20] - want) <= step / 2 * (1 + 1e-5) + 1e-7)
 
 
 def test_the_binary_serves_int8_pools_and_prints_their_agreement():
