@@ -54,7 +54,7 @@ def test_many_tiles_gradients_match_oracle(name):
         *a[:3], dict(extras, softmax_aux=a[3]) if sinks is not None else extras, xp=jnp)[0] * cot),
         argnums=argnums)(f64(q), f64(k), f64(v), f64(sinks))
   for g, w in zip(got, want):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), **harness.tol("grad"))
+    harness.assert_near(np.asarray(g), np.asarray(w), "grad")
 
 
 def _assert_value_and_grads_match(case, config, q, k, v, extras, cot):
@@ -65,7 +65,7 @@ def _assert_value_and_grads_match(case, config, q, k, v, extras, cot):
     want = jax.value_and_grad(lambda q, k, v: jnp.sum(case.oracle(q, k, v, extras, xp=jnp)[0] * cot),
                               argnums=(0, 1, 2))(*(jnp.asarray(a, jnp.float64) for a in (q, k, v)))
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), **harness.tol("grad"))
+    harness.assert_near(np.asarray(g), np.asarray(w), "grad")
 
 
 def test_narrow_window_reads_kv_in_place_and_matches_oracle():

@@ -7,6 +7,7 @@ each target's files, so the check needs no Bazel and runs in `make test`.
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import subprocess
@@ -119,6 +120,58 @@ def drift(root: pathlib.Path) -> list[str]:
 
 def test_build_covers_every_file():
   assert drift(ROOT) == []
+
+
+def binary_modules(root: pathlib.Path) -> dict[str, str]:
+  """{module name `python -m` starts: its py_binary's label} for every binary in BUILD.
+
+  A binary's main file is a module ("examples.train.train"); a package holding it and a
+  `__main__.py` is one too ("examples.train").
+  """
+  modules = {}
+  for label, t in read_targets(root).items():
+    if t["rule"] != "py_binary":
+      continue
+    for src in t["srcs"]:
+      parts = src.resolve().relative_to(root.resolve()).with_suffix("").parts
+      if src.name == "__main__.py":
+        parts = parts[:-1]
+      if src.name == "__main__.py" or src.name == t.get("main", "").rpartition("/")[2]:
+        modules[".".join(parts)] = _label(label)
+  return modules
+
+
+def unstarted_binaries(root: pathlib.Path) -> list[str]:
+  """Each binary a test file names as a module (what it runs with `python -m`) that is not in
+  its py_test's data, one line each: Bazel's sandbox holds only what the target carries."""
+  modules, problems = binary_modules(root), []
+  for name, t in read_targets(root).items():
+    if t["rule"] != "py_test":
+      continue
+    package = _label(name).partition(":")[0]
+    data = {package + d if d.startswith(":") else d for d in t.get("data", [])}
+    for src in t["srcs"]:
+      named = {node.value for node in ast.walk(ast.parse(src.read_text()))
+               if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+      for module in sorted(named & modules.keys()):
+        if modules[module] not in data:
+          problems.append(f"{_label(name)} starts {module} but its data lacks {modules[module]}")
+  return problems
+
+
+def test_every_binary_a_test_starts_is_in_its_data():
+  assert unstarted_binaries(ROOT) == []
+
+
+def test_a_started_binary_missing_from_data_is_reported(tmp_path):
+  root = _tree(tmp_path, """
+      py_binary(name = "tool", srcs = ["tools/tool.py"], main = "tools/tool.py")
+      py_test(name = "test_a", srcs = ["tests/test_a.py"], size = "small")
+      py_test(name = "test_b", srcs = ["tests/test_b.py"], size = "small", data = [":tool"])
+      """, ["tools/tool.py", "tests/test_a.py", "tests/test_b.py"])
+  for test in ("test_a", "test_b"):
+    (root / "tests" / f"{test}.py").write_text('import sys\nCMD = [sys.executable, "-m", "tools.tool"]\n')
+  assert unstarted_binaries(root) == ["//:test_a starts tools.tool but its data lacks //:tool"]
 
 
 def test_every_test_file_has_a_sized_py_test_of_its_own():

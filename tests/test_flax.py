@@ -111,7 +111,7 @@ def _check_against_oracle(m, x, call, rules):
   if m.sinks is not None:
     got["sinks"] = grads["sinks"][...]
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), err_msg=str(path), **harness.tol("grad"))
+    harness.assert_near(np.asarray(g), np.asarray(w), "grad", err_msg=str(path))
 
 
 def _haiku(num_heads=4, num_kv_heads=2, num_sinks=0, with_bias=True, name="attn"):

@@ -44,7 +44,7 @@ class AttentionVariantsTest(chex.TestCase, parameterized.TestCase):
           *a[:3], dict(extras, softmax_aux=a[3]) if sinks is not None else extras,
           xp=jnp)[0] * cot), argnums=argnums))(f64(q), f64(k), f64(v), f64(sinks))
     for g, w in zip(grads, want):
-      np.testing.assert_allclose(np.asarray(g), np.asarray(w), **harness.tol("grad"))
+      harness.assert_near(np.asarray(g), np.asarray(w), "grad")
 
   @chex.variants(with_jit=True, without_jit=True, with_pmap=True)
   @parameterized.parameters((4, 4, 0), (4, 1, 2))  # MHA; MQA with sinks (GQA: test_flax)
@@ -82,7 +82,7 @@ class AttentionVariantsTest(chex.TestCase, parameterized.TestCase):
 
       want_grads = jax.jit(jax.grad(oracle_loss))(p64)  # one program, not one per operation
     for g, w in zip(jax.tree.leaves(hk.data_structures.to_mutable_dict(grads)), jax.tree.leaves(want_grads)):
-      np.testing.assert_allclose(np.asarray(g), np.asarray(w), **harness.tol("grad"))
+      harness.assert_near(np.asarray(g), np.asarray(w), "grad")
 
 
 @pytest.mark.parametrize("with_mask", [False, True])

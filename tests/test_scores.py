@@ -56,7 +56,7 @@ def test_each_score_object_matches_the_oracle(kind, platform):
   want_out, want_grads = want[0], list(want[1])
   harness.assert_close((out, grads[:4]), (want_out, want_grads[:4]))
   for g, w in zip(jax.tree.leaves(grads[4]), jax.tree.leaves(want_grads[4])):
-    np.testing.assert_allclose(np.asarray(g), w, err_msg=kind, **harness.tol("grad"))
+    harness.assert_near(np.asarray(g), w, "grad", err_msg=kind)
 
 
 @pytest.mark.parametrize("platform", ["xla", "reference"])
@@ -96,8 +96,8 @@ def test_dense_plus_alibi_reads_only_visible_pairs(shape, platform):
   w_dense, w_slopes = want_grads[3]
   invisible = ~np.isfinite(dirty)
   assert np.all(d_dense[invisible] == 0), "an invisible bias gets no gradient"
-  np.testing.assert_allclose(d_dense, np.where(invisible, 0, w_dense), **harness.tol("grad"))
-  np.testing.assert_allclose(d_slopes, w_slopes, **harness.tol("grad"))
+  harness.assert_near(d_dense, np.where(invisible, 0, w_dense), "grad")
+  harness.assert_near(d_slopes, w_slopes, "grad")
 
 
 def test_gradients_are_the_same_bits_every_run():
@@ -205,7 +205,7 @@ def test_sharded_bias_matches_the_oracle(strategy, mesh_name, kinds, balanced):
       bias_params=tuple(params), window=(20, 0), soft_cap=6.0, q_seg=seg)
   harness.assert_close((out, grads[:4]), (want_out, want_grads[:4]), grad="sharded_grad")
   for g, w in zip(jax.tree.leaves(grads[4]), jax.tree.leaves(want_grads[4])):
-    np.testing.assert_allclose(np.asarray(g), w, **harness.tol("sharded_grad"))
+    harness.assert_near(np.asarray(g), w, "sharded_grad")
   if strategy == "ring":  # a dense bias cannot travel: all_gather, and the reason says so
     dense = sh.explain(q, k, v, config=config, mesh=mesh, axes=axes,
                        bias=S.Dense(np.zeros((batch, hq, length, length), np.float32)))
@@ -295,7 +295,7 @@ def test_a_bias_with_a_mask_object_and_a_cache_free_prefill():
       causal=False, mask=rule, q_pos=pos, kv_pos=pos, q_seg=seg)
   harness.assert_close((out, grads[:3]), (want_out, want_grads[:3]))
   for g, w in zip(grads[3], want_grads[3]):
-    np.testing.assert_allclose(g, w, **harness.tol("grad"))
+    harness.assert_near(g, w, "grad")
 
 
 @pytest.mark.parametrize("num_buckets,max_distance,bidirectional", [
@@ -349,7 +349,7 @@ def test_a_dense_bias_broadcasts_over_every_axis_of_size_1(shape, platform):
                                             soft_cap=6.0, q_seg=seg)
   harness.assert_close((out, grads[:3]), (want_out, want_grads[:3]))
   assert grads[3].shape == bias.shape  # summed over the broadcast axes
-  np.testing.assert_allclose(grads[3], want_grads[3], **harness.tol("grad"))
+  harness.assert_near(grads[3], want_grads[3], "grad")
 
 
 def test_a_broadcast_bias_through_a_mesh_the_cache_and_flax_attention_fn():
@@ -369,7 +369,7 @@ def test_a_broadcast_bias_through_a_mesh_the_cache_and_flax_attention_fn():
       q, k, v, cot, bias=lambda b: jnp.broadcast_to(b, (2, 8, 32, 32)), bias_params=bias,
       q_seg=seg)
   harness.assert_close((out, grads[:3]), (want_out, want_grads[:3]), grad="sharded_grad")
-  np.testing.assert_allclose(grads[3], want_grads[3], **harness.tol("sharded_grad"))
+  harness.assert_near(grads[3], want_grads[3], "sharded_grad")
 
   cache = sh.KVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray([20, 32], jnp.int32))
   for bias_shape, query_len in (((2, 8, 1, 32), 1), ((1, 8, 3, 1), 3)):
