@@ -133,7 +133,7 @@ def binary_modules(root: pathlib.Path) -> dict[str, str]:
     if t["rule"] != "py_binary":
       continue
     for src in t["srcs"]:
-      parts = src.resolve().relative_to(root.resolve()).with_suffix("").parts
+      parts = src.relative_to(root).with_suffix("").parts
       if src.name == "__main__.py":
         parts = parts[:-1]
       if src.name == "__main__.py" or src.name == t.get("main", "").rpartition("/")[2]:
