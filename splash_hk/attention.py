@@ -63,7 +63,8 @@ def decide(query: Shaped, key: Shaped, value: Shaped, extras: Extras, *, config:
            return_weights: bool = False, return_residuals: bool = False) -> Decision:
   """`explain` with the call's arrays as one `Extras`."""
   facts = inputs.facts(query, key, value, config=config, extras=extras, mesh=mesh, axes=axes,
-                       return_weights=return_weights, return_residuals=return_residuals)
+                       return_weights=return_weights, return_residuals=return_residuals,
+                       need_key=False)
   return selector.select(facts)
 
 

@@ -94,7 +94,8 @@ class MultiHeadAttention(nnx.Module):
     the layers built in this process).
 
     Dropout as Flax's: `dropout_rate` on the attention probabilities (the library's hash,
-    `splash_hk.dropout_mask`), `broadcast_dropout` (one mask for every head), `deterministic`
+    `splash_hk.dropout_mask`; or the config's `dropout_rate`, not both at different rates),
+    `broadcast_dropout` (one mask for every batch row and head, as Flax's), `deterministic`
     (here or at the call; required when `dropout_rate > 0`), keys from `rngs.dropout` (kept
     when `keep_rngs`) or the call's `rngs`. Flax's words this module does not serve
     (`decode`, `normalize_qk`, custom matmuls, ...) are accepted at values that change
@@ -142,13 +143,16 @@ class MultiHeadAttention(nnx.Module):
     # A cache remembers the layer that wrote it; NNX modules have no names, so each gets one.
     self.name = name or f"multi_head_attention_{next(_UNNAMED)}"
     self.settings = layer.Settings(config, mesh, axes, self.name)
-    self.dropout_rate = config.replace(dropout_rate=dropout_rate).dropout_rate  # checked
+    self.dropout_rate = layer.dropout_rate(config, dropout_rate)
     self.broadcast_dropout, self.deterministic = bool(broadcast_dropout), deterministic
     self.rngs = rngs.dropout.fork() if keep_rngs and self.dropout_rate > 0 else nnx.data(None)
 
-  def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
-    """An empty KV cache for this layer (the Haiku module's `KVCache`)."""
-    return KVCache.zeros(batch, max_len, self.num_kv_heads, self.head_dim, self.head_dim, dtype)
+  def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32,
+                 owner: str | None = None) -> KVCache:
+    """An empty KV cache for this layer (the Haiku module's `KVCache`; `owner=self.name`:
+    owned already, as a `lax.scan` carry must enter)."""
+    return KVCache.zeros(batch, max_len, self.num_kv_heads, self.head_dim, self.head_dim, dtype,
+                         owner)
 
   def __call__(
       self,
@@ -219,14 +223,16 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
   object as `mask` is the whole rule; `functools.partial(attention_fn, config=cfg)` adds cfg's
   rules as `splash_hk.attention` reads them. `bias`: broadcastable to [..., H, T, S], or a score
   object. A row that sees nothing outputs 0 (Flax: mean(v)). Dropout as Flax's
-  (`dropout_rate`, `dropout_rng`, `deterministic`, `broadcast_dropout`), drawn by the
+  (`dropout_rate` or the config's, `dropout_rng`, `deterministic` honoured whichever states
+  the rate, `broadcast_dropout`: one mask for every batch row and head), drawn by the
   library's hash. Flax's other arguments (`precision`, `promote_dtype`) are accepted: the
   kernels accumulate in float32.
   """
   del flax_args
-  dropout = dropout_rate > 0 and not deterministic
+  rate = layer.dropout_rate(AttentionConfig() if config is None else config, dropout_rate)
+  dropout = rate > 0 and not deterministic
   if dropout and dropout_rng is None:
-    raise ValueError(f"`dropout_rate={dropout_rate}` without deterministic=True needs a key: "
+    raise ValueError(f"`dropout_rate={rate}` without deterministic=True needs a key: "
                      "pass dropout_rng (nnx.MultiHeadAttention passes its rngs' dropout key).")
   if module is not None:
     raise ValueError("`sow_weights=True` asks for the attention weights, which "
@@ -246,8 +252,8 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
   if is_causal and query_len != kv_len:  # Flax aligns causal top-left; ours end-aligns by default
     call = call._replace(q_positions=jnp.arange(query_len, dtype=jnp.int32),
                          kv_positions=jnp.arange(kv_len, dtype=jnp.int32))
+  config = config.replace(dropout_rate=rate if dropout else 0.0)  # deterministic: none
   if dropout:
-    config = config.replace(dropout_rate=dropout_rate)
     call = call._replace(dropout_rng=dropout_rng, dropout_broadcast=bool(broadcast_dropout))
   out, _ = layer.attend(query, key, value, call,
                         layer.Settings(config, mesh, axes, "attention_fn"))  # [..., T, H, Dv]

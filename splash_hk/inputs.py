@@ -51,21 +51,25 @@ def as_shapes(query: Shaped, key: Shaped, value: Shaped,
 
 def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig, extras: Extras,
           mesh: jax.sharding.Mesh | None = None, axes: MeshAxes = MeshAxes(),
-          return_weights: bool = False, return_residuals: bool = False) -> Facts:
-  """Validates the public arguments (shapes and dtypes only); returns the call's Facts."""
+          return_weights: bool = False, return_residuals: bool = False,
+          need_key: bool = True) -> Facts:
+  """Validates the public arguments (shapes and dtypes only); returns the call's Facts.
+
+  `need_key=False`: the call is only planned (`explain`), so dropout needs no key."""
   quantized = tuple(name for name, a in zip(QKV, (query, key, value)) if quant.is_quantized(a))
   query, key, value = as_shapes(query, key, value, config)
   validation.validate_qkv(query, key, value, config)
   validation.validate_extras(query, key, extras)
-  validation.validate_dropout(query, key, extras, config)
+  validation.validate_dropout(query, key, extras, config, need_key)
   # The facts keep the bias's skeleton: broadcast its shapes, not its arrays.
   extras = extras._replace(bias=full_bias(skeleton(as_score(extras.bias)), query.shape[1],
                                           key.shape[1]))
   if isinstance(extras.mask, _objects.Mask):
     validation.validate_rule(extras.mask, query, key, config)
   sequence_shards = head_shards = 1
+  dropped: tuple[str, ...] = ()
   if mesh is not None:
-    validation.validate_mesh(mesh, axes)
+    dropped = validation.validate_mesh(mesh, axes)
     sequence_shards = specs.query_sequence_shards(query.shape, mesh, axes)
     head_shards = specs.query_head_shards(query.shape, mesh, axes)
   if axes.load_balanced:
@@ -78,7 +82,7 @@ def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig,
       return_residuals=return_residuals,
       sequence_shards=sequence_shards,
       load_balanced=axes.load_balanced, sequence_strategy=axes.sequence_strategy,
-      head_shards=head_shards, quantized=quantized)
+      head_shards=head_shards, quantized=quantized, dropped_axes=dropped)
 
 
 def _rule(extras: Extras, config: AttentionConfig) -> _objects.Mask | None:
@@ -111,14 +115,18 @@ def _dropout(extras: Extras, call: Facts) -> Dropout | None:
   if call.load_balanced:  # tokens in dual-chunk order: each keeps its original index
     kv_index = jnp.asarray(_rules.load_balanced_order(kv_len, call.sequence_shards), jnp.int32)
   q_index = extras.dropout_q_index
-  if q_index is None:  # end-aligned: query t has S - T + t (load-balanced: its token's, T == S)
-    q_index = jnp.broadcast_to(kv_index[kv_len - query_len:], (batch, query_len))
-  heads = jnp.arange(call.num_heads, dtype=jnp.int32)
+  if q_index is None and call.load_balanced:  # T == S: each query keeps its token's index
+    q_index = jnp.broadcast_to(kv_index, (batch, query_len))
+  elif q_index is None:  # end-aligned: query t has S - T + t (negative when T > S)
+    q_index = jnp.broadcast_to(kv_len - query_len + jnp.arange(query_len, dtype=jnp.int32),
+                               (batch, query_len))
+  shared = extras.dropout_broadcast  # Flax's broadcast_dropout: one mask for every row and head
+  index = lambda n: jnp.zeros(n, jnp.int32) if shared else jnp.arange(n, dtype=jnp.int32)
   mask = extras.dropout_mask
   return Dropout(
       key=None if mask is not None else key_words(extras.dropout_rng),  # [2] uint32
-      rows=jnp.arange(batch, dtype=jnp.int32),  # [B]
-      heads=jnp.zeros_like(heads) if extras.dropout_broadcast else heads,  # [Hq]
+      rows=index(batch),  # [B]
+      heads=index(call.num_heads),  # [Hq]
       q_index=jnp.asarray(q_index, jnp.int32),  # [B, T]
       kv_index=jnp.broadcast_to(kv_index, (batch, kv_len)),  # [B, S]
       mask=None if mask is None else jnp.asarray(mask, jnp.bool_))  # [B|1, Hq|1, T, S]

@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from splash_hk import owners
 from splash_hk import quant
 from splash_hk.config import known_now
 from splash_hk.types import Extras
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("key", "value", "length"),
-                   meta_fields=("owner",))
+@functools.partial(owners.register, data_fields=("key", "value", "length"))
 @dataclasses.dataclass(frozen=True, eq=False)
 class KVCache:
   """A fixed-capacity key/value cache for one attention layer (a pytree).
@@ -51,16 +51,21 @@ class KVCache:
 
   @classmethod
   def zeros(cls, batch: int, max_len: int, num_kv_heads: int, key_size: int,
-            value_size: int | None = None, dtype: Any = jnp.float32) -> KVCache:
-    """An empty cache (length 0 in every row, no owner yet), built outside any transform.
+            value_size: int | None = None, dtype: Any = jnp.float32,
+            owner: str | None = None) -> KVCache:
+    """An empty cache (length 0 in every row), built outside any transform.
 
     `dtype` int8, float8_e4m3fn or float8_e5m2 (or int4) stores `key` and `value` as
-    `Quantized` with one float32 scale per (token, kv head), set as each token is written.
+    `Quantized` with one float32 scale per (token, kv head), set as each token is written; any
+    other non-float dtype is a ValueError naming `dtype`. `owner`: the layer it is for (its
+    module name), so it enters a `lax.scan` carry with the structure the layer's write gives
+    it; default None (the first layer to write it owns it).
     """
     return cls(
         key=quant.zeros((batch, max_len, num_kv_heads, key_size), dtype),
         value=quant.zeros((batch, max_len, num_kv_heads, value_size or key_size), dtype),
         length=jnp.zeros((batch,), jnp.int32),
+        owner=_owner(owner),
     )
 
   @property
@@ -135,6 +140,14 @@ class KVCache:
     return dataclasses.replace(self, **changes)
 
   _replace = replace  # the NamedTuple spelling of earlier releases
+
+
+def _owner(owner: Any) -> str | None:
+  """A cache's `owner` argument: a layer's name, or None."""
+  if owner is not None and not isinstance(owner, str):
+    raise ValueError(f"`owner` must be a layer's name (a str, e.g. mha.module_name) or None, got "
+                     f"{owner!r}.")
+  return owner
 
 
 class Append(NamedTuple):

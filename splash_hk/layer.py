@@ -48,7 +48,7 @@ class Call(NamedTuple):
   lengths: ArrayLike | None = None  # [...] or [] int: tokens each row appends
   batch: RaggedBatch | None = None  # with a PagedKVCache: the step's sequences
   dropout_rng: Any = None  # a jax.random key: attention dropout at the config's rate
-  dropout_broadcast: bool = False  # one dropout mask for every head
+  dropout_broadcast: bool = False  # one dropout mask for every batch row and head (Flax's)
 
 
 class Settings(NamedTuple):
@@ -58,6 +58,18 @@ class Settings(NamedTuple):
   mesh: jax.sharding.Mesh | None
   axes: MeshAxes
   layer: str
+
+
+def dropout_rate(config: AttentionConfig, rate: float, word: str = "dropout_rate") -> float:
+  """A module's attention dropout rate from its `word` (checked) and its config's: either may
+  state it; both stating different rates is a ValueError naming both (one place for a fact)."""
+  rate = AttentionConfig(dropout_rate=rate).dropout_rate
+  if rate and config.dropout_rate and rate != config.dropout_rate:
+    raise ValueError(
+        f"`{word}={rate}` and `config.dropout_rate={config.dropout_rate}` both state the "
+        f"attention dropout rate, and they differ: state it in one place (`{word}`, or "
+        "AttentionConfig(dropout_rate=...)).")
+  return rate or config.dropout_rate
 
 
 def attend(query: jax.Array, key: jax.Array, value: jax.Array, call: Call, settings: Settings,

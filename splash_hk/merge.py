@@ -8,17 +8,39 @@ FlashInfer's `merge_state`), computed in float32.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable
 
 import jax
 import jax.numpy as jnp
 
-from splash_hk.types import Array
+from splash_hk.types import Array, AttentionOutput
 
 __all__ = ("merge_attention",)
 
 
-def _check(outputs: Sequence[Array], lses: Sequence[Array]) -> None:
+def _parts(outputs: Iterable[Array | AttentionOutput], lses: Iterable[Array] | None
+           ) -> tuple[list[Array], list[Array]]:
+  """(outputs, lses) as lists of arrays: `attention`'s AttentionOutputs give their own lse."""
+  outputs = list(outputs)  # any iterable, a generator too
+  given = [isinstance(o, AttentionOutput) for o in outputs]
+  if any(given) and not all(given):
+    raise ValueError("`outputs` must all be arrays or all be AttentionOutputs (what attention "
+                     "returns), not a mix.")
+  if not any(given):
+    if lses is None:
+      raise ValueError("`lses` is needed with array `outputs` (one lse per part); or pass the "
+                       "AttentionOutputs of attention(..., return_residuals=True) as `outputs`.")
+    return outputs, list(lses)
+  if lses is not None:
+    raise ValueError("`outputs` are AttentionOutputs, which carry their lse: pass lses=None "
+                     "(or the arrays `o.attention_outputs` with their lses).")
+  if any(o.lse is None for o in outputs):
+    raise ValueError("`outputs` holds an AttentionOutput without its lse: call attention with "
+                     "return_residuals=True for every part.")
+  return [o.attention_outputs for o in outputs], [o.lse for o in outputs]
+
+
+def _check(outputs: list[Array], lses: list[Array]) -> None:
   if not len(outputs) or len(outputs) != len(lses):
     raise ValueError(f"`outputs` and `lses` must be equally long, non-empty sequences (one output "
                      f"and one lse per part), got {len(outputs)} and {len(lses)}.")
@@ -34,14 +56,17 @@ def _check(outputs: Sequence[Array], lses: Sequence[Array]) -> None:
                        f"{jnp.result_type(out)} and {jnp.result_type(lse)}.")
 
 
-def merge_attention(outputs: Sequence[Array], lses: Sequence[Array]) -> tuple[jax.Array, jax.Array]:
+def merge_attention(outputs: Iterable[Array | AttentionOutput],
+                    lses: Iterable[Array] | None = None) -> tuple[jax.Array, jax.Array]:
   """The attention over the union of the parts' keys, from each part's output and lse.
 
   Glossary of shapes: `[..., Dv]` an output (e.g. [B, T, Hq, Dv] from `attention`, [N, Hq, Dv]
   from `paged_attention`), `[...]` its lse.
 
   Args:
-    outputs: the parts' outputs, each `[..., Dv]` (e.g. `attention(...).attention_outputs`).
+    outputs: the parts' outputs (any iterable), each `[..., Dv]` (e.g.
+      `attention(...).attention_outputs`); or the `AttentionOutput`s of
+      `attention(..., return_residuals=True)` themselves, each with its lse (then `lses` is None).
     lses: their log-sum-exps, each `[...]` (`attention(..., return_residuals=True).lse`);
       -inf where a part sees nothing (its output is then ignored). Sinks belong to one part
       only (each part's lse counts them).
@@ -52,6 +77,7 @@ def merge_attention(outputs: Sequence[Array], lses: Sequence[Array]) -> tuple[ja
     lse) * out_i`. A row that sees nothing in every part gives 0 and -inf (never NaN).
     Differentiable in both.
   """
+  outputs, lses = _parts(outputs, lses)
   _check(outputs, lses)
   dtype = jnp.result_type(*outputs)
   lse = jnp.stack([jnp.asarray(a, jnp.float32) for a in lses])  # [P, ...]

@@ -146,13 +146,11 @@ class MultiHeadAttention(hk.Module):
       num_sinks: learnable attention sinks per head (see `SplashAttention`).
       dropout_rate: attention dropout (on the normalised probabilities) applied when called
         with `is_training=True`, its key drawn with `hk.next_rng_key()`; default: the
-        config's `dropout_rate`.
+        config's `dropout_rate` (both set to different rates: a ValueError naming both).
       name: module name.
     """
     super().__init__(name=name)
     require_int("num_heads", num_heads)
-    self.dropout_rate = AttentionConfig(dropout_rate=dropout_rate).dropout_rate or (
-        config.dropout_rate if isinstance(config, AttentionConfig) else 0.0)
     require_int("key_size", key_size)
     for name, value in (("num_kv_heads", num_kv_heads), ("value_size", value_size),
                         ("model_size", model_size)):
@@ -174,10 +172,14 @@ class MultiHeadAttention(hk.Module):
     self.b_init = b_init
     self.splash = SplashAttention(config=config, mesh=mesh, axes=axes, num_sinks=num_sinks,
                                   name="splash_attention")
+    self.dropout_rate = layer_lib.dropout_rate(config, dropout_rate)
 
-  def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
-    """An empty KV cache for this layer."""
-    return KVCache.zeros(batch, max_len, self.num_kv_heads, self.key_size, self.value_size, dtype)
+  def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32,
+                 owner: str | None = None) -> KVCache:
+    """An empty KV cache for this layer (`owner=self.module_name`: owned already, as a
+    `lax.scan` carry must enter; see `KVCache.zeros`)."""
+    return KVCache.zeros(batch, max_len, self.num_kv_heads, self.key_size, self.value_size, dtype,
+                         owner)
 
   def __call__(
       self,

@@ -123,11 +123,14 @@ def paged_attention(
     validation.validate_mesh(mesh, axes)
   decision = selector.select_paged(facts)
   layout = None  # computed once here when the batch is known now, else in the step
-  if not traced(batch):
-    layout = pages.layout(batch, facts.num_tokens, facts.num_pages, facts.page_size)
+  if not traced(batch):  # concrete, even as a constant a jitted function captured: check it now
+    with jax.ensure_compile_time_eval():
+      layout = pages.layout(batch, facts.num_tokens, facts.num_pages, facts.page_size)
     pages.raise_misuse(layout.misuse, n=facts.num_tokens, max_seqs=facts.max_seqs,
                        capacity=facts.pages_per_seq * facts.page_size,
                        num_pages=facts.num_pages)
+  query, key, value, softmax_aux, bias = _not_differentiated(
+      (query, key, value, softmax_aux, bias))
   query = quant.checked(query, "query")
   query = query.dequantize() if isinstance(query, quant.Quantized) else jnp.asarray(query)
   if config.runtime_dtype is not None:
@@ -153,6 +156,21 @@ def paged_attention(
                                              facts, mesh=mesh, axes=axes)
   written = written.replace(owner=owner or cache.owner)
   return (out, written, lse) if return_residuals else (out, written)
+
+
+@jax.custom_jvp
+def _not_differentiated(args: Any) -> Any:
+  """`args` unchanged; differentiating them is a ValueError that says what to use instead."""
+  return args
+
+
+@_not_differentiated.defjvp
+def _not_differentiated_jvp(primals, tangents):  # JAX calls it only when something is perturbed
+  del primals, tangents
+  raise ValueError(
+      "paged_attention serves inference and is not differentiable: to train, attend with "
+      "sh.attention (or a module) over a fixed KVCache, or without a cache; wrap its inputs in "
+      "jax.lax.stop_gradient where a gradient reaches them by accident.")
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from splash_hk import owners
 from splash_hk import quant
 from splash_hk.config import AttentionConfig
 from splash_hk.masks import _objects
@@ -25,8 +26,7 @@ from splash_hk.scores import Score
 from splash_hk.types import Leaf
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("key", "value"),
-                   meta_fields=("owner",))
+@functools.partial(owners.register, data_fields=("key", "value"))
 @dataclasses.dataclass(frozen=True, eq=False)
 class PagedKVCache:
   """Keys and values in fixed-size pages from one pool (a pytree); sequences own pages through
@@ -46,11 +46,15 @@ class PagedKVCache:
 
   @classmethod
   def zeros(cls, num_pages: int, page_size: int, num_kv_heads: int, key_size: int,
-            value_size: int | None = None, dtype: Any = jnp.float32) -> PagedKVCache:
-    """A pool of zeroed pages (a quantized `dtype` stores `Quantized`, as `KVCache.zeros`)."""
+            value_size: int | None = None, dtype: Any = jnp.float32,
+            owner: str | None = None) -> PagedKVCache:
+    """A pool of zeroed pages (a quantized `dtype` stores `Quantized`, as `KVCache.zeros`;
+    `owner` as there)."""
+    if owner is not None and not isinstance(owner, str):
+      raise ValueError(f"`owner` must be a layer's name (a str) or None, got {owner!r}.")
     shape = (num_pages, page_size, num_kv_heads)
     return cls(key=quant.zeros((*shape, key_size), dtype),
-               value=quant.zeros((*shape, value_size or key_size), dtype))
+               value=quant.zeros((*shape, value_size or key_size), dtype), owner=owner)
 
   @property
   def num_pages(self) -> int:

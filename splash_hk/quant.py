@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, Callable
 
 import jax
@@ -41,7 +42,8 @@ class Quantized:
 
   def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
     """`values * scale` in float32, then cast to `dtype`."""
-    return (self.values.astype(jnp.float32) * self.scale.astype(jnp.float32)).astype(dtype)
+    scale = expanded(self.scale.astype(jnp.float32), self.values.shape[-1])
+    return (self.values.astype(jnp.float32) * scale).astype(dtype)
 
 
 def _largest(dtype: Any) -> float:
@@ -102,22 +104,60 @@ def as_quantized(x: Any, name: str) -> Any:
   values, scale = x.values, x.scale
   if not jnp.issubdtype(scale.dtype, jnp.floating):
     raise ValueError(f"`{name}.scale` must be floating (float32), got {scale.dtype}.")
-  shape = tuple(values.shape)
-  if len(scale.shape) > len(shape):
-    raise ValueError(f"`{name}.scale` {tuple(scale.shape)} has more axes than its values {shape}.")
-  full = (1,) * (len(shape) - len(scale.shape)) + tuple(scale.shape)
-  if any(s not in (1, v) for s, v in zip(full, shape)):
+  _check_scale_shape(tuple(values.shape), tuple(scale.shape), name)
+  if not scale.shape:  # one scale for the whole tensor: the one shape of lower rank that is clear
+    scale = jnp.reshape(scale, (1,) * values.ndim)
+  return Quantized(values, scale)
+
+
+def _check_scale_shape(shape: tuple[int, ...], scale: tuple[int, ...], name: str) -> None:
+  """A scale of the values' rank (or 0-d: per tensor) whose axes are 1 or the values' size; the
+  last may be a divisor of it (a scale per tile of channels, qwix's sub-channel); else a
+  ValueError naming `name` and the shapes that are meant."""
+  if scale and len(scale) < len(shape):
+    meant = [m for m in _placements(scale, len(shape)) if _broadcasts(shape, m)]
+    said = " or ".join(str(m) for m in dict.fromkeys(meant)) or "a shape of its rank"
     raise ValueError(
-        f"`{name}.scale` {tuple(scale.shape)} must broadcast to its values {shape} (one scale "
-        "per tensor, token, head or channel); scales shared by tiles of a channel (qwix "
-        "sub-channel) are not served: quantize with one scale per token or per channel.")
-  return Quantized(values, jnp.reshape(scale, full) if hasattr(scale, "reshape") else scale)
+        f"`{name}.scale` {scale} has fewer axes than its values {shape}: which axes it spans is "
+        f"ambiguous. Write every axis, broadcast ones as size 1: {said} (sh.quantize gives "
+        "scales of the values' rank).")
+  if len(scale) > len(shape):
+    raise ValueError(f"`{name}.scale` {scale} has more axes than its values {shape}.")
+  if scale and not _broadcasts(shape, scale):
+    raise ValueError(
+        f"`{name}.scale` {scale} must broadcast to its values {shape}: each axis 1 or the values' "
+        "size (one scale per tensor, token, head or channel), the last axis also a divisor of "
+        "the channels (one scale per tile of channels).")
+
+
+def _placements(scale: tuple[int, ...], rank: int) -> list[tuple[int, ...]]:
+  """Every shape of `rank` holding `scale`'s axes in order, the others 1 (what it may mean)."""
+  shapes = []
+  for axes in itertools.combinations(range(rank), len(scale)):
+    shape = [1] * rank
+    for axis, n in zip(axes, scale):
+      shape[axis] = n
+    shapes.append(tuple(shape))
+  return shapes
+
+
+def _broadcasts(shape: tuple[int, ...], scale: tuple[int, ...]) -> bool:
+  """Whether a scale of the values' rank applies to them (the last axis may tile channels)."""
+  *lead, last = scale
+  return (all(s in (1, v) for s, v in zip(lead, shape)) and last > 0 and shape[-1] % last == 0)
+
+
+def expanded(scale: jax.Array, channels: int) -> jax.Array:
+  """A scale with its last axis over `channels`: a scale per tile of channels repeated over its
+  tile, any other unchanged (1 or already `channels`)."""
+  tiles = scale.shape[-1]
+  return scale if tiles in (1, channels) else jnp.repeat(scale, channels // tiles, axis=-1)
 
 
 def checked(x: Any, name: str) -> Any:
-  """A call's argument as a kernel takes it: `as_quantized`, then `guard`ed (anything not
-  quantized unchanged)."""
-  return guard(as_quantized(x, name), name)
+  """A call's argument as a kernel takes it: `as_quantized`, its codes held constant
+  (`codes_constant`; anything not quantized unchanged)."""
+  return codes_constant(as_quantized(x, name))
 
 
 def shaped(x: Any, name: str, dtype: Any = None) -> Any:
@@ -147,13 +187,21 @@ def tile(a: Any, dtype: Any) -> jax.Array:
   """A block (array or `Quantized` slice) as `dtype` values: the scale applied on the tile."""
   if not isinstance(a, Quantized):
     return a
-  return (a.values.astype(jnp.float32) * a.scale).astype(dtype)
+  return a.dequantize(dtype)
 
 
 def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
   """A zeroed buffer of `shape`: floats, or for a quantized `dtype` a `Quantized` with one
-  scale per (..., last axis but one) (a cache's: per token and head)."""
-  if jnp.dtype(dtype) not in VALUE_DTYPES:
+  scale per (..., last axis but one) (a cache's: per token and head). Any other `dtype` (an
+  integer that is not a quantized one, bool) is a ValueError naming `dtype`."""
+  try:
+    kind = jnp.dtype(dtype)
+  except TypeError:
+    kind = None
+  if kind is None or (kind not in VALUE_DTYPES and not jnp.issubdtype(kind, jnp.floating)):
+    raise ValueError(f"`dtype` of a cache must be floating (float32, bfloat16, float16) or a "
+                     f"quantized dtype ({NAMES}), got {repr(dtype) if kind is None else kind}.")
+  if kind not in VALUE_DTYPES:
     return jnp.zeros(shape, dtype)
   return Quantized(jnp.zeros(shape, dtype), jnp.ones((*shape[:-1], 1), jnp.float32))
 
@@ -179,32 +227,29 @@ def pages(pool: Any, index: jax.Array) -> tuple[jax.Array, jax.Array | None]:
   return pool.values[index], pool.scale[index]
 
 
-def cotangent(primal: Any, grad: jax.Array) -> jax.Array | None:
-  """A gradient for a custom VJP's input: None for a quantized one (it has none)."""
-  return None if isinstance(primal, Quantized) else grad
+def cotangent(primal: Any, grad: jax.Array) -> Any:
+  """A custom VJP's cotangent for an input from the gradient of what it stands for (`grad`, its
+  dequantized shape): for a `Quantized` one, its scale's (`d scale = sum(grad * values)` over
+  the scale's broadcast axes; its values are codes and get none), else `grad`."""
+  if not isinstance(primal, Quantized):
+    return grad
+  return Quantized(None, scale_cotangent(primal, grad))  # type: ignore[arg-type]
 
 
-def _refuse(name: str):
-  raise ValueError(
-      f"`{name}` is quantized and something differentiates it: a quantized input has no "
-      f"gradient here. Wrap it in jax.lax.stop_gradient, or pass floats (`{name}.dequantize()`) "
-      "to differentiate through it.")
+def scale_cotangent(x: Quantized, grad: jax.Array) -> jax.Array:
+  """d scale of `x` from d(values * scale) = `grad`, summed over the scale's broadcast axes (and
+  over each tile of channels a sub-channel scale spans), float32 like the scale."""
+  product = grad.astype(jnp.float32) * x.values.astype(jnp.float32)  # [..., D]
+  shape, channels = tuple(x.scale.shape), x.values.shape[-1]
+  if shape[-1] not in (1, channels):  # a scale per tile of channels: [..., tiles, D / tiles]
+    product = product.reshape(*product.shape[:-1], shape[-1], channels // shape[-1]).sum(-1)
+  axes = tuple(a for a, (s, v) in enumerate(zip(shape, product.shape)) if s == 1 and v != 1)
+  return jnp.sum(product, axis=axes, keepdims=True).astype(x.scale.dtype)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _guarded(leaves: tuple, name: str) -> tuple:
-  return leaves
-
-
-@_guarded.defjvp
-def _guarded_jvp(name, primals, tangents):  # JAX calls it only when something is perturbed
-  del primals, tangents
-  _refuse(name)
-
-
-def guard(x: Any, name: str) -> Any:
-  """`x` unchanged; a `Quantized` raises a ValueError naming `name` when differentiated."""
+def codes_constant(x: Any) -> Any:
+  """`x` as a kernel takes it: a `Quantized`'s values (integers, or fp8 codes) get no gradient
+  (`stop_gradient`, as JAX gives integers none); its scale stays differentiable."""
   if not isinstance(x, Quantized):
     return x
-  values, scale = _guarded((x.values, x.scale), name)
-  return Quantized(values, scale)
+  return Quantized(jax.lax.stop_gradient(x.values), x.scale)

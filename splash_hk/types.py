@@ -50,6 +50,8 @@ class Decision:
     ring: True when the call runs as a context-parallel ring over the sequence axis.
     ulysses: True when the call runs Ulysses-style: an all-to-all turns the sharded
       sequence into sharded heads, and the backend attends the whole sequence.
+    dropped_axes: the mesh axis names of `axes` that the call's mesh lacks (dropped: their
+      dimensions are not sharded over them).
   """
 
   backend: str
@@ -57,6 +59,7 @@ class Decision:
   fallback: bool = False
   ring: bool = False
   ulysses: bool = False
+  dropped_axes: tuple[str, ...] = ()
 
 
 class AttentionOutput(NamedTuple):
@@ -101,7 +104,7 @@ class Extras(NamedTuple):
   dropout_rng: Any = None  # a jax.random key (with AttentionConfig.dropout_rate > 0)
   dropout_mask: Shaped | None = None  # [B|1, Hq|1, T, S] bool, True = keep: overrides the hash
   dropout_q_index: Shaped | None = None  # [B, T] int: the queries' indices (a cache: their slots)
-  dropout_broadcast: bool = False  # one dropout mask for every head (Flax's broadcast_dropout)
+  dropout_broadcast: bool = False  # one dropout mask for every batch row and head (Flax's)
 
 
 class KernelInputs(NamedTuple, Generic[Leaf]):
@@ -158,6 +161,7 @@ class Facts:
   bias: Score | None = None  # the bias's skeleton (None: no bias): static, hashable
   explicit_dropout: bool = False  # a dense dropout_mask was given (not the hash)
   quantized: tuple[str, ...] = ()  # the arguments given quantized ("query", "key", "value")
+  dropped_axes: tuple[str, ...] = ()  # names of `axes` the mesh lacks (dropped, said by explain)
 
   @classmethod
   def from_shapes(cls, config: AttentionConfig, query_shape: Sequence[int],

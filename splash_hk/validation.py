@@ -17,7 +17,7 @@ from splash_hk.config import AttentionConfig
 from splash_hk.pages import PagedKVCache, RaggedBatch, SharedPrefix
 from splash_hk.quant import Quantized, as_quantized, shaped
 from splash_hk.scores import Score
-from splash_hk.sharding.axes import MeshAxes
+from splash_hk.sharding.axes import MeshAxes, dropped_names
 from splash_hk.types import Extras, as_score
 
 Shaped = Any  # anything with .shape and .dtype
@@ -109,8 +109,10 @@ def validate_extras(query: Shaped, key: Shaped, extras: Extras) -> None:
     part.check(batch, query.shape[2], query_len, kv_len)
 
 
-def validate_dropout(query: Shaped, key: Shaped, extras: Extras, config: AttentionConfig) -> None:
-  """A call with dropout has a key (or an explicit keep mask); a keep mask needs a rate."""
+def validate_dropout(query: Shaped, key: Shaped, extras: Extras, config: AttentionConfig,
+                     need_key: bool = True) -> None:
+  """A call with dropout has a key (or an explicit keep mask; `need_key=False`: a plan, as
+  `explain` makes, needs none); a keep mask needs a rate."""
   rate = config.dropout_rate
   if extras.dropout_mask is not None:
     if rate == 0:
@@ -119,7 +121,7 @@ def validate_dropout(query: Shaped, key: Shaped, extras: Extras, config: Attenti
             "was drawn at.")
     _validate_mask(extras.dropout_mask, query.shape[0], query.shape[2], query.shape[1],
                    key.shape[1], "dropout_mask")
-  elif rate > 0 and extras.dropout_rng is None:
+  elif rate > 0 and extras.dropout_rng is None and need_key:
     _fail(f"AttentionConfig(dropout_rate={rate}) needs a key: pass "
           "dropout_rng=jax.random.key(...) (a fresh one each step, e.g. hk.next_rng_key()), an "
           "explicit dropout_mask, or dropout_rate=0 to evaluate.")
@@ -150,12 +152,14 @@ def _validate_sinks(softmax_aux: Shaped, num_heads: int, num_kv_heads: int) -> N
     _fail(f"`softmax_aux` must have a floating dtype, got {softmax_aux.dtype}.")
 
 
-def validate_mesh(mesh: Any, axes: MeshAxes) -> None:
-  """`mesh` is a jax.sharding.Mesh and `axes` a MeshAxes."""
+def validate_mesh(mesh: Any, axes: MeshAxes) -> tuple[str, ...]:
+  """`mesh` is a jax.sharding.Mesh and `axes` a MeshAxes sharing a name with it; returns the
+  names of `axes` the mesh lacks (dropped, logged once: `axes.dropped_names`)."""
   if not isinstance(mesh, jax.sharding.Mesh):
     _fail(f"`mesh` must be a jax.sharding.Mesh (e.g. from jax.make_mesh), got {type(mesh).__name__}.")
   if not isinstance(axes, MeshAxes):
     _fail(f"`axes` must be a splash_hk.sharding.MeshAxes, got {type(axes).__name__}.")
+  return dropped_names(axes, mesh)
 
 
 def _one_rule_place(rule: _objects.Mask, config: AttentionConfig) -> None:

@@ -214,19 +214,114 @@ def test_the_training_binary_trains_with_attention_dropout():
   assert losses[60] < losses[20], losses
 
 
-def test_broadcast_dropout_draws_one_mask_for_every_head():
+def test_broadcast_dropout_draws_one_mask_for_every_batch_row_and_head():
   """Flax's broadcast_dropout (through attention_fn, as nnx.MultiHeadAttention calls it): every
-  head keeps the pairs head 0 of the hash keeps."""
+  batch row and head keeps the pairs row 0, head 0 of the hash keeps."""
   from splash_hk import flax as shx  # pylint: disable=g-import-not-at-top
   length, rate = 32, 0.4
   q = np.random.default_rng(9).normal(size=(2, length, 4, 16)).astype(np.float32)
   fn = lambda q, k, v: shx.attention_fn(q, k, v, dropout_rate=rate, dropout_rng=KEY,
                                         deterministic=False, broadcast_dropout=True)
   got = _drawn(fn, q, length)  # [B, Hq, T, S]
-  head0 = np.asarray(sh.dropout_mask(KEY, rate, batch=2, num_heads=1, query_len=length,
-                                     kv_len=length))
-  np.testing.assert_array_equal(got, np.broadcast_to(head0, got.shape))
+  first = np.asarray(sh.dropout_mask(KEY, rate, batch=1, num_heads=1, query_len=length,
+                                     kv_len=length))  # [1, 1, T, S]
+  np.testing.assert_array_equal(got, np.broadcast_to(first, got.shape))
   per_head = _drawn(lambda q, k, v: shx.attention_fn(
       q, k, v, dropout_rate=rate, dropout_rng=KEY, deterministic=False,
       broadcast_dropout=False), q, length)
-  assert (per_head[:, 1:] != per_head[:, :1]).any()
+  assert (per_head[:, 1:] != per_head[:, :1]).any() and (per_head[1:] != per_head[:1]).any()
+
+
+def test_the_flax_modules_broadcast_dropout_shares_the_mask_across_the_batch():
+  """Two equal batch rows give equal outputs exactly when they share their dropout mask."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from splash_hk import flax as shx  # pylint: disable=g-import-not-at-top
+  x = np.random.default_rng(10).normal(size=(1, 16, 32)).astype(np.float32)
+  x = np.concatenate([x, x])  # [2, 16, 32]: row 1 == row 0
+  for broadcast in (True, False):
+    m = shx.MultiHeadAttention(4, 32, dropout_rate=0.5, broadcast_dropout=broadcast,
+                               deterministic=False, rngs=nnx.Rngs(0))
+    y = np.asarray(m(x))
+    assert np.array_equal(y[0], y[1]) == broadcast, broadcast
+
+
+def _oracle_mask(rate, batch, heads, query_len, kv_len):
+  return np.asarray(sh.dropout_mask(KEY, rate, batch=batch, num_heads=heads,
+                                    query_len=query_len, kv_len=kv_len))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_longer_query_than_keys_drops_out_as_the_oracle(causal):
+  """Cross-attention with a longer decoder (T > S): query t has index S - T + t (negative for
+  the first ones), by the hash or an explicit mask."""
+  rng = np.random.default_rng(12)
+  q = rng.normal(size=(2, 96, 4, 16)).astype(np.float32)
+  k = rng.normal(size=(2, 40, 2, 16)).astype(np.float32)
+  v = rng.normal(size=(2, 40, 2, 24)).astype(np.float32)
+  cot = rng.normal(size=(2, 96, 4, 24))
+  keep = _oracle_mask(0.3, 2, 4, 96, 40)
+  config = sh.AttentionConfig(dropout_rate=0.3, causal=causal, block_sizes=TILES)
+  hashed = lambda q, k, v: sh.attention(q, k, v, config=config, dropout_rng=KEY).attention_outputs
+  harness.check_against_oracle(hashed, q, k, v, cot, causal=causal, dropout=(keep, 0.3))
+  given = lambda q, k, v: sh.attention(q, k, v, config=config,
+                                       dropout_mask=keep).attention_outputs
+  harness.check_against_oracle(given, q, k, v, cot, causal=causal, dropout=(keep, 0.3))
+
+
+def test_a_longer_query_than_keys_drops_out_in_both_modules_and_attention_fn():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from splash_hk import flax as shx  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(13)
+  x, enc = (rng.normal(size=(2, n, 32)).astype(np.float32) for n in (24, 8))
+  f = hk.transform(lambda x, e: sh.MultiHeadAttention(
+      4, 8, w_init=hk.initializers.VarianceScaling(1.0), dropout_rate=0.5,
+      config=sh.AttentionConfig(causal=False))(x, e, e, is_training=True))
+  params = f.init(jax.random.PRNGKey(0), x, enc)
+  assert f.apply(params, jax.random.PRNGKey(1), x, enc).shape == (2, 24, 32)
+  m = shx.MultiHeadAttention(4, 32, dropout_rate=0.5, deterministic=False, rngs=nnx.Rngs(0),
+                             config=sh.AttentionConfig(causal=False))
+  assert m(x, enc).shape == (2, 24, 32)
+  q = rng.normal(size=(2, 24, 4, 8)).astype(np.float32)
+  got = _drawn(lambda q, k, v: shx.attention_fn(q, k, v, dropout_rate=0.5, dropout_rng=KEY,
+                                                deterministic=False, broadcast_dropout=False),
+               q, 8)  # [B, Hq, T, S]
+  np.testing.assert_array_equal(got, _oracle_mask(0.5, 2, 4, 24, 8))
+
+
+def test_two_dropout_rates_in_one_module_are_refused_naming_both():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from splash_hk import flax as shx  # pylint: disable=g-import-not-at-top
+  config = sh.AttentionConfig(dropout_rate=0.2)
+  both = r"`dropout_rate=0.1` and `config.dropout_rate=0.2` both state"
+  f = hk.transform(lambda x: sh.MultiHeadAttention(
+      4, 8, w_init=hk.initializers.VarianceScaling(1.0), config=config, dropout_rate=0.1)(x))
+  with pytest.raises(ValueError, match=both):
+    f.init(jax.random.PRNGKey(0), np.ones((1, 4, 32), np.float32))
+  with pytest.raises(ValueError, match=both):
+    shx.MultiHeadAttention(4, 32, config=config, dropout_rate=0.1, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=both):
+    shx.attention_fn(*(np.ones((1, 4, 2, 8), np.float32),) * 3, config=config, dropout_rate=0.1)
+  # the config alone states it: the modules use it (the same rate twice is one statement)
+  m = shx.MultiHeadAttention(4, 32, config=config, dropout_rate=0.2, rngs=nnx.Rngs(0))
+  assert m.dropout_rate == 0.2
+  x = np.random.default_rng(14).normal(size=(2, 16, 32)).astype(np.float32)
+  g = hk.transform(lambda x, t: sh.MultiHeadAttention(
+      4, 8, w_init=hk.initializers.VarianceScaling(1.0), config=config)(x, is_training=t))
+  params = g.init(jax.random.PRNGKey(0), x, False)
+  assert np.abs(g.apply(params, jax.random.PRNGKey(1), x, True)
+                - g.apply(params, None, x, False)).max() > 0.1
+  flax_config = shx.MultiHeadAttention(4, 32, config=config, deterministic=False,
+                                       rngs=nnx.Rngs(0))
+  assert np.abs(flax_config(x) - flax_config(x, deterministic=True)).max() > 0.1
+
+
+def test_deterministic_and_explain_need_no_key_for_a_dropout_config():
+  from splash_hk import flax as shx  # pylint: disable=g-import-not-at-top
+  q, k, v, _, cot, _ = _inputs(15)
+  config = sh.AttentionConfig(dropout_rate=0.2, causal=False)
+  out = shx.attention_fn(q, k, v, config=config, deterministic=True)
+  np.testing.assert_allclose(np.asarray(out), oracle.attention(q, k, v, causal=False)[0],
+                             **harness.tol())
+  assert sh.explain(q, k, v, config=config).backend == "xla"
+  with pytest.raises(ValueError, match="needs a key"):
+    shx.attention_fn(q, k, v, config=config, deterministic=False)

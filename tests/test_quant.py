@@ -38,9 +38,30 @@ def _np_quantize(x, kind, axis=-1, scale=None):
     return scaled.astype(dtype), scale
 
 
+def _full_scale(q):
+  """A Quantized's scale [..., 1 | tiles | D] over its channels (a tile's scale on each of its)."""
+  scale, channels = np.asarray(q.scale, np.float64), np.shape(q.values)[-1]
+  if scale.ndim and scale.shape[-1] not in (1, channels):
+    scale = np.repeat(scale, channels // scale.shape[-1], axis=-1)
+  return scale
+
+
 def _dequantized(q):
   """values * scale in float64 (the value a `Quantized` stands for)."""
-  return np.asarray(q.values).astype(np.float64) * np.asarray(q.scale, np.float64)
+  return np.asarray(q.values).astype(np.float64) * _full_scale(q)
+
+
+def _scale_grad(q, d_dequantized):
+  """d scale = sum(d dequantized * values) over the scale's broadcast (and a tile's channels),
+  in float64: the chain rule through values * scale."""
+  product = np.asarray(d_dequantized, np.float64) * np.asarray(q.values).astype(np.float64)
+  shape = np.shape(q.scale)
+  if not shape:
+    return product.sum()
+  if shape[-1] not in (1, product.shape[-1]):
+    product = product.reshape(*product.shape[:-1], shape[-1], -1).sum(-1)
+  axes = tuple(a for a, n in enumerate(shape) if n == 1 and product.shape[a] != 1)
+  return product.sum(axis=axes, keepdims=True)
 
 
 @pytest.mark.parametrize("kind", list(FORMATS))
@@ -65,13 +86,15 @@ def test_quantize_refuses_a_dtype_it_cannot_hold():
     sh.quantize(np.ones((2, 4)), jnp.int16)
 
 
-SCALES = ("tensor", "token", "head", "channel", "token_head")  # every form DESIGN names
+SCALES = ("tensor", "token", "head", "channel", "token_head", "sub_channel")  # DESIGN's forms
 
 
 def _scale_shape(form, length, dim):
-  """The scale's shape for values [B, length, Hkv, dim] (leading 1s may be left out)."""
-  return {"tensor": (), "token": (B, length, 1, 1), "head": (HKV, 1), "channel": (dim,),
-          "token_head": (B, length, HKV, 1)}[form]
+  """The scale's shape for values [B, length, Hkv, dim]: the values' rank (broadcast axes of
+  size 1), or () for one scale per tensor; sub_channel: a scale per tile of 16 channels."""
+  return {"tensor": (), "token": (B, length, 1, 1), "head": (1, 1, HKV, 1),
+          "channel": (1, 1, 1, dim), "token_head": (B, length, HKV, 1),
+          "sub_channel": (B, length, HKV, dim // 16)}[form]
 
 
 def _quantized(rng, shape, kind, scale_shape):
@@ -103,7 +126,7 @@ def _check_q_grads(f, q, k, v, cot, **rules):
 @pytest.mark.parametrize("platform", ["xla", "reference"])
 @pytest.mark.parametrize("kind,scale", [("int8", "token_head"), ("int8", "tensor"),
                                         ("int4", "channel"), ("fp8_e4m3", "token"),
-                                        ("fp8_e5m2", "head")])
+                                        ("fp8_e5m2", "head"), ("int4", "sub_channel")])
 def test_values_and_query_gradients_match_the_oracle_on_the_dequantized_values(platform, kind,
                                                                                scale):
   q, k, v, cot = _inputs(1, kind, scale)
@@ -158,13 +181,59 @@ def test_meshes_ring_and_ulysses(mesh_name, axes):
   harness.assert_close(got, (want_out, want_grads[:1]), grad="sharded_grad", names=("dq",))
 
 
-def test_gradients_of_a_quantized_input_are_refused_naming_it():
-  q, k, v, _ = _inputs(6)
-  loss = lambda scale: sh.attention(q, sh.Quantized(k.values, scale), v).attention_outputs.sum()
-  with pytest.raises(ValueError, match="`key` is quantized and something differentiates it"):
-    jax.grad(loss)(k.scale)
-  stopped = lambda scale: loss(jax.lax.stop_gradient(scale))
-  assert float(jnp.abs(jax.grad(stopped)(k.scale)).sum()) == 0.0
+@pytest.mark.parametrize("platform", ["xla", "reference"])
+@pytest.mark.parametrize("kind,scale", [("int8", "token_head"), ("int8", "tensor"),
+                                        ("fp8_e4m3", "channel"), ("int4", "sub_channel"),
+                                        ("fp8_e5m2", "head")])
+def test_scales_get_the_oracles_gradient_and_codes_none(platform, kind, scale):
+  q, k, v, cot = _inputs(6, kind, scale)
+  config = sh.AttentionConfig(platform=platform, allow_fallback=False)
+  f = lambda q, ks, vs, kc, vc: sh.attention(q, sh.Quantized(kc, ks), sh.Quantized(vc, vs),
+                                             config=config).attention_outputs
+  codes = (k.values, v.values) if kind.startswith("fp8") else ()  # JAX differentiates floats
+  g = f if codes else lambda q, ks, vs: f(q, ks, vs, k.values, v.values)
+  (out, grads) = harness.values_and_grads(g, (q, k.scale, v.scale, *codes), cot)
+  want_out, (dq, dk, dv) = harness.oracle_values_and_grads(q, _dequantized(k), _dequantized(v),
+                                                           cot)
+  harness.assert_close((out, grads[:3]), (want_out, [dq, _scale_grad(k, dk), _scale_grad(v, dv)]),
+                       names=("dq", "dk_scale", "dv_scale"))
+  if codes:  # float codes: JAX would differentiate them; they get none
+    assert not np.any(grads[3]) and not np.any(grads[4])
+
+
+def test_a_quantization_inside_the_differentiated_function_reaches_its_input():
+  # tokamax's case: the key quantized inside jax.vjp, so its scale (absmax / 127 per token and
+  # head) carries the tangent back to the float key; the codes carry none (stop_gradient).
+  rng = np.random.default_rng(16)
+  q = rng.normal(size=(B, T, HQ, D)).astype(np.float32)
+  k = rng.normal(size=(B, T, HKV, D)).astype(np.float32)
+  v = rng.normal(size=(B, T, HKV, D)).astype(np.float32)
+  cot = rng.normal(size=(B, T, HQ, D)).astype(np.float32)
+  f = lambda k: sh.attention(q, sh.quantize(k, jnp.int8), v).attention_outputs
+  out, vjp = jax.vjp(f, jnp.asarray(k))
+  (got,) = vjp(jnp.asarray(cot))
+  k8 = sh.quantize(k, jnp.int8)
+  want_out, (_, dk, _) = harness.oracle_values_and_grads(q, _dequantized(k8), v, cot)
+  d_scale = _scale_grad(k8, dk)  # [B, T, Hkv, 1]
+  top = np.argmax(np.abs(k), axis=-1)[..., None]  # where absmax comes from (no ties: normal k)
+  want = np.zeros_like(k, np.float64)
+  np.put_along_axis(want, top, d_scale * np.sign(np.take_along_axis(k, top, -1)) / 127, -1)
+  np.testing.assert_allclose(np.asarray(out), want_out, **harness.tol())
+  harness.assert_near(got, want, "grad", err_msg="dk through the scale")
+
+
+@pytest.mark.parametrize("scale,meant", [((B, 64), r"\(2, 64, 1, 1\)"), ((64,), r"\(1, 64, 1, 1\)")])
+def test_a_scale_of_lower_rank_than_its_values_is_refused_with_the_shapes_meant(scale, meant):
+  # S == D: a [B, S] or [S] per-token scale would broadcast as a per-channel one.
+  rng = np.random.default_rng(17)
+  q = rng.normal(size=(B, 64, HQ, 64)).astype(np.float32)
+  k = _quantized(rng, (B, 64, HKV, 64), "int8", (B, 64, 1, 1))
+  v = _quantized(rng, (B, 64, HKV, 64), "int8", (B, 64, 1, 1))
+  lower = sh.Quantized(k.values, jnp.ones(scale, jnp.float32))
+  with pytest.raises(ValueError, match=r"`key.scale` .* has fewer axes than its values .*" + meant):
+    sh.attention(q, lower, v)
+  with pytest.raises(ValueError, match=r"`value.scale`"):
+    sh.attention(q, k, sh.Quantized(v.values, jnp.ones(scale, jnp.float32)))
 
 
 def test_splash_and_triton_fall_back_naming_the_quantized_arguments():
@@ -179,7 +248,7 @@ def test_splash_and_triton_fall_back_naming_the_quantized_arguments():
                                               config=config).reason
 
 
-def test_qwix_qarrays_round_trip_and_asymmetric_or_tiled_ones_are_refused():
+def test_qwix_qarrays_round_trip_tiled_ones_serve_and_asymmetric_ones_are_refused():
   qarray = pytest.importorskip("qwix._src.core.qarray")
   rng = np.random.default_rng(8)
   q = rng.normal(size=(B, 64, HQ, D)).astype(np.float32)
@@ -190,10 +259,16 @@ def test_qwix_qarrays_round_trip_and_asymmetric_or_tiled_ones_are_refused():
   dq = lambda a: np.asarray(a.qvalue, np.float64) * np.asarray(a.scale, np.float64)
   np.testing.assert_allclose(np.asarray(out), oracle.attention(q, dq(k), dq(v))[0],
                              **harness.tol())
-  tiled = qarray.quantize(jnp.asarray(kv[0]), qarray.HowToQuantize(
-      qtype=jnp.int8, channelwise_axes=(0, 1, 2), tiled_axes={3: 16}))
+  for qtype in (jnp.int8, jnp.int4):  # sub-channel: a scale per tile of 16 channels
+    tiled = qarray.quantize(jnp.asarray(kv[0]), qarray.HowToQuantize(
+        qtype=qtype, channelwise_axes=(0, 1, 2), tiled_axes={3: 16}))
+    assert tiled.scale.shape == (B, 64, HKV, D // 16)
+    out = sh.attention(q, tiled, v).attention_outputs
+    np.testing.assert_allclose(np.asarray(out), oracle.attention(
+        q, np.asarray(qarray.dequantize(tiled), np.float64), dq(v))[0], **harness.tol())
+  odd = sh.Quantized(k.qvalue, jnp.ones((B, 64, HKV, 5), jnp.float32))  # 5 does not tile 64
   with pytest.raises(ValueError, match="`key.scale` .* must broadcast to its values"):
-    sh.attention(q, tiled, v)
+    sh.attention(q, odd, v)
   shifted = dataclasses.replace(k, zero_point=jnp.zeros_like(k.scale))
   with pytest.raises(ValueError, match="`key` is a qwix.QArray with a zero_point"):
     sh.attention(q, shifted, v)

@@ -244,6 +244,18 @@ def _run_at_offset(x: KernelInputs, facts: Facts, offset: int,
   return _run(x, facts, kernel, per_example=False)
 
 
+@jax.custom_vjp
+def _float32_cotangent(sinks: jax.Array) -> jax.Array:
+  """`sinks` (float32) unchanged; its cotangent cast to float32. JAX's splash kernel returns the
+  sinks' cotangent in the query's dtype, and a bfloat16 cotangent of float32 sinks fails to
+  transpose (`lax.div` of bfloat16 by float32)."""
+  return sinks
+
+
+_float32_cotangent.defvjp(lambda sinks: (sinks, None),
+                          lambda _, ct: (jnp.asarray(ct, jnp.float32),))
+
+
 def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool) -> jax.Array:
   """A splash kernel (one for the batch, or one per example: leaves [B, ...]) on x [B, H, T, D]."""
   config = facts.config
@@ -261,7 +273,7 @@ def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool) -> jax.Array:
     segment_ids = splash.SegmentIds(q=base.pad_axis(q_seg, 1, t_pad, -1),  # [B, Tp]
                                     kv=base.pad_axis(kv_seg, 1, s_pad, -2))  # [B, Sp]
   sinks = (jnp.full((num_heads,), _SILENT_SINK, jnp.float32) if x.sinks is None
-           else base.sink_logsumexp(x.sinks))  # [Hq]
+           else _float32_cotangent(base.sink_logsumexp(x.sinks)))  # [Hq]
   seg_axes = None if segment_ids is None else splash.SegmentIds._make((0, 0))  # vmap's in_axes
   if groups == 1:
     one = lambda kernel, q, k, v, seg: kernel(q, k, v, segment_ids=seg, sinks=sinks)

@@ -35,8 +35,14 @@ def candidates(platform: str, hardware: str) -> tuple[str, ...]:
 
 
 def select(facts: Facts, hardware: str | None = None) -> Decision:
-  """Picks the backend (and, for a sharded sequence, ring, Ulysses or not) from a call's facts."""
-  hardware = hardware or jax.default_backend()
+  """Picks the backend (and, for a sharded sequence, ring, Ulysses or not) from a call's facts;
+  the decision lists the mesh axis names the call dropped."""
+  decision = _select(facts, hardware or jax.default_backend())
+  return dataclasses.replace(decision, dropped_axes=facts.dropped_axes)
+
+
+def _select(facts: Facts, hardware: str) -> Decision:
+  """`select` on `hardware`."""
   if facts.sequence_shards == 1 or facts.sequence_strategy == "all_gather":
     return _pick(facts, hardware)
   strategy = facts.sequence_strategy

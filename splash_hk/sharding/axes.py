@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+from absl import logging
 
 AxisEntry = str | tuple[str, ...] | None
 SEQUENCE_STRATEGIES = ("all_gather", "ring", "ulysses")
@@ -62,3 +65,30 @@ class MeshAxes:
     if self.load_balanced and self.sequence is None:
       raise ValueError("MeshAxes(load_balanced=True) needs `sequence` (the axis the balanced "
                        "sequence is sharded over), e.g. MeshAxes(sequence='sp', load_balanced=True).")
+
+  def names(self) -> tuple[str, ...]:
+    """Every mesh axis name these axes mention (batch, heads, sequence), in that order."""
+    return tuple(n for entry in (self.batch, self.heads, self.sequence) for n in _as_tuple(entry))
+
+
+_DEFAULT_NAMES = frozenset(MeshAxes().names())  # meshes often lack one (fsdp): said quietly
+_LOGGED: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()  # a cache: each said once
+
+
+def dropped_names(axes: MeshAxes, mesh: Any) -> tuple[str, ...]:
+  """The names of `axes` that `mesh` lacks (they are dropped: one MeshAxes serves many meshes),
+  logged once per (names, mesh names); axes of which the mesh has no name at all are a
+  ValueError naming `axes` and the mesh's names (they would leave the call silently unsharded).
+  """
+  have = tuple(mesh.shape)
+  missing = tuple(n for n in axes.names() if n not in have)
+  if axes.names() and len(missing) == len(axes.names()):
+    raise ValueError(f"`axes` names mesh axes {list(axes.names())} and the mesh has none of them "
+                     f"(its axes are {list(have)}): name the mesh's axes, e.g. "
+                     f"MeshAxes(batch={have[0]!r}{f', heads={have[-1]!r}' if len(have) > 1 else ''}).")
+  if missing and (missing, have) not in _LOGGED:
+    _LOGGED.add((missing, have))
+    log = logging.info if set(missing) <= _DEFAULT_NAMES else logging.warning
+    log("splash_hk: mesh axes %s of `axes` are not in the mesh (its axes are %s): dropped, "
+        "those dimensions are not sharded over them.", list(missing), list(have))
+  return missing
