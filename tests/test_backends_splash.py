@@ -269,3 +269,26 @@ def test_horizon_plan_equals_jax_per_block_loop():
       for name in ("block_mask", "data_next"):
         np.testing.assert_array_equal(np.asarray(getattr(got, name))[example],
                                       np.asarray(getattr(want, name)), err_msg=name)
+
+
+def test_splash_backward_with_sinks_and_bfloat16_inputs():
+  """JAX's splash kernel hands the sinks' cotangent back in bfloat16; float32 sinks still get
+  their gradient (it failed to trace: lax.div of bfloat16 by float32)."""
+  case = next(c for c in SPLASH_CASES if c.name == "sinks_kv_n_gqa")
+  config = case.config.replace(**SPLASH)
+  q, k, v, extras = case.arrays(seed=5)
+  sinks = extras.pop("softmax_aux")
+  cot = np.random.default_rng(6).normal(size=(*q.shape[:3], v.shape[-1])).astype(np.float32)
+  bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)
+
+  def loss(q, k, v, s):
+    out = sh.attention(q, k, v, config=config, softmax_aux=s, **extras).attention_outputs
+    return jnp.sum(out.astype(jnp.float32) * cot)
+
+  got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(bf16(q), bf16(k), bf16(v), sinks)
+  round_trip = lambda a: np.asarray(bf16(a), np.float32)  # the oracle sees the bf16 inputs
+  _, want = harness.oracle_values_and_grads(round_trip(q), round_trip(k), round_trip(v), cot,
+                                            sinks=sinks, **harness.oracle_rules(case.config))
+  assert got[3].dtype == jnp.float32
+  for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
+    harness.assert_near(np.asarray(g, np.float32), w, "grad", jnp.bfloat16, err_msg=name)

@@ -278,3 +278,51 @@ def test_a_cache_of_another_dtype_names_kv_cache_and_what_to_pass():
   with pytest.raises(ValueError, match=r"^`kv_cache` holds bfloat16 keys and values and this layer "
                      r"computes float32 ones.*dtype=jnp.float32.*runtime_dtype=jnp.bfloat16"):
     MHA.apply(params, x[:, :3], cache)
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int32, jnp.bool_])
+def test_a_dtype_a_cache_cannot_hold_is_refused_in_zeros_naming_what_works(dtype):
+  works = r"`dtype` of a cache must be floating .* or a quantized dtype \(int8, int4"
+  with pytest.raises(ValueError, match=works):
+    sh.KVCache.zeros(2, 8, 1, 4, dtype=dtype)
+  with pytest.raises(ValueError, match=works):
+    sh.PagedKVCache.zeros(4, 4, 1, 4, dtype=dtype)
+
+
+def _scanned(owned: bool):
+  """A Haiku layer decoding 5 tokens one per lax.scan step from a cache built before the loop."""
+  @hk.transform
+  def decode(x):
+    mha = sh.MultiHeadAttention(4, 8, num_kv_heads=2, model_size=16,
+                                w_init=hk.initializers.VarianceScaling(1.0))
+    cache = mha.init_cache(2, 8, owner=mha.module_name if owned else None)
+
+    def body(cache, x_t):  # x_t [B, D]
+      out, cache = mha(x_t[:, None], kv_cache=cache)
+      return cache, out[:, 0]
+
+    return hk.scan(body, cache, jnp.swapaxes(x, 0, 1))[1]  # [T, B, D']
+
+  return decode
+
+
+def test_an_unwritten_cache_in_a_scan_says_what_to_do_and_an_owned_one_decodes():
+  x = np.random.default_rng(31).normal(size=(2, 5, 16)).astype(np.float32)
+  f = _scanned(owned=False)
+  params = f.init(jax.random.PRNGKey(0), x)
+  with pytest.raises(TypeError, match=r"owner=None, an unwritten cache .* write it once before "
+                                      r"the loop, or build it owned: mha.init_cache\(\.\.\., "
+                                      r"owner=mha.module_name\)"):
+    f.apply(params, None, x)
+  got = _scanned(owned=True).apply(params, None, x)  # [T, B, D']
+  p = {n: {k: np.asarray(a, np.float64) for k, a in d.items()} for n, d in params.items()}
+  want = oracle.mha(p, x, num_heads=4, num_kv_heads=2, key_size=8, value_size=8)  # causal
+  np.testing.assert_allclose(np.swapaxes(np.asarray(got), 0, 1), want, **harness.tol())
+
+
+def test_owner_must_be_a_layer_name():
+  with pytest.raises(ValueError, match=r"`owner` must be a layer's name"):
+    sh.KVCache.zeros(1, 4, 1, 4, owner=3)
+  assert sh.KVCache.zeros(1, 4, 1, 4, owner="attn").owner == "attn"
+  assert sh.PagedKVCache.zeros(2, 4, 1, 4, owner="attn").owner == "attn"
+  assert sh.KVCache.zeros(1, 4, 1, 4).owner is None

@@ -337,3 +337,45 @@ def test_a_pool_written_by_one_layer_is_refused_by_another_eager_and_under_jit()
     sh.paged_attention(s.q, s.k, s.v, pool, s.batch, owner="decoder/4")
   with pytest.raises(ValueError, match=r"`cache` belongs to layer 'decoder/3'"):
     sh.explain_paged(s.q, s.k, s.v, pool, s.batch, owner="decoder/4")
+
+
+def test_a_batch_captured_by_a_jitted_function_is_checked_as_a_concrete_one():
+  """A RaggedBatch closed over by the jitted step (a constant, not an argument) is known now:
+  it serves as an argument does, and its misuse is the eager ValueError."""
+  step = _step(seed=21)
+  out, cache = jax.jit(lambda q, k, v, c: sh.paged_attention(q, k, v, c, step.batch))(
+      step.q, step.k, step.v, step.cache)
+  np.testing.assert_allclose(np.asarray(out), _oracle(step), **harness.tol())
+  _check_cache(step, cache)
+  batch, _, words = _misuse("page_range", step)
+  with pytest.raises(ValueError, match=r"lists a page outside \[0, 40\)"):
+    jax.jit(lambda q, k, v, c: sh.paged_attention(q, k, v, c, batch))(
+        step.q, step.k, step.v, step.cache)
+
+
+def test_differentiating_a_paged_call_says_it_serves_inference():
+  step = _step(seed=22)
+  for argnum in (0, 1, 2):
+    loss = lambda *a: jnp.nansum(sh.paged_attention(*a, step.cache, step.batch)[0])
+    with pytest.raises(ValueError, match=r"paged_attention serves inference .* sh.attention"):
+      jax.grad(loss, argnums=argnum)(step.q, step.k, step.v)
+  sinks = np.zeros((HQ,), np.float32)
+  with pytest.raises(ValueError, match=r"paged_attention serves inference"):
+    jax.grad(lambda s: jnp.nansum(sh.paged_attention(
+        step.q, step.k, step.v, step.cache, step.batch, softmax_aux=s)[0]))(sinks)
+
+
+def test_quantized_new_tokens_into_a_float_pool_are_written_dequantized():
+  """K/V take the pool's dtype: quantized new keys and values are dequantized as written (a
+  quantized pool re-quantizes them per token), and attended as those values."""
+  step = _step(seed=23)
+  k8, v8 = (sh.quantize(np.nan_to_num(a), jnp.int8) for a in (step.k, step.v))
+  deq = lambda a: np.asarray(a.values, np.float64) * np.asarray(a.scale, np.float64)
+  live = sum(step.q_lens)
+  history = lambda hs, new: [np.concatenate([h[:len(h) - ql], new[s0:s0 + ql]])
+                             for h, ql, s0 in zip(hs, step.q_lens, np.cumsum([0] + step.q_lens))]
+  want = dataclasses.replace(step, history_k=history(step.history_k, deq(k8)[:live]),
+                             history_v=history(step.history_v, deq(v8)[:live]))
+  out, cache = sh.paged_attention(step.q, k8, v8, step.cache, step.batch)
+  assert cache.key.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(out), _oracle(want), **harness.tol())

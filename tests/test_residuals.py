@@ -207,3 +207,27 @@ def test_paged_lse_matches_the_oracle_per_row():
                                  **harness.tol())
       np.testing.assert_allclose(np.asarray(out[rows]), want_out[0], **harness.tol())
     assert np.isneginf(np.asarray(lse[10:])).all()
+
+
+def test_merge_takes_attention_outputs_and_any_iterable():
+  """What `attention(..., return_residuals=True)` returns merges as it is (its lse beside it),
+  from a list or a generator; refusals name `outputs` / `lses`."""
+  q, k, v, _, _, _ = _inputs(11, length=96)
+  config = sh.AttentionConfig(causal=False)
+  parts = [sh.attention(q, k[:, lo:hi], v[:, lo:hi], config=config, return_residuals=True)
+           for lo, hi in ((0, 40), (40, 96))]
+  want, _, want_lse = oracle.attention(q, k, v, causal=False, with_lse=True)
+  for given in (parts, (p for p in parts)):
+    out, lse = sh.merge_attention(given)
+    np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
+    np.testing.assert_allclose(np.asarray(lse), want_lse, **harness.tol())
+  out, _ = sh.merge_attention((p.attention_outputs for p in parts), (p.lse for p in parts))
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
+  with pytest.raises(ValueError, match=r"`outputs` are AttentionOutputs, which carry their lse"):
+    sh.merge_attention(parts, [p.lse for p in parts])
+  with pytest.raises(ValueError, match=r"`outputs` holds an AttentionOutput without its lse"):
+    sh.merge_attention([sh.attention(q, k, v, config=config), parts[0]])
+  with pytest.raises(ValueError, match=r"`outputs` must all be arrays or all be AttentionOutputs"):
+    sh.merge_attention([parts[0], parts[1].attention_outputs])
+  with pytest.raises(ValueError, match=r"`lses` is needed with array `outputs`"):
+    sh.merge_attention([p.attention_outputs for p in parts])

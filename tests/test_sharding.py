@@ -2,6 +2,7 @@
 
 import dataclasses
 import itertools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -201,3 +202,31 @@ def test_stable_spec_is_always_valid_on_real_meshes():
 def test_kv_head_repeats(hq, hkv, n, expected):
   r = kv_head_repeats(hq, hkv, n)
   assert r == expected and (hkv * r) % n == 0 and (hq // hkv) % r == 0
+
+
+def test_axes_a_mesh_lacks_are_dropped_said_once_and_listed_by_explain(caplog):
+  from splash_hk.sharding import axes as axes_lib  # pylint: disable=g-import-not-at-top
+  axes_lib._LOGGED.clear()  # a cache: each (names, mesh) said once per process
+  q = np.random.default_rng(41).normal(size=(2, 16, 8, 8)).astype(np.float32)
+  mesh = _mesh("2x4")
+  typo = sh.MeshAxes(batch="dp", heads="typo")
+  with caplog.at_level(logging.INFO):
+    for _ in range(2):
+      out = sh.attention(q, q, q, mesh=mesh, axes=typo).attention_outputs
+  said = [r for r in caplog.records if "are not in the mesh" in r.getMessage()]
+  assert len(said) == 1 and said[0].levelno == logging.WARNING
+  assert "['typo']" in said[0].getMessage() and "['dp', 'tp']" in said[0].getMessage()
+  np.testing.assert_allclose(np.asarray(out), oracle.attention(q, q, q)[0], **harness.tol())
+  assert sh.explain(q, q, q, mesh=mesh, axes=typo).dropped_axes == ("typo",)
+  assert sh.explain(q, q, q, mesh=mesh).dropped_axes == ("fsdp",)  # the default's spare name
+  assert sh.explain(q, q, q, mesh=mesh, axes=sh.MeshAxes(batch="dp")).dropped_axes == ()
+  assert sh.explain(q, q, q).dropped_axes == ()
+
+
+@pytest.mark.parametrize("axes", [sh.MeshAxes(batch="data", heads="model"), sh.MeshAxes()])
+def test_a_mesh_sharing_no_name_with_the_axes_is_refused_naming_axes(axes):
+  q = jnp.ones((2, 16, 8, 8))
+  mesh = jax.make_mesh((2, 4), ("x", "y"), devices=jax.devices()[:8])
+  with pytest.raises(ValueError, match=r"`axes` names mesh axes .* none of them \(its axes are "
+                                       r"\['x', 'y'\]\)"):
+    sh.attention(q, q, q, mesh=mesh, axes=axes)
