@@ -65,7 +65,7 @@ class KVCache:
         key=quant.zeros((batch, max_len, num_kv_heads, key_size), dtype),
         value=quant.zeros((batch, max_len, num_kv_heads, value_size or key_size), dtype),
         length=jnp.zeros((batch,), jnp.int32),
-        owner=_owner(owner),
+        owner=owners.checked(owner),
     )
 
   @property
@@ -140,14 +140,6 @@ class KVCache:
     return dataclasses.replace(self, **changes)
 
   _replace = replace  # the NamedTuple spelling of earlier releases
-
-
-def _owner(owner: Any) -> str | None:
-  """A cache's `owner` argument: a layer's name, or None."""
-  if owner is not None and not isinstance(owner, str):
-    raise ValueError(f"`owner` must be a layer's name (a str, e.g. mha.module_name) or None, got "
-                     f"{owner!r}.")
-  return owner
 
 
 class Append(NamedTuple):
@@ -231,12 +223,7 @@ def _append(cache: KVCache, k: jax.Array, v: jax.Array, lengths: jax.Array,
 
 def _check_cache(cache: KVCache, k: jax.Array, v: jax.Array, layer: str) -> jax.Array:
   """Static checks of `kv_cache` against this call's layer and keys/values; returns lengths [B]."""
-  if cache.owner is not None and cache.owner != layer:
-    raise ValueError(
-        f"`kv_cache` belongs to layer {cache.owner!r} (it wrote it first) and was given to layer "
-        f"{layer!r}: every attention layer needs a cache of its own (one KVCache per layer, e.g. "
-        "a list with one per layer); a cache chained through layers, or two layers' caches "
-        "swapped, would attend to the wrong keys.")
+  owners.check(cache, layer, "kv_cache")
   batch, _, heads, key_size = k.shape
   want = dict(key=(batch, None, heads, key_size), value=(batch, None, heads, v.shape[-1]))
   for name, shape in want.items():

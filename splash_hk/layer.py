@@ -23,12 +23,13 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from splash_hk import kv_cache as kv_cache_lib
+from splash_hk import owners
 from splash_hk.attention import attend as attend_heads
 from splash_hk.config import AttentionConfig
 from splash_hk.kv_cache import KVCache, row_lengths
 from splash_hk.masks import Mask
 from splash_hk.paged import paged_attention
-from splash_hk.pages import PagedKVCache, RaggedBatch, check_owner
+from splash_hk.pages import PagedKVCache, RaggedBatch
 from splash_hk.quant import Quantized
 from splash_hk.scores import Score
 from splash_hk.sharding.axes import MeshAxes
@@ -134,7 +135,7 @@ def attend_paged(query: jax.Array, key: jax.Array, value: jax.Array, call: Call,
     raise ValueError(f"With a PagedKVCache, `batch` says each token's sequence and position: do "
                      f"not pass {', '.join(given)}.")
   rules: Any = dict(mask=call.mask, bias=call.bias)  # arrays: paged validation says what to pass
-  check_owner(call.kv_cache, settings.layer, "kv_cache")
+  owners.check(call.kv_cache, settings.layer, "kv_cache")
   # A pool stores keys in its own dtype (cast or quantized as written) and the kernel reads
   # them in the query's: narrower pools are a choice, not a mismatch.
   if not isinstance(call.kv_cache.key, Quantized):  # a quantized pool quantizes as it writes

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from jax.tree_util import GetAttrKey
 
-__all__ = ("Owner", "register")
+__all__ = ("Owner", "check", "checked", "register")
 
 UNWRITTEN = ("an unwritten cache (no layer has written it yet; a loop carry must enter written: "
              "write it once before the loop, or build it owned: mha.init_cache(..., "
@@ -31,6 +31,27 @@ class Owner:
 
   def __repr__(self) -> str:
     return f"owner={self.name!r}" if self.name is not None else f"owner=None, {UNWRITTEN}"
+
+
+def checked(owner: Any) -> str | None:
+  """A cache's `owner` argument: a layer's name, or None."""
+  if owner is not None and not isinstance(owner, str):
+    raise ValueError(f"`owner` must be a layer's name (a str, e.g. mha.module_name) or None, got "
+                     f"{owner!r}.")
+  return owner
+
+
+def check(cache: Any, owner: str | None, argument: str) -> None:
+  """A cache another layer wrote first (`cache.owner` set and not `owner`) is a ValueError naming
+  `argument` and both layers."""
+  checked(owner)
+  if owner is not None and cache.owner is not None and cache.owner != owner:
+    kind = type(cache).__name__
+    raise ValueError(
+        f"`{argument}` belongs to layer {cache.owner!r} (it wrote it first) and was given to layer "
+        f"{owner!r}: every attention layer needs a cache of its own (one {kind} per layer, e.g. a "
+        "list with one per layer); a cache chained through layers, or two layers' caches swapped, "
+        "would attend to the wrong keys.")
 
 
 def register(cls: type, data_fields: tuple[str, ...]) -> type:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from splash_hk import inputs
 from splash_hk import kernel
+from splash_hk import owners
 from splash_hk import quant
 from splash_hk import sharding
 from splash_hk import validation
@@ -50,7 +51,7 @@ def explain_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: 
   """The backend `paged_attention` would use for these arguments, and why (arrays may be
   `jax.ShapeDtypeStruct` specs)."""
   if isinstance(cache, PagedKVCache):
-    pages.check_owner(cache, owner, "cache")
+    owners.check(cache, owner, "cache")
   facts = paged_facts(query, key, value, cache, batch, config=config, mask=mask, bias=bias,
                  softmax_aux=softmax_aux)
   return selector.select_paged(facts)
@@ -118,7 +119,7 @@ def paged_attention(
   """
   facts = paged_facts(query, key, value, cache, batch, config=config, mask=mask, bias=bias,
                  softmax_aux=softmax_aux)
-  pages.check_owner(cache, owner, "cache")
+  owners.check(cache, owner, "cache")
   if mesh is not None:
     validation.validate_mesh(mesh, axes)
   decision = selector.select_paged(facts)

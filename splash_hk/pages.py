@@ -50,11 +50,10 @@ class PagedKVCache:
             owner: str | None = None) -> PagedKVCache:
     """A pool of zeroed pages (a quantized `dtype` stores `Quantized`, as `KVCache.zeros`;
     `owner` as there)."""
-    if owner is not None and not isinstance(owner, str):
-      raise ValueError(f"`owner` must be a layer's name (a str) or None, got {owner!r}.")
     shape = (num_pages, page_size, num_kv_heads)
     return cls(key=quant.zeros((*shape, key_size), dtype),
-               value=quant.zeros((*shape, value_size or key_size), dtype), owner=owner)
+               value=quant.zeros((*shape, value_size or key_size), dtype),
+               owner=owners.checked(owner))
 
   @property
   def num_pages(self) -> int:
@@ -67,18 +66,6 @@ class PagedKVCache:
   def replace(self, **changes: Any) -> PagedKVCache:
     """This cache with the given fields replaced."""
     return dataclasses.replace(self, **changes)
-
-
-def check_owner(cache: PagedKVCache, owner: str | None, argument: str) -> None:
-  """A pool another layer wrote first is a ValueError naming `argument` and both layers."""
-  if owner is not None and not isinstance(owner, str):
-    raise ValueError(f"`owner` must be a layer's name (a str) or None, got {owner!r}.")
-  if owner is not None and cache.owner is not None and cache.owner != owner:
-    raise ValueError(
-        f"`{argument}` belongs to layer {cache.owner!r} (it wrote it first) and was given to layer "
-        f"{owner!r}: every attention layer needs a pool of its own (one PagedKVCache per layer, "
-        "e.g. a list with one per layer); a pool chained through layers, or two layers' pools "
-        "swapped, would attend to the wrong keys.")
 
 
 @functools.partial(jax.tree_util.register_dataclass,

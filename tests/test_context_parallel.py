@@ -101,7 +101,7 @@ def test_load_balanced_needs_self_attention_and_a_splitting_mesh():
   x = jnp.ones((1, 64, 2, 8))
   for kwargs, needle in [(dict(query=x[:, :32]), "self-attention"),
                          (dict(mesh=None), "mesh=None"),
-                         (dict(mesh=jax.make_mesh((4,), ("dp",))), "does not split"),
+                         (dict(mesh=jax.make_mesh((4, 1), ("dp", "sp"))), "does not split"),
                          (dict(query=jnp.ones((1, 36, 2, 8)), key=jnp.ones((1, 36, 2, 8))),
                           "multiple of 2 \\* 4")]:
     call = dict(query=x, key=x, mesh=mesh) | kwargs
