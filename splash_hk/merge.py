@@ -21,23 +21,25 @@ __all__ = ("merge_attention",)
 def _parts(outputs: Iterable[Array | AttentionOutput], lses: Iterable[Array] | None
            ) -> tuple[list[Array], list[Array]]:
   """(outputs, lses) as lists of arrays: `attention`'s AttentionOutputs give their own lse."""
-  outputs = list(outputs)  # any iterable, a generator too
-  given = [isinstance(o, AttentionOutput) for o in outputs]
-  if any(given) and not all(given):
+  items = list(outputs)  # any iterable, a generator too
+  states = [o for o in items if isinstance(o, AttentionOutput)]
+  arrays = [o for o in items if not isinstance(o, AttentionOutput)]
+  if states and arrays:
     raise ValueError("`outputs` must all be arrays or all be AttentionOutputs (what attention "
                      "returns), not a mix.")
-  if not any(given):
+  if not states:
     if lses is None:
       raise ValueError("`lses` is needed with array `outputs` (one lse per part); or pass the "
                        "AttentionOutputs of attention(..., return_residuals=True) as `outputs`.")
-    return outputs, list(lses)
+    return arrays, list(lses)
   if lses is not None:
     raise ValueError("`outputs` are AttentionOutputs, which carry their lse: pass lses=None "
                      "(or the arrays `o.attention_outputs` with their lses).")
-  if any(o.lse is None for o in outputs):
+  lse_of = [o.lse for o in states]
+  if any(lse is None for lse in lse_of):
     raise ValueError("`outputs` holds an AttentionOutput without its lse: call attention with "
                      "return_residuals=True for every part.")
-  return [o.attention_outputs for o in outputs], [o.lse for o in outputs]
+  return [o.attention_outputs for o in states], [lse for lse in lse_of if lse is not None]
 
 
 def _check(outputs: list[Array], lses: list[Array]) -> None:

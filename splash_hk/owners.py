@@ -66,7 +66,7 @@ def register(cls: type, data_fields: tuple[str, ...]) -> type:
     return tuple(getattr(c, f) for f in data_fields), Owner(c.owner)
 
   def unflatten(meta: Owner, children: Any) -> Any:
-    made = object.__new__(cls)  # no __init__/__post_init__: leaves may be anything (tracers, specs)
+    made: Any = object.__new__(cls)  # no __init__/__post_init__: leaves may be anything (tracers, specs)
     for f, child in zip(data_fields, children):
       object.__setattr__(made, f, child)
     object.__setattr__(made, "owner", meta.name)
