@@ -4,6 +4,7 @@ from splash_hk import fallback
 from splash_hk import masks
 from splash_hk import scores
 from splash_hk import sharding
+from splash_hk import sparse
 from splash_hk.attention import attention
 from splash_hk.attention import explain
 from splash_hk.config import AttentionConfig
@@ -54,4 +55,5 @@ __all__ = (
     "quantize",
     "scores",
     "sharding",
+    "sparse",
 )

@@ -10,6 +10,7 @@ import functools
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from splash_hk import inputs
 from splash_hk import kernel
@@ -19,6 +20,7 @@ from splash_hk import ulysses
 from splash_hk.config import AttentionConfig, staged
 from splash_hk.fallback import selector
 from splash_hk.masks import Mask
+from splash_hk.masks._chosen import misused_rows
 from splash_hk.nodes import Static
 from splash_hk.scores import Score
 from splash_hk.sharding.axes import AxisEntry
@@ -155,6 +157,16 @@ def _whole(backend: str, x: KernelInputs, facts: Static) -> KernelOutput:
   return kernel.run(backend, x, facts.value)
 
 
+def _misuse_as_nan(result: KernelOutput, rule: Mask | None) -> KernelOutput:
+  """The query rows whose chosen blocks (`masks.Blocks`) break the rules output NaN (their lse
+  too): under `jit` a misuse is visible, never a finite wrong answer."""
+  bad = misused_rows(rule)  # [B|1, T, Hq] or None
+  if bad is None:
+    return result
+  lse = None if result.lse is None else jnp.where(bad, jnp.nan, result.lse)
+  return result._replace(out=jnp.where(bad[..., None], jnp.nan, result.out), lse=lse)
+
+
 def attend(query: Array, key: Array, value: Array, extras: Extras, *,
            config: AttentionConfig, mesh: jax.sharding.Mesh | None = None,
            axes: sharding.MeshAxes = sharding.MeshAxes(),
@@ -179,5 +191,6 @@ def attend(query: Array, key: Array, value: Array, extras: Extras, *,
       body = lambda y, _: kernel.run(decision.backend, y, facts)
     result = sharding.shard_kernel(body, x, mesh=mesh, axes=axes, facts=facts,
                                    ring=decision.ring, ulysses=decision.ulysses)
+  result = _misuse_as_nan(result, x.rule)
   lse = result.lse if return_residuals else None  # [B, T, Hq]
   return AttentionOutput(result.out, result.weights, lse)  # [B, T, Hq, Dv], [B, Hq, T, S]

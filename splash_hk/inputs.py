@@ -22,6 +22,7 @@ from splash_hk.sharding import specs
 from splash_hk.sharding.axes import MeshAxes
 from splash_hk.masks import _objects
 from splash_hk.masks import _rules
+from splash_hk.masks._chosen import CallIndex
 from splash_hk.nodes import skeleton
 from splash_hk.scores import Dense, Score
 from splash_hk.types import Extras, Facts, KernelInputs, Shaped, as_score
@@ -85,11 +86,32 @@ def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig,
       head_shards=head_shards, quantized=quantized, dropped_axes=dropped)
 
 
-def _rule(extras: Extras, config: AttentionConfig) -> _objects.Mask | None:
-  """The call's position rule with its arrays in normal form: bool for a dense mask, else int32."""
+def _rule(extras: Extras, config: AttentionConfig, call: Facts) -> _objects.Mask | None:
+  """The call's position rule in normal form (`Mask.normal`, `Mask.for_call`): arrays bool for a
+  dense mask or a map, else int32."""
   rule = _rules.call_rule(**config.rules, mask=extras.mask)
-  as_normal = lambda side, a: jnp.asarray(a, jnp.bool_ if side == "qk" else jnp.int32)
-  return None if rule is None else rule.map_parts(lambda part: part.normal()).map_arrays(as_normal)
+  if rule is None:
+    return None
+  index = CallIndex(call.query_shape[0], call.query_len, call.kv_len, call.num_heads,
+                    call.num_kv_heads, *_token_indices(call))
+  keeps_bool = lambda side, a: side == "qk" or (side in ("free", "head") and a.dtype == jnp.bool_)
+  as_normal = lambda side, a, **_: jnp.asarray(
+      a, jnp.bool_ if keeps_bool(side, jnp.asarray(a)) else jnp.int32)
+  return rule.map_parts(lambda part: part.normal().for_call(index)).map_arrays(as_normal)
+
+
+def _token_indices(call: Facts) -> tuple[jax.Array, jax.Array]:
+  """Each query's and key's index in the call ([B, T], [B, S] int32): end-aligned order, or the
+  tokens' original indices when they come load-balanced."""
+  batch, query_len, kv_len = call.query_shape[0], call.query_len, call.kv_len
+  kv_index = jnp.arange(kv_len, dtype=jnp.int32)
+  if call.load_balanced:  # tokens in dual-chunk order: each keeps its original index (T == S)
+    kv_index = jnp.asarray(_rules.load_balanced_order(kv_len, call.sequence_shards), jnp.int32)
+    q_index = kv_index
+  else:
+    q_index = jnp.arange(query_len, dtype=jnp.int32)
+  return (jnp.broadcast_to(q_index, (batch, query_len)),
+          jnp.broadcast_to(kv_index, (batch, kv_len)))
 
 
 def full_bias(bias: Shaped | Score | None, query_len: int, kv_len: int) -> Score | None:
@@ -111,12 +133,10 @@ def _dropout(extras: Extras, call: Facts) -> Dropout | None:
   if call.config.dropout_rate == 0:
     return None
   batch, query_len, kv_len = call.query_shape[0], call.query_len, call.kv_len
-  kv_index = jnp.arange(kv_len, dtype=jnp.int32)
-  if call.load_balanced:  # tokens in dual-chunk order: each keeps its original index
-    kv_index = jnp.asarray(_rules.load_balanced_order(kv_len, call.sequence_shards), jnp.int32)
+  token_q_index, kv_index = _token_indices(call)  # [B, T], [B, S]
   q_index = extras.dropout_q_index
   if q_index is None and call.load_balanced:  # T == S: each query keeps its token's index
-    q_index = jnp.broadcast_to(kv_index, (batch, query_len))
+    q_index = token_q_index
   elif q_index is None:  # end-aligned: query t has S - T + t (negative when T > S)
     q_index = jnp.broadcast_to(kv_len - query_len + jnp.arange(query_len, dtype=jnp.int32),
                                (batch, query_len))
@@ -128,7 +148,7 @@ def _dropout(extras: Extras, call: Facts) -> Dropout | None:
       rows=index(batch),  # [B]
       heads=index(call.num_heads),  # [Hq]
       q_index=jnp.asarray(q_index, jnp.int32),  # [B, T]
-      kv_index=jnp.broadcast_to(kv_index, (batch, kv_len)),  # [B, S]
+      kv_index=kv_index,  # [B, S]
       mask=None if mask is None else jnp.asarray(mask, jnp.bool_))  # [B|1, Hq|1, T, S]
 
 
@@ -186,7 +206,7 @@ def normalise(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionCon
       kv_positions=as_int(extras.kv_positions, kv_pos),  # [B, S]
       q_segment_ids=q_seg,  # [B, T] or None
       kv_segment_ids=kv_seg,  # [B, S] or None
-      rule=_rule(extras, config),
+      rule=_rule(extras, config, call),
       sinks=sinks(extras.softmax_aux, call.num_heads),  # [Hq, n] or None
       bias=_bias(extras, call.query_len, call.kv_len),  # a score object or None
       heads=None if extras.bias is None else jnp.arange(call.num_heads, dtype=jnp.int32),  # [Hq]

@@ -170,7 +170,9 @@ def flat_mask(mask: ArrayLike | Mask | None, lead: list[int], num_heads: int, qu
   if not isinstance(mask, Mask):
     return module_mask(mask, lead, num_heads, query_len, kv_len)
 
-  def flat(side: str, a: jax.Array) -> jax.Array:
+  def flat(side: str, a: jax.Array, **_: Any) -> jax.Array:
+    if side in ("free", "head"):  # no token axis: as given
+      return a
     if side == "qk":
       return module_mask(a, lead, num_heads, query_len, kv_len)  # [B, 1|H, T, S]
     a = jnp.asarray(a)

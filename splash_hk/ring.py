@@ -65,7 +65,7 @@ def _block(x: KernelInputs) -> tuple:
   and the keys' dropout indices."""
   kv_arrays = []
   if x.rule is not None:
-    x.rule.map_arrays(lambda side, a: kv_arrays.append(a) if side == "kv" else a)
+    x.rule.map_arrays(lambda side, a, **_: kv_arrays.append(a) if side == "kv" else a)
   dropout_index = None if x.dropout is None else x.dropout.kv_index
   return (x.key, x.value, x.kv_positions, x.kv_segment_ids, tuple(kv_arrays), dropout_index)
 
@@ -75,7 +75,7 @@ def _with_block(x: KernelInputs, block: tuple) -> KernelInputs:
   rule = x.rule
   if rule is not None:
     arrays = iter(kv_arrays)
-    rule = rule.map_arrays(lambda side, a: next(arrays) if side == "kv" else a)
+    rule = rule.map_arrays(lambda side, a, **_: next(arrays) if side == "kv" else a)
   dropout = None if x.dropout is None else x.dropout._replace(kv_index=dropout_index)
   return x._replace(key=key, value=value, kv_positions=positions, kv_segment_ids=segment_ids,
                     rule=rule, sinks=None, dropout=dropout)

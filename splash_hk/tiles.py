@@ -13,9 +13,11 @@ the cores, and a ring step holds half the working set.
 from __future__ import annotations
 
 from splash_hk.config import AttentionConfig
+from splash_hk.masks._chosen import Blocks
 from splash_hk.types import Facts
 
 Tiles = tuple[int, int, int, int]  # (block_q, block_kv, block_q_bwd, block_kv_bwd)
+MIN_CHOSEN_ROWS = 128  # a chosen call's query tiles hold at least this many rows
 
 
 def default_tiles(config: AttentionConfig) -> Tiles:
@@ -27,11 +29,26 @@ def default_tiles(config: AttentionConfig) -> Tiles:
   return fwd_q, fwd_kv, bwd_q, bwd_kv
 
 
+def chosen_tiles(facts: Facts) -> tuple[int, int] | None:
+  """A call whose rule holds key blocks chosen by data (`masks.Blocks`): tiles of its blocks, so
+  work follows the choice block for block (query tiles of at least 128 rows: a choice per token
+  shares a tile with its neighbours', the element mask telling them apart). None otherwise."""
+  parts = () if facts.rule is None else facts.rule.parts()
+  sizes = [part.block_size for part in parts if isinstance(part, Blocks)]
+  if not sizes:
+    return None
+  bq, bk = sizes[0]
+  return bq * max(1, MIN_CHOSEN_ROWS // bq), bk
+
+
 def tiles_for(facts: Facts) -> Tiles:
-  """A call's xla tiles: `config.block_sizes` where set, else the defaults, with 256-row query
-  blocks for a query cut into sequence slices, and blocks within one chunk (T / 2n) in a
-  load-balanced sequence (sliced or whole, as under Ulysses)."""
+  """A call's xla tiles: `config.block_sizes` where set, else the defaults (a choice's own blocks:
+  `chosen_tiles`), with 256-row query blocks for a query cut into sequence slices, and blocks
+  within one chunk (T / 2n) in a load-balanced sequence (sliced or whole, as under Ulysses)."""
   fwd_q, fwd_kv, bwd_q, bwd_kv = default_tiles(facts.config)
+  chosen = chosen_tiles(facts)
+  if chosen is not None:
+    fwd_q, fwd_kv = bwd_q, bwd_kv = chosen
   if facts.query_slices > 1:
     fwd_q, bwd_q = min(fwd_q, 256), min(bwd_q, 256)
   defaults = (fwd_q, fwd_kv, bwd_q, bwd_kv)

@@ -47,7 +47,7 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
       q_segment_ids=gather(x.q_segment_ids),  # [B, T]
       kv_segment_ids=gather(x.kv_segment_ids),  # [B, S]
       rule=None if x.rule is None else x.rule.map_arrays(
-          lambda side, a: _whole_rule_array(side, a, axis)),
+          lambda side, a, **_: _whole_rule_array(side, a, axis)),
       bias=None if x.bias is None else x.bias.map_arrays(
           lambda side, a, **_: _whole_rule_array(side, a, axis) if side == "qk" else a),
       dropout=None if x.dropout is None else x.dropout._replace(
@@ -62,6 +62,8 @@ def attend(backend: str, x: KernelInputs, axis: AxisEntry, *, facts: Facts) -> K
 
 def _whole_rule_array(side: str, a: jax.Array, axis: AxisEntry) -> jax.Array:
   """A mask object's array for the whole sequence and this device's heads."""
+  if side in ("free", "head"):  # whole along the sequence already ("head": this device's heads)
+    return a
   if side != "qk":
     return _gather(a, axis, 1)  # [B, T] or [B, S]
   if a.shape[1] == 1:  # one mask for every head: all its rows

@@ -183,12 +183,15 @@ def validate_rule(rule: _objects.Mask, query: Shaped, key: Shaped,
   for part in rule.parts():
     for field, side, array in part.array_fields():
       name = f"{part.name}.{field}"
+      if side in ("free", "head"):  # no layout by side: the object checks them itself
+        continue
       if side == "qk":
         _validate_mask(array, batch, num_heads, query_len, kv_len, name)
       else:
         length, axis = (query_len, "query_len") if side == "q" else (kv_len, "kv_len")
         _validate_rows(array, name, batch, length, axis)
     part.check(batch, query_len, kv_len)
+    part.check_heads(num_heads, key.shape[2])
 
 
 def _validate_rows(x: Shaped, name: str, batch: int, length: int, axis: str) -> None:
@@ -306,6 +309,10 @@ def _validate_positions_only(mask: Any, bias: Any, config: AttentionConfig,
             "Causal(), SlidingWindow(w), Chunked(c), MaskFn(fn), combined with & and |); a dense "
             f"array has no meaning over a pool of pages, got {type(mask).__name__}.")
     _one_rule_place(mask, config)
+    if any(part.name == "Blocks" for part in mask.parts()):
+      _fail("`mask` holds chosen key blocks (Blocks), which paged_attention does not take: a "
+            "paged sequence reads the pages its RaggedBatch's page table lists; pass a rule over "
+            "positions, or attend the chosen blocks with sh.attention over a KVCache.")
     if mask.array_sides():
       _fail(f"`mask` ({mask.name}) holds per-token arrays, which a paged call cannot place; "
             "pass a rule over positions (a MaskFn of q_pos and kv_pos).")

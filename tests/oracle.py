@@ -159,3 +159,47 @@ def t5_bucket(relative, num_buckets, max_distance, bidirectional, xp):
                        * (num_buckets - max_exact)).astype(np.int32)
   large = xp.minimum(large, num_buckets - 1)
   return ret + xp.where(is_small, n, large)
+
+
+def chosen_blocks(kv_blocks, counts, block_size, b, hq, t, s):
+  """[B, Hq, T, S] bool of DESIGN's `Blocks` rule: key j is visible to query i when j // bk is
+  one of kv_blocks[b, h, i // bq, :counts[b, h, i // bq]] (H of 1, Hkv or Hq: head h reads list
+  head h * H // Hq)."""
+  kv_blocks, counts = np.asarray(kv_blocks), np.asarray(counts)
+  bq, bk = block_size
+  heads = kv_blocks.shape[1]
+  out = np.zeros((b, hq, t, s), bool)
+  for row in range(b):
+    for h in range(hq):
+      lh = h * heads // hq
+      lb = row if kv_blocks.shape[0] > 1 else 0
+      for i in range(t):
+        r = i // bq
+        for c in kv_blocks[lb, lh, r, :counts[lb, lh, r]]:
+          out[row, h, i, c * bk:(c + 1) * bk] = True
+  return out
+
+
+def moba_choice(q, k, top_k, block_size, causal=True, local=1):
+  """DESIGN's `top_k_blocks` in NumPy loops: (sets of chosen blocks [B][Hkv][nq], counts)."""
+  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  b, t, hq, _ = q.shape
+  s, hkv = k.shape[1], k.shape[2]
+  bq, bk = block_size
+  nq, nk = -(-t // bq), -(-s // bk)
+  g = hq // hkv
+  chosen = [[[None] * nq for _ in range(hkv)] for _ in range(b)]
+  for row in range(b):
+    for h in range(hkv):
+      for r in range(nq):
+        qm = q[row, r * bq:(r + 1) * bq, h * g:(h + 1) * g].mean(axis=(0, 1))
+        last_pos = s - t + min((r + 1) * bq, t) - 1
+        last = last_pos // bk
+        own = [c for c in range(last - local + 1, last + 1) if 0 <= c < nk]
+        scored = []
+        for c in range(nk):
+          if c in own or (causal and c * bk > last_pos):
+            continue
+          scored.append((-(qm @ k[row, c * bk:(c + 1) * bk, h].mean(axis=0)), c))
+        chosen[row][h][r] = set(own) | {c for _, c in sorted(scored)[:top_k]}
+  return chosen

@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks import bench
 from benchmarks import bench_paged
+from benchmarks import bench_blocks
 from benchmarks import bench_quant
 from benchmarks import bench_report
 from benchmarks import bench_workloads
@@ -160,3 +161,13 @@ def test_quant_bench_prints_its_figures(capsys):
   assert all(v > 0 for v in figures.values()), figures
   assert figures["pool_tokens_int8_over_f32_d64"] == 256 / 68  # bytes: (4 * 64) / (64 + 4)
   assert "fixed_decode_int8_over_f32_d64" in capsys.readouterr().out
+
+
+def test_blocks_bench_prints_its_ratios_and_memory(capsys):
+  ratios = bench_blocks.attention_rows(1, rows=((512, 1, False), (512, 1, True)))
+  assert set(ratios) == {"T=512 own+1 forward", "T=512 own+1 forward+backward"}
+  assert all(r > 0 for r in ratios.values())
+  assert bench_blocks.memory_row(length=16384) < 16384 * 16384 * 4 / 2**30 / 4  # a dense mask / 4
+  assert bench_blocks.train_row(1, length=512) > 0
+  out = capsys.readouterr().out
+  assert "causal / chosen" in out and "GiB of temporaries" in out and "causal / MoBA" in out

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from splash_hk import quant
 from splash_hk.backends import base
 from splash_hk.backends import xla_bias
+from splash_hk.backends import xla_gather
+from splash_hk.backends import xla_lists
 from splash_hk.backends import xla_paged
 from splash_hk.backends import xla_plan
 from splash_hk.backends.xla_blocks import Pair, Views
@@ -38,7 +40,11 @@ def why_not(facts: Facts, hardware: str) -> str | None:
 
 
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
-  """Block-sparse attention on one shard: out [B, T, Hq, Dv] and a differentiable lse [B, T, Hq]."""
+  """Block-sparse attention on one shard: out [B, T, Hq, Dv] and a differentiable lse [B, T, Hq].
+
+  Key blocks chosen by data run on gathered tiles (`xla_gather`) where those serve the call."""
+  if xla_lists.chooses(facts) and xla_lists.why_not(facts) is None:
+    return xla_gather.attend(x, facts)
   tiles = tiles_for(facts)
   # A dense bias's gradient is a [T, S] accumulator: JAX says (symbolic zeros) whether anything
   # differentiates the bias, and the backward skips it when nothing does.

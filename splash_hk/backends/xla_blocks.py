@@ -89,8 +89,9 @@ class Views:
         x.q_segment_ids, 1, self.padded_q, -1)  # [B, Tp]
     pad = {"q": lambda a: base.pad_axis(a, 1, self.padded_q, -1),  # [B, Tp]
            "kv": lambda a: a,  # [B, S]
-           "qk": lambda a: base.pad_axis(a, 2, self.padded_q, False)}  # [B|1, 1|Hq, Tp, S]
-    self.rule = None if x.rule is None else x.rule.map_arrays(lambda side, a: pad[side](a))
+           "qk": lambda a: base.pad_axis(a, 2, self.padded_q, False),  # [B|1, 1|Hq, Tp, S]
+           "free": lambda a: a, "head": lambda a: a}  # whole: read by index
+    self.rule = None if x.rule is None else x.rule.map_arrays(lambda side, a, **_: pad[side](a))
     self.bias = None if x.bias is None else x.bias.map_arrays(
         lambda side, a, **_: base.pad_axis(a, 2, self.padded_q) if side == "qk" else a)
     self.dropout = None if x.dropout is None else x.dropout._replace(
@@ -175,8 +176,10 @@ class Views:
     q_side = lambda a: None if a is None else self.q_block(a, group, i, 1)
     kv_side = lambda a: None if a is None else self.kv_block(a, group, j)
     cut = {"q": q_side, "kv": kv_side,
-           "qk": lambda a: self.kv_block(self.q_block(a, group, i, 2), group, j, 3)}
-    rule = None if self.rule is None else self.rule.map_arrays(lambda side, a: cut[side](a))
+           "qk": lambda a: self.kv_block(self.q_block(a, group, i, 2), group, j, 3),
+           "free": lambda a: a, "head": lambda a: a}
+    rule = None if self.rule is None else self.rule.map_arrays(
+        lambda side, a, **_: cut[side](a))
     bias = None if self.bias is None else self.bias.map_arrays(
         lambda side, a, **_: cut["qk"](a) if side == "qk" else a)
     mask = PairMask(q_idx < self.grid.query_len, k_idx >= j * bk,

@@ -15,6 +15,7 @@ import jax
 
 from splash_hk import kernel
 from splash_hk.backends import base
+from splash_hk.backends import xla_lists
 from splash_hk import platforms
 from splash_hk.config import AttentionConfig
 from splash_hk.pages import PagedFacts
@@ -104,13 +105,19 @@ def _first(config: AttentionConfig, hardware: str, why_not: Callable[[base.Backe
 
 
 def _plan_note(facts: Facts) -> str:
-  """What the block plan reads whole: MaskFn parts without a range rule, in words (or "")."""
+  """What the block plan reads whole (MaskFn parts without a range rule) and how the xla path
+  runs chosen blocks, in words (or "")."""
   if facts.rule is None:
     return ""
+  note = ""
+  if xla_lists.chooses(facts):
+    refusal = xla_lists.why_not(facts)
+    note = ("; the chosen blocks (Blocks) run on xla's gathered tiles" if refusal is None else
+            f"; the chosen blocks (Blocks) run on xla's block plan, not its gathered tiles: {refusal}")
   names = [p.name for p in facts.rule.parts() if p.evaluated_per_pair()]
   if not names:
-    return ""
-  return (f"; {', '.join(names)} has no range rule: its blocks are classified by "
+    return note
+  return (f"{note}; {', '.join(names)} has no range rule: its blocks are classified by "
           "evaluating it on every (query, key) pair, once per call")
 
 

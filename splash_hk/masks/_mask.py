@@ -60,6 +60,17 @@ class Mask(Node):
     own (its arrays' shapes and dtypes, by side, are checked for every object at the edge)."""
     del batch, query_len, kv_len
 
+  def check_heads(self, num_heads: int, num_kv_heads: int) -> None:
+    """Raises ValueError when this object's arrays cannot serve Hq = `num_heads` query heads over
+    Hkv = `num_kv_heads` kv heads."""
+    del num_heads, num_kv_heads
+
+  def for_call(self, call: Any) -> Mask:
+    """This object in the normal form kernels read for `call` (a `_chosen.CallIndex`: the call's
+    shapes and token indices): itself, unless it derives arrays from them."""
+    del call
+    return self
+
   def over_slots(self, slots: Any, kv_len: int) -> Mask:
     """This object over a KV cache of `kv_len` slots, the new tokens written at `slots`
     [B, T]: what a query-side rule becomes when the keys are the cache (itself, unless it

@@ -174,7 +174,8 @@ def attention_specs(
       kv_positions=kv_rows,
       q_segment_ids=present(x.q_segment_ids, q_rows),
       kv_segment_ids=present(x.kv_segment_ids, kv_rows),
-      rule=None if x.rule is None else x.rule.map_arrays(lambda side, a: side_spec[side](a)),
+      rule=None if x.rule is None else x.rule.map_arrays(
+          lambda side, a, **axis: (side_spec | bias_spec)[side](a, **axis)),
       sinks=present(x.sinks, PartitionSpec(sink_heads, None)),
       bias=None if x.bias is None else x.bias.map_arrays(
           lambda side, a, **axis: bias_spec[side](a, **axis)),

@@ -1,0 +1,133 @@
+"""Gates that choose key blocks from the data: MoBA's top-k by mean-pooled keys.
+
+`top_k_blocks` returns a `masks.Blocks`: pass it as `mask=` (`& masks.Causal()` keeps
+causality inside the diagonal block), and attention computes the chosen blocks only.
+
+Glossary of shapes: B batch, T queries, S keys, Hq query heads, Hkv kv heads (Gq = Hq / Hkv
+per group), D head dim, (bq, bk) the block size, nq = ceil(T / bq), nk = ceil(S / bk), K the
+most blocks a query block lists (local + top_k).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from splash_hk.masks._chosen import Blocks
+
+__all__ = ("top_k_blocks",)
+
+
+def _block_means(x: jax.Array, valid: jax.Array, block: int) -> jax.Array:
+  """x [B, L, H, D] -> [B, H, n, D] f32: each block's mean over its `valid` [B, L] rows."""
+  batch, length, heads, dim = x.shape
+  n = -(-length // block)
+  pad = n * block - length
+  x = jnp.pad(x.astype(jnp.float32) * valid[..., None, None], [(0, 0), (0, pad), (0, 0), (0, 0)])
+  rows = jnp.pad(valid.astype(jnp.float32), [(0, 0), (0, pad)]).reshape(batch, n, block)
+  sums = x.reshape(batch, n, block, heads, dim).sum(axis=2)  # [B, n, H, D]
+  means = sums / jnp.maximum(rows.sum(axis=-1), 1.0)[..., None, None]
+  return jnp.swapaxes(means, 1, 2)  # [B, H, n, D]
+
+
+def _segment_ranges(ids: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+  """Per block (min, max) [B, n] of its non-negative segment ids (empty: (big, -big))."""
+  batch, length = ids.shape
+  n = -(-length // block)
+  ids = jnp.pad(ids, [(0, 0), (0, n * block - length)], constant_values=-1).reshape(batch, n, block)
+  far = jnp.iinfo(jnp.int32).max
+  return (jnp.min(jnp.where(ids >= 0, ids, far), axis=-1),
+          jnp.max(jnp.where(ids >= 0, ids, -far), axis=-1))
+
+
+def _candidates(query_len: int, kv_len: int, block_size: tuple[int, int], causal: bool,
+                q_seg: jax.Array | None, kv_seg: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """(candidate [B|1, nq, nk] bool, last [nq] int32): the key blocks a query block may choose, and
+  the key block holding its last query's (end-aligned) position."""
+  bq, bk = block_size
+  nq, nk = -(-query_len // bq), -(-kv_len // bk)
+  last_query = jnp.minimum((jnp.arange(nq) + 1) * bq, query_len) - 1  # [nq]
+  last = jnp.floor_divide(kv_len - query_len + last_query, bk).astype(jnp.int32)  # [nq]
+  blocks = jnp.arange(nk)
+  candidate = (blocks[None, :] <= last[:, None]) if causal else jnp.ones((nq, nk), jnp.bool_)
+  candidate = candidate[None]  # [1, nq, nk]
+  if q_seg is not None and kv_seg is not None:  # a key block is a candidate only if its documents meet the query block's
+    (q_lo, q_hi), (kv_lo, kv_hi) = _segment_ranges(q_seg, bq), _segment_ranges(kv_seg, bk)
+    candidate = candidate & ((kv_lo[:, None, :] <= q_hi[:, :, None]) &
+                             (q_lo[:, :, None] <= kv_hi[:, None, :]))
+  return candidate, last
+
+
+def top_k_blocks(q: jax.Array, k: jax.Array, top_k: int, block_size: tuple[int, int], *,
+                 causal: bool = True, local: int = 1, q_segment_ids: jax.Array | None = None,
+                 kv_segment_ids: jax.Array | None = None) -> Blocks:
+  """MoBA's gate: for each query block and kv head, its `local` own blocks and the `top_k` key
+  blocks scoring highest, as a `masks.Blocks` with H = Hkv (one choice per GQA group).
+
+  The score of key block c for query block r is `mean(q[r's rows, the group's heads]) .
+  mean(k[c's rows])` (padding rows, segment id < 0, left out of the means). The `local` blocks
+  ending at the one holding r's last query position (end-aligned: S - T + i) are always chosen;
+  under `causal` only key blocks holding a key at or before one of r's positions are candidates;
+  with segment ids, only blocks whose ids meet r's (packed documents: the blocks sharing one).
+  Then the `top_k` highest other candidates, ties to the lower index; a row's count is what it
+  chose (fewer when fewer candidates). No gradient flows through the choice.
+
+  Args:
+    q: [B, T, Hq, D]; k: [B, S, Hkv, D].
+    top_k: key blocks chosen beyond the local ones (>= 0).
+    block_size: (bq, bk).
+    local: the query block's own blocks always chosen (>= 0).
+
+  Returns:
+    Blocks(kv_blocks [B, Hkv, nq, local + top_k] int32 (-1 past each count), counts [B, Hkv, nq]).
+  """
+  _check(q, k, top_k, block_size, local, q_segment_ids, kv_segment_ids)
+  q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+  batch, query_len, num_heads, dim = q.shape
+  kv_len, num_kv = k.shape[1], k.shape[2]
+  q_seg = None if q_segment_ids is None else jnp.asarray(q_segment_ids, jnp.int32)  # [B, T]
+  kv_seg = q_seg if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32)  # [B, S]
+  q_valid = jnp.ones((batch, query_len), jnp.bool_) if q_seg is None else q_seg >= 0
+  kv_valid = jnp.ones((batch, kv_len), jnp.bool_) if kv_seg is None else kv_seg >= 0
+  grouped = q.reshape(batch, query_len, num_kv, num_heads // num_kv, dim).mean(axis=3)
+  q_means = _block_means(grouped, q_valid, block_size[0])  # [B, Hkv, nq, D]
+  k_means = _block_means(k, kv_valid, block_size[1])  # [B, Hkv, nk, D]
+  scores = jnp.einsum("bhrd,bhcd->bhrc", q_means, k_means)  # [B, Hkv, nq, nk]
+  candidate, last = _candidates(query_len, kv_len, block_size, causal, q_seg, kv_seg)
+  nk = scores.shape[-1]
+  own = last[:, None] - jnp.arange(local)  # [nq, local]: the local blocks, newest first
+  is_own = jnp.any((jnp.arange(nk)[None, None, :] == own[:, :, None]) & (own[:, :, None] >= 0),
+                   axis=1)  # [nq, nk]
+  others = jnp.where(candidate[:, None] & ~is_own, scores, -jnp.inf)  # [B, Hkv, nq, nk]
+  values, top = jax.lax.top_k(others, min(top_k, nk))  # [B, Hkv, nq, k'], ties to the lower index
+  n_own = jnp.clip(last + 1, 0, local)  # [nq]
+  n_top = jnp.sum(values > -jnp.inf, axis=-1, dtype=jnp.int32)  # [B, Hkv, nq]
+  slot = jnp.arange(local + top_k)  # [K]
+  from_top = jnp.take_along_axis(
+      jnp.pad(top, [(0, 0)] * 3 + [(0, local + top_k - top.shape[-1])], constant_values=-1),
+      jnp.clip(slot - n_own[:, None], 0, local + top_k - 1)[None, None], axis=-1)
+  listed = jnp.where(slot < n_own[:, None], jnp.pad(own, [(0, 0), (0, top_k)])[..., :local + top_k],
+                     from_top)  # [B, Hkv, nq, K]
+  counts = n_own[None, None] + n_top  # [B, Hkv, nq]
+  listed = jnp.where(slot < counts[..., None], listed, -1).astype(jnp.int32)
+  return Blocks(listed, counts.astype(jnp.int32), (int(block_size[0]), int(block_size[1])))
+
+
+def _check(q, k, top_k, block_size, local, q_segment_ids, kv_segment_ids) -> None:
+  """Arguments of `top_k_blocks`, each refusal naming its argument."""
+  if q.ndim != 4 or k.ndim != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+    raise ValueError(f"`q` must be [B, T, Hq, D] and `k` [B, S, Hkv, D] with the same B and D, "
+                     f"got {tuple(q.shape)} and {tuple(k.shape)}.")
+  if q.shape[2] % k.shape[2]:
+    raise ValueError(f"`q`'s {q.shape[2]} heads must be a multiple of `k`'s {k.shape[2]}.")
+  for name, n in (("top_k", top_k), ("local", local)):
+    if not isinstance(n, int) or n < 0:
+      raise ValueError(f"`{name}` must be an int >= 0, got {n!r}.")
+  if top_k + local < 1:
+    raise ValueError("`top_k` + `local` must be at least 1: a choice of no block sees nothing.")
+  if (len(block_size) != 2 or not all(isinstance(b, int) and b >= 1 for b in block_size)):
+    raise ValueError(f"`block_size` must be (bq, bk), two ints >= 1, got {block_size!r}.")
+  if q_segment_ids is None and kv_segment_ids is not None:
+    raise ValueError("`kv_segment_ids` needs `q_segment_ids` (the queries' documents) too.")
+  if kv_segment_ids is None and q_segment_ids is not None and q.shape[1] != k.shape[1]:
+    raise ValueError("`kv_segment_ids` is required when T != S and `q_segment_ids` is given.")
