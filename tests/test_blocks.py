@@ -221,13 +221,17 @@ def test_moba_at_t2048_default_tiles_values_and_gradients():
   harness.check_against_oracle(f, q, k, v, cot, mask=allowed)
 
 
-@pytest.mark.parametrize("mesh_name", ["2x2x2", "dp2_sp2_tp2"])
-def test_under_a_mesh_against_the_oracle(mesh_name):
+@pytest.mark.parametrize("mesh_name,strategy,tiles", [
+    ("2x2x2", "all_gather", True), ("dp2_sp2_tp2", "all_gather", False),
+    ("sp2", "ring", False), ("sp2", "ulysses", True)])
+def test_under_a_mesh_against_the_oracle(mesh_name, strategy, tiles):
   (q, k, v, _), mask, _, _, rules = _case("gqa_shared_partial_blocks")
   mesh = harness.mesh(mesh_name)
-  axes = sh.MeshAxes(sequence="sp") if "sp" in mesh_name else sh.MeshAxes()
+  axes = (sh.MeshAxes(sequence="sp", sequence_strategy=strategy) if "sp" in mesh_name
+          else sh.MeshAxes())
   decision = sh.explain(q, k, v, mask=mask, mesh=mesh, axes=axes)
-  assert ("gathered tiles: a sequence-sharded" in decision.reason) == ("sp" in mesh_name)
+  assert ("run on xla's gathered tiles" in decision.reason) == tiles, decision.reason
+  assert decision.ring == (strategy == "ring") and decision.ulysses == (strategy == "ulysses")
   f = lambda q, k, v: sh.attention(q, k, v, mask=mask, mesh=mesh, axes=axes).attention_outputs
   cot = np.random.default_rng(1).standard_normal(q.shape).astype(np.float32)
   harness.check_against_oracle(f, q, k, v, cot, grad="sharded_grad", **rules)
