@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from splash_hk import inputs
 from splash_hk import kernel
+from splash_hk import platforms
 from splash_hk import ring
 from splash_hk import sharding
 from splash_hk import ulysses
@@ -47,27 +48,33 @@ def explain(
     return_residuals: bool = False,
     dropout_rng: Any = None,
     dropout_mask: Shaped | None = None,
+    for_platform: str | None = None,
 ) -> Decision:
   """The backend `attention` would use for these arguments, and why.
 
   Takes the same arguments as `attention`; arrays may be `jax.ShapeDtypeStruct` specs.
   Validates the inputs; with `allow_fallback=False` a fallback raises ValueError.
+  `for_platform` ("cpu", "gpu" or "tpu"; jax.export's "cuda" and "rocm" name a GPU): the
+  choice on that hardware instead of this host's (the decision table evaluated for it).
   """
   extras = Extras(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                   q_positions=q_positions, kv_positions=kv_positions, mask=mask, bias=bias,
                   softmax_aux=softmax_aux, dropout_rng=dropout_rng, dropout_mask=dropout_mask)
   return decide(query, key, value, extras, config=config, mesh=mesh, axes=axes,
-                return_weights=return_weights, return_residuals=return_residuals)
+                return_weights=return_weights, return_residuals=return_residuals,
+                for_platform=for_platform)
 
 
 def decide(query: Shaped, key: Shaped, value: Shaped, extras: Extras, *, config: AttentionConfig,
            mesh: jax.sharding.Mesh | None = None, axes: sharding.MeshAxes = sharding.MeshAxes(),
-           return_weights: bool = False, return_residuals: bool = False) -> Decision:
+           return_weights: bool = False, return_residuals: bool = False,
+           for_platform: str | None = None) -> Decision:
   """`explain` with the call's arrays as one `Extras`."""
+  hardware = platforms.hardware(for_platform)
   facts = inputs.facts(query, key, value, config=config, extras=extras, mesh=mesh, axes=axes,
                        return_weights=return_weights, return_residuals=return_residuals,
                        need_key=False)
-  return selector.select(facts)
+  return selector.select(facts, hardware)
 
 
 def attention(

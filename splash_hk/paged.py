@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from splash_hk import inputs
 from splash_hk import kernel
 from splash_hk import owners
+from splash_hk import platforms
 from splash_hk import quant
 from splash_hk import sharding
 from splash_hk import validation
@@ -47,14 +48,15 @@ def paged_facts(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: An
 def explain_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: Any, *,
                   config: AttentionConfig = AttentionConfig(), mask: Mask | None = None,
                   bias: Score | None = None, softmax_aux: Shaped | None = None,
-                  owner: str | None = None) -> Decision:
+                  owner: str | None = None, for_platform: str | None = None) -> Decision:
   """The backend `paged_attention` would use for these arguments, and why (arrays may be
-  `jax.ShapeDtypeStruct` specs)."""
+  `jax.ShapeDtypeStruct` specs); `for_platform` as `explain`'s: another hardware's choice."""
+  hardware = platforms.hardware(for_platform)
   if isinstance(cache, PagedKVCache):
     owners.check(cache, owner, "cache")
   facts = paged_facts(query, key, value, cache, batch, config=config, mask=mask, bias=bias,
                  softmax_aux=softmax_aux)
-  return selector.select_paged(facts)
+  return selector.select_paged(facts, hardware)
 
 
 def _write(cache: PagedKVCache, key: jax.Array, value: jax.Array, batch: RaggedBatch,

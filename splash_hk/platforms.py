@@ -16,6 +16,21 @@ AUTO = "auto"  # not a backend: "the best one for this hardware"
 _TABLE: dict[str, Any] = {}
 
 
+HARDWARE = ("cpu", "gpu", "tpu")  # what `jax.default_backend()` names (and `explain` plans for)
+EXPORT_NAMES = {"cuda": "gpu", "rocm": "gpu"}  # `jax.export`'s platform names for a GPU
+
+
+def hardware(for_platform: str | None) -> str | None:
+  """`explain`'s `for_platform` as the hardware the selector plans for (None: this host's)."""
+  if for_platform is None:
+    return None
+  name = EXPORT_NAMES.get(for_platform, for_platform)
+  if name not in HARDWARE:
+    raise ValueError(f"`for_platform` must be one of {HARDWARE} (or jax.export's 'cuda' / "
+                     f"'rocm'), or None for this host, got {for_platform!r}.")
+  return name
+
+
 def register(backend: Any) -> Any:
   """Adds `backend` to the table under its name (a new name, not "auto"); returns it."""
   if backend.name == AUTO or backend.name in _TABLE:

@@ -228,6 +228,8 @@ def test_explain_paged_names_the_backend_and_the_refusals():
   splash = sh.explain_paged(*args, config=sh.AttentionConfig(platform="splash", interpret=True))
   assert splash.fallback and splash.backend == "xla", splash
   assert "splash: JAX's ragged_paged_attention is not served" in splash.reason, splash
+  tpu = sh.explain_paged(*args, for_platform="tpu")  # the choice on a TPU, from this host
+  assert tpu.backend == "xla" and "splash: JAX's ragged_paged_attention" in tpu.reason, tpu
   gpu = selector.select_paged(
       paged.paged_facts(*args, config=sh.AttentionConfig(), mask=None, bias=None, softmax_aux=None),
       hardware="gpu")

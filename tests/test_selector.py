@@ -146,3 +146,20 @@ def test_a_backend_is_one_file_and_one_line():
   with pytest.raises(ValueError, match="platform must be one of"):
     sh.AttentionConfig(platform="toy")
   assert sh.explain(q, q, q).backend == "xla"
+
+
+def test_explain_names_another_platforms_choice_from_this_host():
+  q = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16)
+  here = sh.explain(q, k, k)
+  assert here.backend == "xla" and "first choice on cpu" in here.reason
+  tpu = sh.explain(q, k, k, for_platform="tpu")
+  assert tpu == sh.Decision("splash", "splash is the first choice on tpu (train mode)")
+  gpu = sh.explain(q, k, k, for_platform="cuda")  # jax.export's name for a GPU
+  assert gpu.backend in ("triton", "xla") and "on gpu" in gpu.reason, gpu
+  chosen = sh.masks.Blocks(jax.ShapeDtypeStruct((1, 2, 16, 4), jnp.int32),
+                           jax.ShapeDtypeStruct((1, 2, 16), jnp.int32), (128, 128))
+  refused = sh.explain(q, k, k, mask=chosen, for_platform="tpu")
+  assert refused.backend == "xla" and "splash: the mask holds a Blocks part" in refused.reason
+  with pytest.raises(ValueError, match=r"`for_platform` must be one of \('cpu', 'gpu', 'tpu'\)"):
+    sh.explain(q, k, k, for_platform="metal")
