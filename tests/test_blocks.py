@@ -241,7 +241,8 @@ def test_a_bias_beside_a_choice_runs_on_the_block_plan_against_the_oracle():
   (q, k, v, _), mask, _, _, rules = _case("gqa_shared_partial_blocks")
   bias = np.random.default_rng(6).standard_normal((1, 4, 320, 320)).astype(np.float32)
   decision = sh.explain(q, k, v, mask=mask, bias=bias)
-  assert "block plan, not its gathered tiles: a `bias`" in decision.reason
+  assert "block plan, not its gathered tiles: a `bias` holding per-token arrays" in (
+      decision.reason)
   f = lambda q, k, v: sh.attention(q, k, v, mask=mask, bias=bias).attention_outputs
   cot = np.random.default_rng(1).standard_normal(q.shape).astype(np.float32)
   got = harness.values_and_grads(f, (q, k, v), cot)
@@ -270,3 +271,31 @@ def test_block_map_draws_a_choice():
   chosen = sh.masks.Blocks(lists, np.array([[[1, 2, 2, 2]]], np.int32), (64, 64))
   assert sh.masks.block_map(chosen & sh.masks.Causal(), 256, 256, 64) == "+...\n#+..\n#.+.\n#..+"
   assert sh.masks.block_map(chosen, 256, 256, 128, 64).splitlines() == ["#+..", "#.++"]
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_alibi_and_dropout_on_the_gathered_tiles_values_and_gradients(dropout):
+  """A position score (learnable ALiBi slopes: their gradient too) and the dropout hash inside
+  the tiles, against the oracle given the same dense bias and keep mask."""
+  (q, k, v, _), mask, _, _, rules = _case("gqa_shared_partial_blocks")
+  slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+  rate = 0.25 if dropout else 0.0
+  config = sh.AttentionConfig(dropout_rate=rate)
+  key = jax.random.key(3)
+  decision = sh.explain(q, k, v, mask=mask, bias=sh.scores.Alibi(slopes), config=config,
+                        dropout_rng=key if dropout else None)
+  assert "run on xla's gathered tiles" in decision.reason, decision.reason
+
+  def f(q, k, v, slopes):
+    return sh.attention(q, k, v, mask=mask, bias=sh.scores.Alibi(slopes), config=config,
+                        dropout_rng=key if dropout else None).attention_outputs
+
+  cot = np.random.default_rng(2).standard_normal(q.shape).astype(np.float32)
+  got = harness.values_and_grads(f, (q, k, v, slopes), cot)
+  distance = np.abs(np.arange(320)[:, None] - np.arange(320)[None])  # [T, S]
+  dense = lambda s: -s[None, :, None, None] * jnp.asarray(distance, jnp.float64)  # [1, Hq, T, S]
+  if dropout:
+    rules["dropout"] = (np.asarray(sh.dropout_mask(key, rate, batch=2, num_heads=4,
+                                                   query_len=320, kv_len=320)), rate)
+  want = oracle.out_and_vjp(q, k, v, cot, bias=dense, bias_params=slopes, **rules)
+  harness.assert_close(got, want, names=("dq", "dk", "dv", "dslopes"))

@@ -22,8 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk.backends import base
+from splash_hk.backends import xla_tile_extras as extras
 from splash_hk.backends.xla_lists import Layout, Tables, choice_of, layout, tables
 from splash_hk.masks._mask import Mask
+from splash_hk.scores import Score
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 
@@ -35,6 +37,10 @@ class Item(NamedTuple):
   v: jax.Array  # [B, L, R, K * bk, Dv]
   mask: jax.Array  # [B, L|1, R, Gl * bq, K * bk] bool
   at: jax.Array  # [B, L, R, K] int32: the listed blocks (nk past each count)
+  q_pos: jax.Array  # [B, R, bq] int32: the tile's rows' positions
+  kv_pos: jax.Array  # [B, L, R, K * bk] int32: its gathered keys' positions
+  drop: jax.Array | None = None  # [B, L, R, Gl * bq, K * bk] f32 keep / (1 - rate), or None
+  bias: jax.Array | None = None  # [B, L, R, Gl * bq, K * bk] f32 (0 where invisible), or None
 
 
 def _heads_rows(a: jax.Array, lay: Layout) -> jax.Array:
@@ -58,6 +64,7 @@ class Keys(NamedTuple):
   v: jax.Array  # [B, Hkv, nk + 1, bk, Dv]
   pos: jax.Array  # [B, nk + 1, bk] int32
   seg: jax.Array  # [B, nk + 1, bk] int32: -1 outside S (and for padding keys)
+  drop_index: jax.Array | None  # [B, nk + 1, bk] int32: the keys' dropout indices, or None
 
 
 def keys(x: KernelInputs, lay: Layout) -> Keys:
@@ -66,11 +73,13 @@ def keys(x: KernelInputs, lay: Layout) -> Keys:
       lay.batch, lay.kv_blocks + 1, lay.block_kv, *a.shape[2:])
   heads = lambda a: jnp.moveaxis(as_blocks(a, 0), 3, 1)  # [B, Hkv, nk + 1, bk, X]
   seg = base.segment_ids(x)[1]
-  return Keys(heads(x.key), heads(x.value), as_blocks(x.kv_positions, 0), as_blocks(seg, -1))
+  index = None if x.dropout is None else as_blocks(x.dropout.kv_index, 0)
+  return Keys(heads(x.key), heads(x.value), as_blocks(x.kv_positions, 0), as_blocks(seg, -1),
+              index)
 
 
-def item(x: KernelInputs, rest: Mask | None, lay: Layout, kb: Keys, t: Tables, q_pad,
-         scale, i) -> Item:
+def item(x: KernelInputs, facts: Facts, rest: Mask | None, lay: Layout, kb: Keys, t: Tables,
+         q_pad, scale, i) -> Item:
   """Work item i: its queries, their lists' keys gathered, and the tile's element mask."""
   n = lay.per_item * lay.block_q
   q_rows = jax.lax.dynamic_slice_in_dim(q_pad, i * n, n, 1)  # [B, R * bq, Hq, D]
@@ -87,7 +96,20 @@ def item(x: KernelInputs, rest: Mask | None, lay: Layout, kb: Keys, t: Tables, q
           & (q_seg[..., None] == kv_seg[..., None, :]) & (q_seg >= 0)[..., None])
   if rest is not None:
     mask = mask & rest.visible(q_pos[..., None], kv_pos[..., None, :])
-  return Item(_heads_rows(q_rows, lay) * scale, k, v, mask, at)
+  drop = None
+  if x.dropout is not None and kb.drop_index is not None:
+    drop = extras.drop(x.dropout, facts.config.dropout_rate,
+                       _query_side(x.dropout.q_index, i, lay), flat(kb.drop_index[b, at]), lay)
+  rows_pos = jax.lax.dynamic_slice_in_dim(base.pad_axis(x.q_positions, 1, lay.padded_q), i * n, n,
+                                          1).reshape(-1, lay.per_item, lay.block_q)
+  return Item(_heads_rows(q_rows, lay) * scale, k, v, mask, at, rows_pos, kv_pos, drop)
+
+
+def _with_bias(it: Item, score: Score | None, heads: jax.Array | None, lay: Layout) -> Item:
+  """The item with its bias (from the call's score object), if the call has one."""
+  if score is None or heads is None:
+    return it
+  return it._replace(bias=extras.bias(score, heads, it.q_pos, it.kv_pos, it.mask, lay))
 
 
 def _query_side(a: jax.Array, i, lay: Layout) -> jax.Array:
@@ -102,10 +124,12 @@ def _query_side(a: jax.Array, i, lay: Layout) -> jax.Array:
 def _logits(it: Item, cap: float | None) -> tuple[jax.Array, jax.Array | None]:
   """Masked f32 logits [B, L, R, Gl * bq, K * bk] of an item, and tanh(s / cap) (or None)."""
   s = jnp.einsum("blrqd,blrsd->blrqs", it.q, it.k, preferred_element_type=jnp.float32)
+  if it.bias is not None:
+    s = s + it.bias
   t = None
-  if cap is not None:
+  if cap is not None:  # a -inf bias keeps its pair at -inf (`base.soft_cap`)
     t = jnp.tanh(s / cap)
-    s = cap * t
+    s = cap * t if it.bias is None else jnp.where(it.bias == -jnp.inf, -jnp.inf, cap * t)
   return jnp.where(it.mask, s, -jnp.inf), t
 
 
@@ -131,7 +155,8 @@ def _item_forward(it: Item, sink, cap) -> tuple[jax.Array, jax.Array]:
   p = jnp.exp(s - safe[..., None])
   l = jnp.sum(p, axis=-1)
   l_all = l if sink is None else l + jnp.exp(sink - safe)
-  pv = jnp.einsum("blrqs,blrsd->blrqd", p.astype(it.v.dtype), _finite(it.v),
+  kept = p if it.drop is None else p * it.drop  # dropout: on the normalised probabilities
+  pv = jnp.einsum("blrqs,blrsd->blrqd", kept.astype(it.v.dtype), _finite(it.v),
                   preferred_element_type=jnp.float32)
   pv = _visible_garbage(pv, it)
   out = jnp.where((l > 0)[..., None], pv / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
@@ -161,7 +186,8 @@ def forward(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array]:
 
   def step(i, carry):
     out, lse = carry
-    o, l = _item_forward(item(x, rest, lay, kb, t, q_pad, scale, i), sink, cap)
+    it = _with_bias(item(x, facts, rest, lay, kb, t, q_pad, scale, i), x.bias, x.heads, lay)
+    o, l = _item_forward(it, sink, cap)
     at = (0, i * n, 0, 0)
     out = jax.lax.dynamic_update_slice(out, _rows_heads(o, lay).astype(out.dtype), at)
     return out, jax.lax.dynamic_update_slice(lse, _rows_heads(l[..., None], lay)[..., 0], at[:3])
@@ -186,39 +212,51 @@ def backward(x: KernelInputs, facts: Facts, lse, d_out, delta) -> base.Grads:
   kv_head = (jnp.arange(lay.list_heads) * lay.num_kv_heads // lay.list_heads)[None, :, None, None]
 
   def step(i, carry):
-    dq, dk, dv = carry
-    it = item(x, rest, lay, kb, t, q_pad, scale, i)
+    dq, dk, dv, d_bias = carry
+    it = item(x, facts, rest, lay, kb, t, q_pad, scale, i)
+    pull = None
+    if x.bias is not None:  # the bias as a function of its leaves, to pull ds back through it
+      b_tile, pull = jax.vjp(lambda score: extras.bias(score, x.heads, it.q_pos, it.kv_pos,
+                                                       it.mask, lay), x.bias)
+      it = it._replace(bias=b_tile)
     cut = lambda a: _heads_rows(jax.lax.dynamic_slice_in_dim(a, i * n, n, 1), lay)
     do = cut(do_pad)  # [B, L, R, Gl * bq, Dv]
     lse_i, delta_i = (cut(a[..., None])[..., 0] for a in rows)  # [B, L, R, Gl * bq]
-    dq_i, dk_i, dv_i = _item_grads(it, do, lse_i, delta_i, cap)
+    dq_i, dk_i, dv_i, ds = _item_grads(it, do, lse_i, delta_i, cap)
     dq = jax.lax.dynamic_update_slice(dq, _rows_heads(dq_i * facts.scale, lay), (0, i * n, 0, 0))
     blocks = lambda g: g.reshape(*g.shape[:3], lay.most, lay.block_kv, g.shape[-1])
     dk = dk.at[b, kv_head, it.at].add(blocks(dk_i))  # slots past a count land on block nk
     dv = dv.at[b, kv_head, it.at].add(blocks(dv_i))
-    return dq, dk, dv
+    if pull is not None:
+      d_bias = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), d_bias, pull(ds)[0])
+    return dq, dk, dv, d_bias
 
   zeros = lambda a: jnp.zeros(a.shape, jnp.float32)
-  dq, dk, dv = jax.lax.fori_loop(0, lay.items, step, (zeros(q_pad), zeros(kb.k), zeros(kb.v)))
+  d_bias = None if x.bias is None else jax.tree.map(zeros, x.bias)
+  dq, dk, dv, d_bias = jax.lax.fori_loop(0, lay.items, step,
+                                         (zeros(q_pad), zeros(kb.k), zeros(kb.v), d_bias))
   unblock = lambda g, like: jnp.moveaxis(g, 1, 3).reshape(lay.batch, -1, *like.shape[2:])[
       :, :lay.kv_len].astype(like.dtype)
+  d_bias = None if d_bias is None else jax.tree.map(lambda g, a: g.astype(a.dtype), d_bias, x.bias)
   return base.Grads(dq[:, :lay.query_len].astype(x.query.dtype), unblock(dk, x.key),
-                    unblock(dv, x.value), base.sink_grads(x.sinks, lse, delta))
+                    unblock(dv, x.value), base.sink_grads(x.sinks, lse, delta), d_bias)
 
 
-def _item_grads(it: Item, do, lse, delta, cap) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(dq unscaled [B, L, R, Gl * bq, D], dk, dv [B, L, R, K * bk, ...]) of one item, f32."""
+def _item_grads(it: Item, do, lse, delta, cap) -> tuple[jax.Array, ...]:
+  """(dq unscaled [B, L, R, Gl * bq, D], dk, dv [B, L, R, K * bk, ...], ds: the logits'
+  cotangent before the soft cap, the bias's) of one item, f32."""
   s, t = _logits(it, cap)
   p = jnp.exp(s - lse[..., None])  # [B, L, R, Gl * bq, K * bk]
-  dv = jnp.einsum("blrqs,blrqd->blrsd", p, do)
+  kept = p if it.drop is None else p * it.drop  # what the forward multiplied v by
+  dv = jnp.einsum("blrqs,blrqd->blrsd", kept, do)
   dp = jnp.einsum("blrqd,blrsd->blrqs", do, _finite(it.v).astype(jnp.float32))
-  ds = p * (dp - delta[..., None])
+  ds = p * ((dp if it.drop is None else dp * it.drop) - delta[..., None])
   if t is not None:
     ds = ds * (1.0 - t * t)
   ds = jnp.where(it.mask, ds, 0.0)
   dq = jnp.einsum("blrqs,blrsd->blrqd", ds, _finite(it.k).astype(jnp.float32))
   dk = jnp.einsum("blrqs,blrqd->blrsd", ds, _finite(it.q).astype(jnp.float32))
-  return dq, dk, dv
+  return dq, dk, dv, ds
 
 
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
@@ -238,7 +276,8 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
     grads = backward(y, facts, lse, d_out, delta)
     none = jax.tree.map(lambda _: None, y)  # integer and boolean inputs get no cotangent
-    return (none._replace(query=grads.dq, key=grads.dk, value=grads.dv, sinks=grads.d_sinks),)
+    return (none._replace(query=grads.dq, key=grads.dk, value=grads.dv, sinks=grads.d_sinks,
+                          bias=grads.d_bias),)
 
   run.defvjp(run_fwd, run_bwd)
   return KernelOutput(*run(x))

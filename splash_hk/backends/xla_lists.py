@@ -56,8 +56,9 @@ def why_not(facts: Facts) -> str | None:
   rest = found[1]
   if rest is not None and not rest.is_static():
     return "the rule beside the chosen blocks holds arrays (only position rules join the tiles)"
-  for asked, what in ((facts.bias is not None, "a `bias`"),
-                      (facts.config.dropout_rate > 0, "dropout"),
+  dense_bias = facts.bias is not None and bool(facts.bias.array_sides() & {"q", "kv", "qk"})
+  for asked, what in ((dense_bias, "a `bias` holding per-token arrays"),
+                      (facts.explicit_dropout, "an explicit `dropout_mask`"),
                       (bool(facts.quantized), "quantized inputs"),
                       (facts.query_slices > 1, "a sequence-sharded query"),
                       (facts.load_balanced, "a load-balanced sequence")):
