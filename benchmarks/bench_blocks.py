@@ -12,7 +12,8 @@ the same round (each after an untimed call of its own executable), the median ov
 - T = 65536, own + 8: forward+backward compiled, its temporaries (XLA's memory analysis) against
   the 16 GiB of one dense [T, S] float32 mask;
 - a training step at T = 8192 of a two-layer model whose attention is MoBA (gate + chosen
-  blocks, own + 8) against the same model with causal attention: causal / MoBA.
+  blocks, own + 8) against the same model with causal attention: causal / MoBA
+  (`bench_train_step.moba_over_causal`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ from typing import Any, Callable, Sequence
 
 from absl import app
 from absl import flags
-import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
+from benchmarks import bench_train_step
 from benchmarks import timing
 import splash_hk as sh
 
@@ -97,56 +97,10 @@ def memory_row(length: int = 65536) -> float:
   return gib
 
 
-class _Layer(hk.Module):
-  """Attention (MoBA's gate + chosen blocks when `top_k`, else causal) and an MLP, residual."""
-
-  def __init__(self, top_k: int | None):
-    super().__init__(name="layer")
-    self.top_k = top_k
-
-  def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, M]
-    b, t, m = x.shape
-    proj = lambda heads, name: hk.Linear(heads * 16, name=name)(x).reshape(b, t, heads, 16)
-    q, k, v = proj(8, "query"), proj(2, "key"), proj(2, "value")
-    mask = sh.masks.Causal()
-    if self.top_k is not None:
-      mask = sh.sparse.top_k_blocks(q, k, self.top_k, BLOCK) & mask
-    h = sh.attention(q, k, v, mask=mask, config=CONFIG).attention_outputs.reshape(b, t, -1)
-    x = x + hk.Linear(m, name="out")(h)
-    return x + hk.nets.MLP([4 * m, m], name="mlp")(x)
-
-
-def _train_step(top_k: int | None):
-  def forward(tokens):  # [B, T] -> logits [B, T, V]
-    x = hk.Embed(256, 128)(tokens)
-    for _ in range(2):
-      x = _Layer(top_k)(x)
-    return hk.Linear(256)(x)
-
-  model = hk.without_apply_rng(hk.transform(forward))
-  optimizer = optax.adamw(1e-3)
-
-  def loss(params, tokens):
-    logits = model.apply(params, tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-  def step(params, opt_state, tokens):
-    value, grads = jax.value_and_grad(loss)(params, tokens)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
-
-  return model, optimizer, jax.jit(step)
-
-
 def train_row(repeats: int, length: int = 8192) -> float:
-  """causal / MoBA seconds of one training step at T = `length` (same parameters and batch)."""
-  tokens = jax.random.randint(jax.random.PRNGKey(0), (1, length + 1), 0, 256)
-  model, optimizer, moba = _train_step(8)
-  _, _, causal = _train_step(None)
-  params = model.init(jax.random.PRNGKey(1), tokens[:, :-1])
-  state = optimizer.init(params)
+  """causal / MoBA seconds of one training step at T = `length` (`bench_train_step`'s)."""
   return _say(f"training step at T={length}, causal / MoBA (gate + own+8)",
-              _ratio(causal, moba, (params, state, tokens), repeats))
+              bench_train_step.moba_over_causal(length, repeats))
 
 
 def main(argv: Sequence[str]) -> None:

@@ -3,7 +3,9 @@
 The same parameters and batch run with `sh.MultiHeadAttention` (segment ids:
 each document attends causally within itself) and with Haiku's own
 `hk.MultiHeadAttention` (the same visibility as a dense mask); the parameter
-trees are identical, so the step is the same computation.
+trees are identical, so the step is the same computation. `moba_over_causal`: a two-layer model
+whose attention is MoBA (its gate choosing key blocks) against the same model causal, at long T
+(`benchmarks.bench_blocks` prints it).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import optax
 
 from benchmarks import timing
 from examples.train import model as model_lib
+import splash_hk as sh
 
 VOCAB = 256
 
@@ -74,3 +77,63 @@ def report(seq_len: int, documents: int, batch: int, repeats: int) -> None:
         f"{seq_len} tokens of {documents} packed documents: sh.MultiHeadAttention {ours:.0f} "
         f"tokens/s, hk.MultiHeadAttention {haiku:.0f} tokens/s ({ours / haiku:.1f}x)")
 
+
+# MoBA (a gate choosing key blocks, `sh.sparse.top_k_blocks`) against causal attention in a
+# training step of a two-layer model at long T: what the choice is worth end to end.
+MOBA_BLOCK = (128, 128)
+MOBA_CONFIG = sh.AttentionConfig(platform="xla")
+
+
+class _MoBALayer(hk.Module):
+  """Attention (MoBA's gate + chosen blocks when `top_k`, else causal) and an MLP, residual."""
+
+  def __init__(self, top_k: int | None):
+    super().__init__(name="layer")
+    self.top_k = top_k
+
+  def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, M]
+    b, t, m = x.shape
+    proj = lambda heads, name: hk.Linear(heads * 16, name=name)(x).reshape(b, t, heads, 16)
+    q, k, v = proj(8, "query"), proj(2, "key"), proj(2, "value")
+    mask = sh.masks.Causal()
+    if self.top_k is not None:
+      mask = sh.sparse.top_k_blocks(q, k, self.top_k, MOBA_BLOCK) & mask
+    h = sh.attention(q, k, v, mask=mask, config=MOBA_CONFIG).attention_outputs  # [B, T, 8, 16]
+    h = h.reshape(b, t, -1)
+    x = x + hk.Linear(m, name="out")(h)
+    return x + hk.nets.MLP([4 * m, m], name="mlp")(x)
+
+
+def _train_step(top_k: int | None):
+  def forward(tokens):  # [B, T] -> logits [B, T, V]
+    x = hk.Embed(256, 128)(tokens)
+    for _ in range(2):
+      x = _MoBALayer(top_k)(x)
+    return hk.Linear(256)(x)
+
+  model = hk.without_apply_rng(hk.transform(forward))
+  optimizer = optax.adamw(1e-3)
+
+  def loss(params, tokens):
+    logits = model.apply(params, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  def step(params, opt_state, tokens):
+    value, grads = jax.value_and_grad(loss)(params, tokens)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  return model, optimizer, jax.jit(step)
+
+
+def moba_over_causal(length: int, repeats: int, top_k: int = 8) -> list[float]:
+  """causal / MoBA seconds of one training step at T = `length`, one ratio per round (same
+  parameters and batch; each call timed after an untimed call of itself)."""
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (1, length + 1), 0, 256)
+  model, optimizer, moba = _train_step(top_k)
+  _, _, causal = _train_step(None)
+  params = model.init(jax.random.PRNGKey(1), tokens[:, :-1])
+  state = optimizer.init(params)
+  args = (params, state, tokens)
+  return [timing.timed_call(causal, *args)[0] / timing.timed_call(moba, *args)[0]
+          for _ in range(repeats)]
