@@ -124,7 +124,7 @@ class Tables(NamedTuple):
 def tables(choice: Blocks, lay: Layout) -> Tables:
   """The lists of this shard's batch rows and list heads, from the map `choice.chosen`."""
   chosen = choice.chosen  # [B|1, Hq, nq_all, nk]
-  row, r = choice._rows(jnp)  # [B, T] global batch row and choice row of each query
+  row, r = choice.query_rows(jnp)  # [B, T] global batch row and choice row of each query
   chosen = chosen[row[:, 0]] if chosen.shape[0] > 1 else jnp.broadcast_to(
       chosen, (lay.batch, *chosen.shape[1:]))
   chosen = chosen[:, ::lay.group]  # [B, L, nq_all, nk]: a group's heads share their rows

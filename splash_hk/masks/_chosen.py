@@ -122,7 +122,7 @@ class Blocks(Mask):
         kv_index=jnp.broadcast_to(call.kv_index, (call.batch, call.kv_len)),  # [B, S]
         query_len=call.query_len)
 
-  def _rows(self, xp: Any) -> tuple[ArrayLike, ArrayLike]:
+  def query_rows(self, xp: Any) -> tuple[ArrayLike, ArrayLike]:
     """(global batch row, query block) of each of this shard's queries: [B', T'] each."""
     q_index = self.q_index
     row = q_index // self.query_len if self.chosen.shape[0] > 1 else xp.zeros_like(q_index)
@@ -131,7 +131,7 @@ class Blocks(Mask):
   def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:
     del q_pos, kv_pos  # the choice is by index
     xp = _xp(self.chosen, self.q_index, self.kv_index)
-    row, r = self._rows(xp)
+    row, r = self.query_rows(xp)
     heads = xp.arange(self.chosen.shape[1])[None, :, None, None]
     c = xp.clip(self.kv_index // self.block_size[1], 0, self.chosen.shape[3] - 1)
     return self.chosen[row[:, None, :, None], heads, r[:, None, :, None], c[:, None, None, :]]
@@ -141,7 +141,7 @@ class Blocks(Mask):
     xp = b.xp
     q = blocks(self.q_index, b.block_q, -1, xp)  # [B, nq', bq']
     kv = blocks(self.kv_index, b.block_kv, -1, xp)  # [B, nk', bk']
-    row, r = self._rows(xp)
+    row, r = self.query_rows(xp)
     r_lo, r_hi = ranges(blocks(r, b.block_q, 0, xp), q >= 0, xp)  # [B, nq']
     c_lo, c_hi = ranges(kv // self.block_size[1], kv >= 0, xp)  # [B, nk']
     sums = xp.cumsum(xp.cumsum(self.chosen.astype(np.int32), axis=2), axis=3)
@@ -194,7 +194,7 @@ def misused_rows(rule: Mask | None) -> jax.Array | None:
   found = None
   for part in () if rule is None else rule.parts():
     if isinstance(part, Blocks) and part.misuse is not None:
-      row, r = part._rows(jnp)  # [B, T] each
+      row, r = part.query_rows(jnp)  # [B, T] each
       heads = jnp.arange(part.misuse.shape[1])[None, None, :]
       bad = part.misuse[row[:, :, None], heads, r[:, :, None]]  # [B, T, Hq]
       found = bad if found is None else found | bad
