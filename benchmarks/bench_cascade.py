@@ -51,8 +51,7 @@ def _step(prefix: int, own: np.ndarray, shared: bool, grouped: bool):
                              jnp.asarray(group)) if grouped else None)
   q = jnp.asarray(rng.normal(size=(seqs, HQ, D)), jnp.float32)
   k = jnp.asarray(rng.normal(size=(seqs, HKV, D)), jnp.float32)
-  step = jax.jit(lambda q, k, c, b: sh.paged_attention(q, k, k, c, b)[0])
-  return lambda: step(q, k, cache, batch)
+  return bench_paged.donated_step(q, k, cache, batch)
 
 
 def report(prefix: int, seqs: int, repeats: int) -> dict[str, float]:

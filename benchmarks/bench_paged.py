@@ -9,6 +9,9 @@
 - mixed: 2 prefill chunks of max_len / 16 (256) tokens after as many cached ones, and 14
   decodes, in one step, against the two steps done separately;
 - memory: the KV bytes each cache holds for those 16 sequences.
+
+Every paged step donates its pool (`donate_argnums`), as users are told to; the decode is also
+timed undonated, for what not donating costs.
 """
 
 from __future__ import annotations
@@ -48,15 +51,30 @@ def pool_for(lens: Sequence[int], q_lens: Sequence[int], pages_per_seq: int, see
   return cache, batch
 
 
-def _paged_call(lens, q_lens, pages_per_seq) -> Callable[[], Any]:
+def donated_step(q: jax.Array, k: jax.Array, cache: sh.PagedKVCache, batch: sh.RaggedBatch,
+                 donate: bool = True) -> Callable[[], Any]:
+  """A thunk running one compiled paged step with the pool donated, as a server runs it (each
+  call writes the step's tokens again, the same values at the same slots, into the pool the
+  last call returned); `donate=False`: the pool copied each call, what not donating costs."""
+  step = jax.jit(lambda q, k, c, b: sh.paged_attention(q, k, k, c, b),
+                 donate_argnums=(2,) if donate else ())
+  pool = [cache]
+
+  def run() -> jax.Array:
+    out, pool[0] = step(q, k, pool[0], batch)
+    return out
+
+  return run
+
+
+def _paged_call(lens, q_lens, pages_per_seq, donate: bool = True) -> Callable[[], Any]:
   """A compiled paged step over such sequences, and its arguments, as a thunk."""
   cache, batch = pool_for(lens, q_lens, pages_per_seq)
   rng = np.random.default_rng(1)
   n = int(sum(q_lens))
   q = jnp.asarray(rng.normal(size=(n, HQ, D)), jnp.float32)
   k = jnp.asarray(rng.normal(size=(n, HKV, D)), jnp.float32)
-  step = jax.jit(lambda q, k, c, b: sh.paged_attention(q, k, k, c, b)[0])
-  return lambda: step(q, k, cache, batch)
+  return donated_step(q, k, cache, batch, donate)
 
 
 def _stored(a: np.ndarray, dtype: Any) -> Any:
@@ -107,10 +125,14 @@ def report(repeats: int, max_len: int = 4096) -> dict[str, float]:
       "decode_paged_over_kv_cache": ratio([narrow], [fixed_call(lens, max_len)], repeats),
       "mixed_over_apart": ratio([_paged_call(mixed_lens, mixed_q, narrow_pages)], apart,
                                  repeats),
+      "decode_undonated_over_donated": ratio([_paged_call(lens, ones, narrow_pages, False)],
+                                             [narrow], repeats),
       "paged_mib": paged_bytes / 2**20, "kv_cache_mib": fixed_bytes / 2**20}
   print(f"decode, 16 sequences of 64..{max_len} tokens: pages_per_seq for {8 * max_len} / for "
         f"{max_len} tokens: {figures['decode_wide_over_narrow']:.2f}x; paged / "
         f"KVCache(max_len={max_len}): {figures['decode_paged_over_kv_cache']:.2f}x")
+  print(f"the same decode with the pool not donated / donated (a copy of the pool each step): "
+        f"{figures['decode_undonated_over_donated']:.2f}x")
   print(f"mixed step (2 prefill chunks of {chunk} after {chunk} cached + 14 decodes) / the two "
         f"apart: {figures['mixed_over_apart']:.2f}x")
   print(f"KV bytes for those 16 sequences: paged {figures['paged_mib']:.1f} MiB (their tokens, "

@@ -146,7 +146,8 @@ def test_paged_bench_prints_its_ratios_and_bytes(capsys):
   out = capsys.readouterr().out
   assert "pages_per_seq for 2048 / for 256 tokens" in out and "paged / KVCache(max_len=256)" in out
   assert all(figures[k] > 0 for k in ("decode_wide_over_narrow", "decode_paged_over_kv_cache",
-                                      "mixed_over_apart"))
+                                      "mixed_over_apart", "decode_undonated_over_donated"))
+  assert "not donated / donated" in out
   # 16 sequences of 64..255 tokens (+1 new each) in pages of 16, against 16 rows of 256 slots.
   used = sum(-(-(n + 1) // 16) for n in np.linspace(64, 255, 16).astype(int)) * 16
   assert figures["paged_mib"] == pytest.approx(used * 2 * 64 * 4 * 2 / 2**20)
