@@ -292,3 +292,24 @@ def test_splash_backward_with_sinks_and_bfloat16_inputs():
   assert got[3].dtype == jnp.float32
   for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
     harness.assert_near(np.asarray(g, np.float32), w, "grad", jnp.bfloat16, err_msg=name)
+
+
+def test_the_bf16_backward_with_sinks_lowers_to_mosaic_for_tpu():
+  """The splash call with bf16 q/k/v and sinks, forward and backward, exported for TPU from this
+  host: Mosaic accepts it (its kernels are `tpu_custom_call`s), as interpret mode checks its
+  numbers (`test_splash_backward_with_sinks_and_bfloat16_inputs`)."""
+  from splash_hk import inputs, kernel  # pylint: disable=g-import-not-at-top
+  from splash_hk.types import Extras  # pylint: disable=g-import-not-at-top
+  config = sh.AttentionConfig(platform="splash")
+
+  def loss(q, k, v, sinks):
+    x, facts = inputs.normalise(q, k, v, config=config, extras=Extras(softmax_aux=sinks))
+    return jnp.sum(kernel.run("splash", x, facts).out.astype(jnp.float32) ** 2)
+
+  shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in
+            ((1, 512, 4, 128), (1, 512, 2, 128), (1, 512, 2, 128))]
+  shapes.append(jax.ShapeDtypeStruct((4,), jnp.float32))
+  exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))),
+                               platforms=["tpu"])(*shapes)
+  assert exported.platforms == ("tpu",)
+  assert exported.mlir_module().count("tpu_custom_call") >= 2  # the forward and the backward
