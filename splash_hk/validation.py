@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk.masks import _objects
+from splash_hk.masks._chosen import Blocks
 from splash_hk.config import AttentionConfig
 from splash_hk.pages import PagedKVCache, RaggedBatch, SharedPrefix
 from splash_hk.quant import Quantized, as_quantized, shaped
@@ -309,7 +310,7 @@ def _validate_positions_only(mask: Any, bias: Any, config: AttentionConfig,
             "Causal(), SlidingWindow(w), Chunked(c), MaskFn(fn), combined with & and |); a dense "
             f"array has no meaning over a pool of pages, got {type(mask).__name__}.")
     _one_rule_place(mask, config)
-    if any(part.name == "Blocks" for part in mask.parts()):
+    if any(isinstance(part, Blocks) for part in mask.parts()):
       _fail("`mask` holds chosen key blocks (Blocks), which paged_attention does not take: a "
             "paged sequence reads the pages its RaggedBatch's page table lists; pass a rule over "
             "positions, or attend the chosen blocks with sh.attention over a KVCache.")

@@ -224,6 +224,11 @@ def probability_lse(lse: jax.Array) -> jax.Array:
   return jnp.where(lse == -jnp.inf, jnp.inf, lse)
 
 
+def finite(a: jax.Array) -> jax.Array:
+  """`a` with its non-finite entries (NaN, Inf) zeroed: what a probability of 0 may multiply."""
+  return jnp.where(jnp.isfinite(a), a, 0)
+
+
 def round_up(n: int, multiple: int) -> int:
   """The smallest multiple of `multiple` that is >= n."""
   return -(-n // multiple) * multiple

@@ -113,10 +113,6 @@ def _integer(views: Views, pair: Pair) -> bool:
   return views.integer_values and pair.v_scale is not None
 
 
-def _finite(a: jax.Array) -> jax.Array:
-  return jnp.where(jnp.isfinite(a), a, 0)
-
-
 def _block_scores(views: Views, q, pair: Pair, masked: bool):
   """(logits, tanh or None, v, mask or None) of a block pair.
 
@@ -129,7 +125,8 @@ def _block_scores(views: Views, q, pair: Pair, masked: bool):
   if not masked:
     return s, t, pair.v, None
   mask = views.element_mask(pair.mask) if mask is None else mask
-  return jnp.where(mask, s, -jnp.inf), t, pair.v if _integer(views, pair) else _finite(pair.v), mask
+  v = pair.v if _integer(views, pair) else base.finite(pair.v)
+  return jnp.where(mask, s, -jnp.inf), t, v, mask
 
 
 def _visible_garbage(pv: jax.Array, mask: jax.Array, v: jax.Array | None,
@@ -165,7 +162,7 @@ def _update(views: Views, q, pair: Pair, masked: bool, state):
   kept = probs if pair.drop is None else probs * pair.drop  # dropout: on the normalised p
   v_scale = pair.v_scale
   if v_scale is not None:  # quantized values' per-token scales: a column of p
-    kept = kept * (_finite(v_scale) if masked else v_scale)
+    kept = kept * (base.finite(v_scale) if masked else v_scale)
   pv = jnp.einsum("bkgqs,bksd->bkgqd", kept.astype(v.dtype), v,
                   preferred_element_type=jnp.float32)
   if masked:
@@ -246,7 +243,7 @@ def _grads(views: Views, q, q_t, do, do_t, lse, delta, pair: Pair, masked: bool,
   s, t, v, mask = _block_scores(views, q, pair, masked)
   k = pair.k
   if masked:  # ds is 0 where the mask is False: garbage in q or k must not meet it (0 * NaN)
-    q_t, k = _finite(q_t), _finite(k)
+    q_t, k = base.finite(q_t), base.finite(k)
   probs = jnp.exp(s - lse[..., None])  # [r, Hkv, Gq, bq, bk]
   kept = probs if pair.drop is None else probs * pair.drop  # what the forward multiplied v by
   dv = _t(jnp.einsum("bkdq,bkqs->bkds", do_t, _merge_heads(kept)))  # as do^T p: see `_t`

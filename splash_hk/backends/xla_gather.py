@@ -133,10 +133,6 @@ def _logits(it: Item, cap: float | None) -> tuple[jax.Array, jax.Array | None]:
   return jnp.where(it.mask, s, -jnp.inf), t
 
 
-def _finite(a: jax.Array) -> jax.Array:
-  return jnp.where(jnp.isfinite(a), a, 0)
-
-
 def _sink_rows(x: KernelInputs, lay: Layout) -> jax.Array | None:
   """Each head's sinks as one logit, laid out as an item's rows: [1, L, 1, Gl * bq]."""
   if x.sinks is None:
@@ -156,7 +152,7 @@ def _item_forward(it: Item, sink, cap) -> tuple[jax.Array, jax.Array]:
   l = jnp.sum(p, axis=-1)
   l_all = l if sink is None else l + jnp.exp(sink - safe)
   kept = p if it.drop is None else p * it.drop  # dropout: on the normalised probabilities
-  pv = jnp.einsum("blrqs,blrsd->blrqd", kept.astype(it.v.dtype), _finite(it.v),
+  pv = jnp.einsum("blrqs,blrsd->blrqd", kept.astype(it.v.dtype), base.finite(it.v),
                   preferred_element_type=jnp.float32)
   pv = _visible_garbage(pv, it)
   out = jnp.where((l > 0)[..., None], pv / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
@@ -174,11 +170,17 @@ def _visible_garbage(pv: jax.Array, it: Item) -> jax.Array:
   return jax.lax.cond(~jnp.isfinite(jnp.sum(it.v)), poison, lambda pv: pv, pv)
 
 
-def forward(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array]:
-  """out [B, T, Hq, Dv] (query dtype) and lse [B, T, Hq] f32 over the chosen blocks."""
+def _setup(x: KernelInputs) -> tuple[Mask | None, Layout, Tables, Keys]:
+  """What the forward and the backward both read: the rule beside the choice, the layout, the
+  lists and K/V in blocks (rebuilt in the backward: saved, they would be a second K/V)."""
   choice, rest = choice_of(x)
   lay = layout(x, choice)
-  t, kb = tables(choice, lay), keys(x, lay)
+  return rest, lay, tables(choice, lay), keys(x, lay)
+
+
+def forward(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array]:
+  """out [B, T, Hq, Dv] (query dtype) and lse [B, T, Hq] f32 over the chosen blocks."""
+  rest, lay, t, kb = _setup(x)
   q_pad = base.pad_axis(x.query, 1, lay.padded_q)  # [B, Tp, Hq, D]
   scale, cap, sink = jnp.asarray(facts.scale, x.query.dtype), facts.config.logits_soft_cap, \
       _sink_rows(x, lay)
@@ -200,9 +202,7 @@ def forward(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array]:
 
 def backward(x: KernelInputs, facts: Facts, lse, d_out, delta) -> base.Grads:
   """dq, dk, dv (inputs' dtypes) and d_sinks, each tile recomputed from the saved lse."""
-  choice, rest = choice_of(x)
-  lay = layout(x, choice)
-  t, kb = tables(choice, lay), keys(x, lay)
+  rest, lay, t, kb = _setup(x)
   pad = lambda a, fill=0.0: base.pad_axis(a, 1, lay.padded_q, fill)
   q_pad, do_pad = pad(x.query), pad(d_out.astype(jnp.float32))
   rows = (pad(base.probability_lse(lse), jnp.inf), pad(delta))  # [B, Tp, Hq] each
@@ -249,13 +249,13 @@ def _item_grads(it: Item, do, lse, delta, cap) -> tuple[jax.Array, ...]:
   p = jnp.exp(s - lse[..., None])  # [B, L, R, Gl * bq, K * bk]
   kept = p if it.drop is None else p * it.drop  # what the forward multiplied v by
   dv = jnp.einsum("blrqs,blrqd->blrsd", kept, do)
-  dp = jnp.einsum("blrqd,blrsd->blrqs", do, _finite(it.v).astype(jnp.float32))
+  dp = jnp.einsum("blrqd,blrsd->blrqs", do, base.finite(it.v).astype(jnp.float32))
   ds = p * ((dp if it.drop is None else dp * it.drop) - delta[..., None])
   if t is not None:
     ds = ds * (1.0 - t * t)
   ds = jnp.where(it.mask, ds, 0.0)
-  dq = jnp.einsum("blrqs,blrsd->blrqd", ds, _finite(it.k).astype(jnp.float32))
-  dk = jnp.einsum("blrqs,blrqd->blrsd", ds, _finite(it.q).astype(jnp.float32))
+  dq = jnp.einsum("blrqs,blrsd->blrqd", ds, base.finite(it.k).astype(jnp.float32))
+  dk = jnp.einsum("blrqs,blrqd->blrsd", ds, base.finite(it.q).astype(jnp.float32))
   return dq, dk, dv, ds
 
 

@@ -72,10 +72,6 @@ class Blocks(Mask):
                        f"choice per token), got {size!r}.")
     object.__setattr__(self, "block_size", (int(size[0]), int(size[1])))
 
-  @property
-  def name(self) -> str:
-    return "Blocks"
-
   def check(self, batch: int, query_len: int, kv_len: int) -> None:
     bq, _ = self.block_size
     lists, counts = self.kv_blocks, self.counts

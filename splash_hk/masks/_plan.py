@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from splash_hk.masks._blocks import Blocks, block_ranges
+from splash_hk.masks._chosen import Blocks as Chosen
 from splash_hk.masks._chosen import CallIndex
 from splash_hk.masks._objects import Mask
 from splash_hk.masks._rules import end_aligned_positions
@@ -76,7 +77,7 @@ def block_map(rule: Mask | None, query_len: int, kv_len: int, block_q: int,
   q_pos, kv_pos = end_aligned_positions(1, query_len, kv_len, np)
   blocks = plan_blocks(q_pos, kv_pos, None, None, block_q, block_kv, np)
   if rule is not None:  # objects that derive arrays from the call (a choice of blocks), for row 0
-    heads = lambda part: getattr(part, "kv_blocks", np.zeros((1, 1))).shape[1]
+    heads = lambda part: part.kv_blocks.shape[1] if isinstance(part, Chosen) else 1
     index = lambda part: CallIndex(1, query_len, kv_len, heads(part), heads(part),
                                    np.arange(query_len)[None], np.arange(kv_len)[None])
     rule = rule.map_parts(lambda part: part.for_call(index(part)))
