@@ -299,3 +299,17 @@ def test_alibi_and_dropout_on_the_gathered_tiles_values_and_gradients(dropout):
                                                    query_len=320, kv_len=320)), rate)
   want = oracle.out_and_vjp(q, k, v, cot, bias=dense, bias_params=slopes, **rules)
   harness.assert_close(got, want, names=("dq", "dk", "dv", "dslopes"))
+
+
+def test_a_visible_nan_shows_in_exactly_the_rows_that_see_it():
+  (q, k, v, _), mask, _, _, rules = _case("gqa_shared_partial_blocks")
+  seen = np.asarray(rules["mask"]) & np.tril(np.ones((320, 320), bool))  # [B, Hq, T, S]
+  j = int(np.argmax(seen[0].sum(axis=(0, 1))))  # the key most rows of row 0 see
+  v = v.copy()
+  v[0, j, 0, 3] = np.nan  # kv head 0's value: query heads 0 and 1 read it
+  got = np.asarray(sh.attention(q, k, v, mask=mask,
+                                config=sh.AttentionConfig(platform="xla")).attention_outputs)
+  want, _ = oracle.attention(q, k, v, **rules)
+  assert np.isnan(want).any() and not np.isnan(want).all()
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  np.testing.assert_allclose(got, want, equal_nan=True, **harness.tol())
