@@ -17,7 +17,7 @@ from splash_hk.masks._chosen import Blocks
 from splash_hk.types import Facts
 
 Tiles = tuple[int, int, int, int]  # (block_q, block_kv, block_q_bwd, block_kv_bwd)
-MIN_CHOSEN_ROWS = 128  # a chosen call's query tiles hold at least this many rows
+MIN_CHOSEN_ROWS = 128  # query rows of a chosen call's tiles (block plan) and work items (gathered)
 
 
 def default_tiles(config: AttentionConfig) -> Tiles:

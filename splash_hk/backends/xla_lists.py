@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from splash_hk.backends import base
 from splash_hk.masks._chosen import Blocks
 from splash_hk.masks._mask import And, Mask
+from splash_hk.tiles import MIN_CHOSEN_ROWS
 from splash_hk.types import Facts, KernelInputs
 
-ROWS_PER_ITEM = 128  # query rows a work item covers (R * bq), at least one choice row
 
 
 def split_choice(rule: Mask | None) -> tuple[Blocks, Mask | None] | None:
@@ -87,7 +87,7 @@ class Layout:
 
   @property
   def per_item(self) -> int:  # R
-    return max(1, ROWS_PER_ITEM // self.block_q)
+    return max(1, MIN_CHOSEN_ROWS // self.block_q)  # the block plan's rows for a choice, too
 
   @property
   def items(self) -> int:
