@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from splash_hk import inputs
 from splash_hk import kernel
+from splash_hk import lowering
 from splash_hk import platforms
 from splash_hk import ring
 from splash_hk import sharding
@@ -25,7 +26,8 @@ from splash_hk.masks._chosen import misused_rows
 from splash_hk.nodes import Static
 from splash_hk.scores import Score
 from splash_hk.sharding.axes import AxisEntry
-from splash_hk.types import Array, AttentionOutput, Decision, Extras, KernelInputs, KernelOutput
+from splash_hk.types import Array, AttentionOutput, Decision, Extras, Facts, KernelInputs
+from splash_hk.types import KernelOutput
 from splash_hk.types import Shaped
 
 
@@ -178,12 +180,31 @@ def attend(query: Array, key: Array, value: Array, extras: Extras, *,
            config: AttentionConfig, mesh: jax.sharding.Mesh | None = None,
            axes: sharding.MeshAxes = sharding.MeshAxes(),
            return_weights: bool = False, return_residuals: bool = False) -> AttentionOutput:
-  """`attention` with the call's arrays as one `Extras`."""
+  """`attention` with the call's arrays as one `Extras`: the backend chosen per lowering
+  platform (`splash_hk.lowering`) where the platforms' choices differ."""
   x, facts = inputs.normalise(query, key, value, config=config, extras=extras, mesh=mesh,
                               axes=axes, return_weights=return_weights,
                               return_residuals=return_residuals)
-  decision = selector.select(facts)
-  selector.log_fallback(decision)
+  decisions = selector.per_platform(lambda hardware: selector.select(facts, hardware))
+  host = decisions[jax.default_backend()]
+  run = functools.partial(_run, facts=facts, mesh=mesh, axes=axes)
+  if selector.same_program(decisions):
+    assert isinstance(host, Decision), "per_platform raises when no hardware has a decision"
+    selector.log_fallback(host)
+    result = run(host, x)
+  else:
+    result = lowering.per_platform(
+        {hardware: lowering.Unlowerable(d) if isinstance(d, str) else functools.partial(run, d)
+         for hardware, d in decisions.items()}, x)
+  result = _misuse_as_nan(result, x.rule)
+  lse = result.lse if return_residuals else None  # [B, T, Hq]
+  return AttentionOutput(result.out, result.weights, lse)  # [B, T, Hq, Dv], [B, Hq, T, S]
+
+
+def _run(decision: Decision, x: KernelInputs, *, facts: Facts, mesh: jax.sharding.Mesh | None,
+         axes: sharding.MeshAxes) -> KernelOutput:
+  """`decision`'s backend (and sequence strategy) on the call; the output has the fields the
+  call asked for (the same on every backend: `out`, `lse` with residuals, `weights`)."""
   if mesh is None and staged(x):
     result = kernel.run(decision.backend, x, facts)
   elif mesh is None:
@@ -198,6 +219,5 @@ def attend(query: Array, key: Array, value: Array, extras: Extras, *,
       body = lambda y, _: kernel.run(decision.backend, y, facts)
     result = sharding.shard_kernel(body, x, mesh=mesh, axes=axes, facts=facts,
                                    ring=decision.ring, ulysses=decision.ulysses)
-  result = _misuse_as_nan(result, x.rule)
-  lse = result.lse if return_residuals else None  # [B, T, Hq]
-  return AttentionOutput(result.out, result.weights, lse)  # [B, T, Hq, Dv], [B, Hq, T, S]
+  return KernelOutput(result.out, result.lse if facts.return_residuals else None,
+                      result.weights if facts.return_weights else None)

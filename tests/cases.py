@@ -107,3 +107,73 @@ CASES = [
          segments="packed", scale=0.2, mask="shared", value_dim=24),
 ]
 CASES_BY_NAME = {c.name: c for c in CASES}
+
+
+def random_choice(rng, batch, heads, t, s, block_size, most, causal=True):
+  """Lists [B|1, H, nq, K] (garbage past each count, any order) and counts [B|1, H, nq]."""
+  bq, bk = block_size
+  nq, nk = -(-t // bq), -(-s // bk)
+  lists = rng.integers(-5, 50, size=(batch, heads, nq, most)).astype(np.int32)
+  counts = np.zeros((batch, heads, nq), np.int32)
+  for idx in np.ndindex(batch, heads, nq):
+    last = (s - t + min((idx[2] + 1) * bq, t) - 1) // bk if causal else nk - 1
+    pool = np.arange(max(0, min(last, nk - 1) + 1))
+    n = int(rng.integers(0, min(most, len(pool)) + 1)) if len(pool) else 0
+    lists[idx][:n] = rng.permutation(pool)[:n]
+    counts[idx] = n
+  return lists, counts
+
+
+def blocks_case(case, seed=0):
+  """Inputs of a chosen-blocks case (B, T, S, Hq, Hkv, D, Dv, list heads, block_size, K, rest,
+  extras): ((q, k, v, sinks), the mask, attention keywords, soft cap, oracle keywords)."""
+  b, t, s, hq, hkv, d, dv, h, size, most, rest, extras = case
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((b, t, hq, d)).astype(np.float32)
+  k = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+  v = rng.standard_normal((b, s, hkv, dv)).astype(np.float32)
+  lists, counts = random_choice(rng, b, h, t, s, size, most, causal=rest is not None)
+  allowed = oracle.chosen_blocks(lists, counts, size, b, hq, t, s)
+  mask = sh.masks.Blocks(lists, counts, size)
+  rules = dict(causal=False, mask=allowed)
+  if rest == "causal":
+    mask, rules["causal"] = mask & sh.masks.Causal(), True
+  elif rest == "window":
+    mask, rules["window"] = mask & sh.masks.SlidingWindow((64, 0)), (64, 0)
+  kwargs = {}
+  if extras.get("packed"):
+    seg = np.repeat(np.array([0, 1, 1, -1]), t // 4)[None].astype(np.int32)
+    kwargs.update(q_segment_ids=seg)
+    rules.update(q_seg=seg, kv_seg=seg)
+  sinks = rng.standard_normal(hq).astype(np.float32) if extras.get("sinks") else None
+  cap = extras.get("cap")
+  rules["soft_cap"] = cap
+  return (q, k, v, sinks), mask, kwargs, cap, rules
+
+
+# The TPU splash path's cases (interpret mode against the oracle; lowered to Mosaic).
+SPLASH_CASES = [
+    Case("causal_128", batch=1, query_len=128, kv_len=128, head_dim=32),
+    Case("causal_256_gqa2", batch=1, query_len=256, kv_len=256, num_kv_heads=2, head_dim=32),
+    Case("causal_200_mqa_padded", batch=2, query_len=200, kv_len=200, num_kv_heads=1, head_dim=32),
+    Case("window_1000_padded", batch=1, query_len=1000, kv_len=1000, num_heads=2, num_kv_heads=1,
+         head_dim=32, window=(100, 0)),
+    Case("window_pair_bidirectional", batch=1, query_len=256, kv_len=256, head_dim=32,
+         causal=False, window=(20, 30)),
+    Case("chunk", batch=1, query_len=256, kv_len=256, head_dim=32, chunk=64),
+    Case("chunk_bidirectional_gqa", batch=1, query_len=200, kv_len=200, num_kv_heads=2,
+         head_dim=32, causal=False, chunk=96),
+    Case("segments_padding", batch=2, query_len=256, kv_len=256, num_kv_heads=2, head_dim=32,
+         segments="packed"),
+    Case("sinks_heads_n", batch=1, query_len=128, kv_len=128, head_dim=32, sinks="heads_n"),
+    Case("sinks_kv_n_gqa", batch=1, query_len=128, kv_len=128, num_kv_heads=2, head_dim=32,
+         sinks="kv_n"),
+    Case("soft_cap_scale", batch=1, query_len=128, kv_len=128, head_dim=32, soft_cap=1.5, scale=0.5),
+    Case("prefill", batch=1, query_len=128, kv_len=384, num_kv_heads=2, head_dim=32, window=(200, 0)),
+    Case("prefill_segments", batch=2, query_len=200, kv_len=320, head_dim=32, segments="packed"),
+    Case("value_dim", batch=1, query_len=128, kv_len=128, num_kv_heads=2, head_dim=32, value_dim=16),
+    Case("everything", batch=2, query_len=200, kv_len=200, num_kv_heads=2, head_dim=32,
+         window=(60, 4), soft_cap=3.0, sinks="heads_n", segments="packed", value_dim=16),
+]
+GRAD_CASES = {"causal_200_mqa_padded", "window_1000_padded", "chunk", "segments_padding",
+              "sinks_kv_n_gqa", "soft_cap_scale", "prefill", "everything"}

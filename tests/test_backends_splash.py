@@ -14,36 +14,9 @@ import splash_hk as sh
 from splash_hk.masks import _rules
 from splash_hk.backends import splash as splash_tpu
 import harness
-from cases import Case
+from cases import Case, GRAD_CASES, SPLASH_CASES
 
 SPLASH = dict(platform="splash", interpret=True, allow_fallback=False)
-
-SPLASH_CASES = [
-    Case("causal_128", batch=1, query_len=128, kv_len=128, head_dim=32),
-    Case("causal_256_gqa2", batch=1, query_len=256, kv_len=256, num_kv_heads=2, head_dim=32),
-    Case("causal_200_mqa_padded", batch=2, query_len=200, kv_len=200, num_kv_heads=1, head_dim=32),
-    Case("window_1000_padded", batch=1, query_len=1000, kv_len=1000, num_heads=2, num_kv_heads=1,
-         head_dim=32, window=(100, 0)),
-    Case("window_pair_bidirectional", batch=1, query_len=256, kv_len=256, head_dim=32,
-         causal=False, window=(20, 30)),
-    Case("chunk", batch=1, query_len=256, kv_len=256, head_dim=32, chunk=64),
-    Case("chunk_bidirectional_gqa", batch=1, query_len=200, kv_len=200, num_kv_heads=2,
-         head_dim=32, causal=False, chunk=96),
-    Case("segments_padding", batch=2, query_len=256, kv_len=256, num_kv_heads=2, head_dim=32,
-         segments="packed"),
-    Case("sinks_heads_n", batch=1, query_len=128, kv_len=128, head_dim=32, sinks="heads_n"),
-    Case("sinks_kv_n_gqa", batch=1, query_len=128, kv_len=128, num_kv_heads=2, head_dim=32,
-         sinks="kv_n"),
-    Case("soft_cap_scale", batch=1, query_len=128, kv_len=128, head_dim=32, soft_cap=1.5, scale=0.5),
-    Case("prefill", batch=1, query_len=128, kv_len=384, num_kv_heads=2, head_dim=32, window=(200, 0)),
-    Case("prefill_segments", batch=2, query_len=200, kv_len=320, head_dim=32, segments="packed"),
-    Case("value_dim", batch=1, query_len=128, kv_len=128, num_kv_heads=2, head_dim=32, value_dim=16),
-    Case("everything", batch=2, query_len=200, kv_len=200, num_kv_heads=2, head_dim=32,
-         window=(60, 4), soft_cap=3.0, sinks="heads_n", segments="packed", value_dim=16),
-]
-GRAD_CASES = {"causal_200_mqa_padded", "window_1000_padded", "chunk", "segments_padding",
-              "sinks_kv_n_gqa", "soft_cap_scale", "prefill", "everything"}
-
 
 def _grads_vs_oracle(case, config, q, k, v, extras, mesh=None, axes=sh.MeshAxes()):
   sinks = extras.get("softmax_aux")

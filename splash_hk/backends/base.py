@@ -112,6 +112,8 @@ class Backend:
       (and after an explicitly requested one) on any hardware.
     rank: its place in the order of choice (lower first) among the backends made
       for the hardware, and among the portable ones.
+    traces_off_host: whether its call can be traced on a host of other hardware (to lower it
+      for its own, as `jax.export` does); False where the kernel exists only on its hardware.
     paged_why_not, paged_attend: the same two for a paged call (`splash_hk.pages`:
       (PagedFacts, hardware) -> reason or None; (PagedInputs, PagedFacts) -> (out
       [N, Hq, Dv], lse [N, Hq]) over the cache with the call's tokens written); `paged_attend`
@@ -127,6 +129,7 @@ class Backend:
   backward: BackwardHalf | None = None
   count_pairs: Callable[..., int] | None = None
   plan: Callable[[KernelInputs, Facts], Any] | None = None
+  traces_off_host: bool = True
   paged_why_not: Callable[[pages.PagedFacts, str], str | None] | None = None
   paged_attend: Callable[[pages.PagedInputs, pages.PagedFacts],
                          tuple[jax.Array, jax.Array]] | None = None

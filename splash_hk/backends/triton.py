@@ -76,4 +76,5 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
 
 BACKEND = base.Backend(name="triton", why_not=why_not,
                        attend=base.guard_garbage(attend, xla.attend), hardware=("gpu",), rank=0,
+                       traces_off_host=False,
                        paged_why_not=lambda facts, hardware: "no GPU paged kernel is served yet")

@@ -95,6 +95,14 @@ class SlidingWindow(Mask):
     return may, full
 
 
+def _floor_div(a: ArrayLike, size: int) -> ArrayLike:
+  """a // size (size > 0) without `jnp.floor_divide`, whose `sign` Mosaic lowers only where it
+  knows the TPU's version (never when a TPU program is lowered on another host)."""
+  if not isinstance(a, jax.Array):
+    return a // size
+  return jnp.where(a >= 0, jax.lax.div(a, size), -jax.lax.div(size - 1 - a, size))
+
+
 @dataclasses.dataclass(frozen=True)
 class Chunked(Mask):
   """Chunked attention (Llama-4): q_pos[i] // size == kv_pos[j] // size."""
@@ -107,7 +115,7 @@ class Chunked(Mask):
     object.__setattr__(self, "size", size)
 
   def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:
-    return q_pos // self.size == kv_pos // self.size
+    return _floor_div(q_pos, self.size) == _floor_div(kv_pos, self.size)
 
   def config_rules(self) -> dict[str, Any] | None:
     return {"chunk_size": self.size}
