@@ -16,21 +16,7 @@ from splash_hk import inputs
 from splash_hk.fallback import selector
 from splash_hk.types import Extras
 from splash_hk.masks import _chosen
-
-
-def random_choice(rng, batch, heads, t, s, block_size, most, causal=True):
-  """Lists [B|1, H, nq, K] (garbage past each count, any order) and counts [B|1, H, nq]."""
-  bq, bk = block_size
-  nq, nk = -(-t // bq), -(-s // bk)
-  lists = rng.integers(-5, 50, size=(batch, heads, nq, most)).astype(np.int32)
-  counts = np.zeros((batch, heads, nq), np.int32)
-  for idx in np.ndindex(batch, heads, nq):
-    last = (s - t + min((idx[2] + 1) * bq, t) - 1) // bk if causal else nk - 1
-    pool = np.arange(max(0, min(last, nk - 1) + 1))
-    n = int(rng.integers(0, min(most, len(pool)) + 1)) if len(pool) else 0
-    lists[idx][:n] = rng.permutation(pool)[:n]
-    counts[idx] = n
-  return lists, counts
+from cases import blocks_case, random_choice
 
 
 CASES = {  # name: (B, T, S, Hq, Hkv, D, Dv, list heads H, block_size, K, rest, extras)
@@ -44,28 +30,7 @@ CASES = {  # name: (B, T, S, Hq, Hkv, D, Dv, list heads H, block_size, K, rest, 
 
 
 def _case(name, seed=0):
-  b, t, s, hq, hkv, d, dv, h, size, most, rest, extras = CASES[name]
-  rng = np.random.default_rng(seed)
-  q = rng.standard_normal((b, t, hq, d)).astype(np.float32)
-  k = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
-  v = rng.standard_normal((b, s, hkv, dv)).astype(np.float32)
-  lists, counts = random_choice(rng, b, h, t, s, size, most, causal=rest is not None)
-  allowed = oracle.chosen_blocks(lists, counts, size, b, hq, t, s)
-  mask = sh.masks.Blocks(lists, counts, size)
-  rules = dict(causal=False, mask=allowed)
-  if rest == "causal":
-    mask, rules["causal"] = mask & sh.masks.Causal(), True
-  elif rest == "window":
-    mask, rules["window"] = mask & sh.masks.SlidingWindow((64, 0)), (64, 0)
-  kwargs = {}
-  if extras.get("packed"):
-    seg = np.repeat(np.array([0, 1, 1, -1]), t // 4)[None].astype(np.int32)
-    kwargs.update(q_segment_ids=seg)
-    rules.update(q_seg=seg, kv_seg=seg)
-  sinks = rng.standard_normal(hq).astype(np.float32) if extras.get("sinks") else None
-  cap = extras.get("cap")
-  rules["soft_cap"] = cap
-  return (q, k, v, sinks), mask, kwargs, cap, rules
+  return blocks_case(CASES[name], seed)
 
 
 @pytest.mark.parametrize("platform", ["xla", "reference"])
@@ -166,16 +131,18 @@ def test_bad_shapes_and_heads_are_refused_naming_mask():
     sh.masks.Blocks(np.zeros((1, 2, 4, 2), np.int32), np.ones((1, 2, 4), np.int32), (64, 0))
 
 
-def test_splash_and_triton_fall_back_naming_mask():
+def test_triton_falls_back_naming_mask_and_splash_runs_the_block_list_kernel():
   q, k = jnp.ones((1, 512, 4, 64)), jnp.ones((1, 512, 2, 64))
   chosen = sh.sparse.top_k_blocks(q, k, 2, (128, 128)) & sh.masks.Causal()
-  for platform, hardware in (("splash", "tpu"), ("triton", "gpu")):
-    facts = inputs.facts(q, k, k, extras=Extras(mask=chosen),
-                         config=sh.AttentionConfig(platform=platform, interpret=True))
-    decision = selector.select(facts, hardware)
-    assert decision.backend == "xla" and f"{platform}: the mask holds a Blocks part" in (
-        decision.reason), decision
-    assert "run on xla's gathered tiles" in decision.reason
+  config = lambda platform: sh.AttentionConfig(platform=platform, interpret=True)
+  facts = inputs.facts(q, k, k, extras=Extras(mask=chosen), config=config("triton"))
+  decision = selector.select(facts, "gpu")
+  assert decision.backend == "xla" and "triton: the mask holds a Blocks part" in (
+      decision.reason), decision
+  assert "run on xla's gathered tiles" in decision.reason
+  facts = inputs.facts(q, k, k, extras=Extras(mask=chosen), config=config("splash"))
+  decision = selector.select(facts, "tpu")
+  assert decision.backend == "splash" and "run on the block-list kernel" in decision.reason
 
 
 @pytest.mark.parametrize("causal,local,top_k,size", [(True, 1, 3, (64, 64)), (False, 2, 2, (32, 64)),

@@ -159,7 +159,11 @@ def test_explain_names_another_platforms_choice_from_this_host():
   assert gpu.backend in ("triton", "xla") and "on gpu" in gpu.reason, gpu
   chosen = sh.masks.Blocks(jax.ShapeDtypeStruct((1, 2, 16, 4), jnp.int32),
                            jax.ShapeDtypeStruct((1, 2, 16), jnp.int32), (128, 128))
-  refused = sh.explain(q, k, k, mask=chosen, for_platform="tpu")
-  assert refused.backend == "xla" and "splash: the mask holds a Blocks part" in refused.reason
+  served = sh.explain(q, k, k, mask=chosen, for_platform="tpu")
+  assert served.backend == "splash" and "the block-list kernel" in served.reason
+  per_token = sh.masks.Blocks(jax.ShapeDtypeStruct((1, 2, 2048, 4), jnp.int32),
+                              jax.ShapeDtypeStruct((1, 2, 2048), jnp.int32), (1, 128))
+  refused = sh.explain(q, k, k, mask=per_token, for_platform="tpu")
+  assert refused.backend == "xla" and "splash: Blocks.block_size (1, 128)" in refused.reason
   with pytest.raises(ValueError, match=r"`for_platform` must be one of \('cpu', 'gpu', 'tpu'\)"):
     sh.explain(q, k, k, for_platform="metal")

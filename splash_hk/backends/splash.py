@@ -25,8 +25,10 @@ from splash_hk.masks import _objects
 from splash_hk.masks import _rules
 from splash_hk.backends import base
 from splash_hk.backends import splash_horizon
+from splash_hk.backends import splash_lists
 from splash_hk.backends import splash_plan
 from splash_hk.backends import xla
+from splash_hk.backends import xla_lists
 from splash_hk.config import AttentionConfig, BlockSizes
 from splash_hk.types import Facts, KernelInputs, KernelOutput, Mode
 
@@ -50,6 +52,8 @@ def why_not(facts: Facts, hardware: str) -> str | None:
   if hardware != "tpu" and not config.interpret:
     return (f"the Pallas splash kernel needs a TPU (this is {hardware}); set "
             "AttentionConfig(interpret=True) to run it in interpret mode")
+  if xla_lists.chooses(facts):  # chosen blocks: the library's own block-list kernel
+    return splash_lists.why_not(facts)
   if facts.mode is Mode.DECODE:
     return "decode (T == 1): one query row does not fill a splash block"
   if facts.bias is not None:
@@ -188,7 +192,8 @@ def _kernel(fwd, dq, dkv, config: AttentionConfig, blocks: tuple[int, int, int, 
 
 
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
-  """Splash attention on one shard: KernelInputs (default positions) -> out [B, T, Hq, Dv].
+  """Splash attention on one shard: KernelInputs (default positions) -> out [B, T, Hq, Dv];
+  chosen blocks (`masks.Blocks`) on the block-list kernel (`splash_lists`).
 
   With `facts.query_slices` n > 1, `x` holds one of n equal query slices
   (T = T_global / n) and its positions are the defaults over the whole query.
@@ -197,6 +202,8 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   per shape) and `lax.switch` runs the slice's own, chosen by its first query
   position.
   """
+  if xla_lists.chooses(facts):
+    return splash_lists.attend(x, facts)
   if splash_horizon.serves(facts.rule):  # exact for most ids; where not, the xla path runs
     h, exact = splash_horizon.horizon(x.rule, x.query.shape[1], x.key.shape[1])  # [B, T]
     return jax.lax.cond(exact, lambda y: _attend_to_horizon(y, facts, h),

@@ -42,6 +42,36 @@ def select(facts: Facts, hardware: str | None = None) -> Decision:
   return dataclasses.replace(decision, dropped_axes=facts.dropped_axes)
 
 
+def per_platform(select_on: Callable[[str], Decision]) -> dict[str, Decision | str]:
+  """Each hardware's decision (`select_on(hardware)`, e.g. `lambda h: select(facts, h)`), for a
+  call lowered per platform (`splash_hk.lowering`); where one cannot be made (a fallback
+  `allow_fallback=False` forbids) or traced on this host, the reason instead, raised when the
+  call is lowered for that hardware. Raises it now when no hardware has a decision."""
+  decisions: dict[str, Decision | str] = {}
+  for hardware in platforms.HARDWARE:
+    try:
+      decision = select_on(hardware)
+    except ValueError as refusal:
+      decisions[hardware] = str(refusal)
+      continue
+    if hardware != jax.default_backend() and not kernel.backend(decision.backend).traces_off_host:
+      decisions[hardware] = (
+          f"on {hardware} the choice is {decision.backend} ({decision.reason}), whose kernel can "
+          f"only be traced on a {hardware} host: lower it there, or pass "
+          "AttentionConfig(platform='xla') for one portable program")
+    else:
+      decisions[hardware] = decision
+  if all(isinstance(d, str) for d in decisions.values()):
+    raise ValueError(decisions[jax.default_backend()])
+  return decisions
+
+
+def same_program(decisions: dict[str, Decision | str]) -> bool:
+  """Whether every hardware's decision runs the same program (backend and sequence strategy)."""
+  kinds = {d if isinstance(d, str) else (d.backend, d.ring, d.ulysses) for d in decisions.values()}
+  return len(kinds) == 1
+
+
 def _select(facts: Facts, hardware: str) -> Decision:
   """`select` on `hardware`."""
   if facts.sequence_shards == 1 or facts.sequence_strategy == "all_gather":
@@ -69,8 +99,9 @@ def _select(facts: Facts, hardware: str) -> Decision:
 
 def _pick(facts: Facts, hardware: str) -> Decision:
   """The first backend of `candidates` that serves the call; the others' refusals as reason."""
-  return _first(facts.config, hardware, lambda b: b.why_not(facts, hardware),
-                f"{facts.mode.value} mode", _plan_note(facts))
+  decision = _first(facts.config, hardware, lambda b: b.why_not(facts, hardware),
+                    f"{facts.mode.value} mode")
+  return dataclasses.replace(decision, reason=decision.reason + _plan_note(facts, decision.backend))
 
 
 def select_paged(facts: PagedFacts, hardware: str | None = None) -> Decision:
@@ -104,13 +135,15 @@ def _first(config: AttentionConfig, hardware: str, why_not: Callable[[base.Backe
       fallback=True))
 
 
-def _plan_note(facts: Facts) -> str:
-  """What the block plan reads whole (MaskFn parts without a range rule) and how the xla path
+def _plan_note(facts: Facts, backend: str) -> str:
+  """What the block plan reads whole (MaskFn parts without a range rule) and how `backend`
   runs chosen blocks, in words (or "")."""
   if facts.rule is None:
     return ""
   note = ""
-  if xla_lists.chooses(facts):
+  if xla_lists.chooses(facts) and backend == "splash":
+    note = "; the chosen blocks (Blocks) run on the block-list kernel"
+  elif xla_lists.chooses(facts) and backend == "xla":
     refusal = xla_lists.why_not(facts)
     note = ("; the chosen blocks (Blocks) run on xla's gathered tiles" if refusal is None else
             f"; the chosen blocks (Blocks) run on xla's block plan, not its gathered tiles: {refusal}")

@@ -1,0 +1,133 @@
+"""The TPU backend's calls on chosen blocks (`masks.Blocks`): the block-list kernel.
+
+The choice's map of block pairs becomes lists of key blocks per (batch row, list head, query
+tile) (`xla_lists.tables`, the gathered tiles' own) and their transpose for the dK/dV kernel;
+the inputs go head-major and padded to whole blocks (padding in segments -1 / -2 of its own);
+the kernels (`tpu_lists`) run under a custom VJP whose residuals are the output and lse.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from splash_hk.backends import base
+from splash_hk.backends import tpu_lists
+from splash_hk.backends import xla_lists
+from splash_hk.types import Facts, KernelInputs, KernelOutput
+
+# The kernels' VMEM for one step (blocks double-buffered, scores and scratch), kept under a
+# v5e's 16 MiB of scoped VMEM with room for Mosaic's own.
+VMEM_BUDGET = 12 * 2 ** 20
+
+
+def vmem_bytes(block_q: int, block_kv: int, head_dim: int, value_dim: int, itemsize: int) -> int:
+  """The largest of the three kernels' VMEM per grid step, estimated (dK/dV's, the largest)."""
+  blocks = 2 * itemsize * (2 * block_q * (head_dim + value_dim) + block_kv * (head_dim + value_dim))
+  lanes = 2 * 4 * block_q * (2 * tpu_lists.LANES) + 2 * 4 * tpu_lists.SUBLANES * block_kv
+  scratch = 4 * block_kv * (head_dim + value_dim)
+  scores = 4 * 4 * block_q * block_kv  # s, p, dp, ds in float32
+  return blocks + lanes + scratch + scores
+
+
+def why_not(facts: Facts) -> str | None:
+  """Why the block-list kernel cannot serve a call whose rule holds a choice, or None."""
+  found = xla_lists.split_choice(facts.rule)
+  if found is None:
+    return "the chosen blocks are combined with `|` or with another choice"
+  choice, rest = found
+  if rest is not None and not rest.is_static():
+    return "the rule beside the chosen blocks holds arrays (only position rules join the kernel)"
+  if facts.bias is not None:
+    return "a `bias` was given, and the block-list kernel takes none"
+  if not facts.default_positions:
+    return ("explicit q_positions / kv_positions were given (the block-list kernel's rules read "
+            "the end-aligned default positions)")
+  if facts.query_slices > 1 or facts.load_balanced:
+    return "the query sequence is sharded (the block-list kernel runs on whole sequences)"
+  bq, bk = choice.block_size
+  if bq % tpu_lists.SUBLANES or bk % tpu_lists.LANES:
+    return (f"Blocks.block_size {choice.block_size}: the block-list kernel needs bq a multiple "
+            f"of {tpu_lists.SUBLANES} and bk of {tpu_lists.LANES} (Mosaic's tiling)")
+  need = vmem_bytes(bq, bk, facts.head_dim, facts.value_dim, 4)
+  if need > VMEM_BUDGET:
+    return (f"Blocks.block_size {choice.block_size} with head dims {facts.head_dim}/"
+            f"{facts.value_dim} needs about {need / 2 ** 20:.1f} MiB of VMEM per step, over "
+            f"the kernel's {VMEM_BUDGET / 2 ** 20:.0f} MiB")
+  return None
+
+
+def _lists(x: KernelInputs) -> tuple[xla_lists.Layout, jax.Array, jax.Array]:
+  """The layout, lists [B, L, nq, K] (past a count: a valid block, never read) and counts."""
+  choice, _ = xla_lists.choice_of(x)
+  lay = xla_lists.layout(x, choice)
+  lists = xla_lists.tables(choice, lay).lists[:, :, :lay.rows]  # [B, L, nq, K], nk: empty
+  counts = jnp.sum(lists < lay.kv_blocks, axis=-1, dtype=jnp.int32)  # [B, L, nq]
+  return lay, jnp.minimum(lists, lay.kv_blocks - 1), counts
+
+
+def transpose(lists: jax.Array, counts: jax.Array, kv_blocks: int) -> tuple[jax.Array, jax.Array]:
+  """For each key block, the query tiles whose lists hold it (ascending) and how many:
+  [B, L, nq, K] -> tlists [B, L, nk, nq], tcounts [B, L, nk]."""
+  rows, most = lists.shape[2:]
+  held = jnp.arange(most) < counts[..., None]  # [B, L, nq, K]
+  place = jnp.where(held, lists, kv_blocks)  # [B, L, nq, K]
+  hit = jax.nn.one_hot(place, kv_blocks + 1, dtype=jnp.int32).sum(axis=3)[..., :kv_blocks] > 0
+  hit = jnp.swapaxes(hit, 2, 3)  # [B, L, nk, nq]
+  tcounts = jnp.sum(hit, axis=-1, dtype=jnp.int32)  # [B, L, nk]
+  tlists = jnp.argsort(~hit, axis=-1, stable=True).astype(jnp.int32)  # chosen rows first
+  return tlists, tcounts
+
+
+def _spec(x: KernelInputs, facts: Facts, lay: xla_lists.Layout) -> tpu_lists.Spec:
+  _, rest = xla_lists.choice_of(x)
+  return tpu_lists.Spec(lay.block_q, lay.block_kv, lay.query_len, lay.kv_len,
+                        lay.num_heads // lay.num_kv_heads, lay.group, facts.scale,
+                        facts.config.logits_soft_cap, rest, facts.config.interpret)
+
+
+def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
+  """The block-list kernel on one call: KernelInputs -> out [B, T, Hq, Dv]."""
+  lay, lists, counts = _lists(x)
+  spec = _spec(x, facts, lay)
+  t_pad, s_pad = lay.rows * lay.block_q, lay.kv_blocks * lay.block_kv
+  q_seg, kv_seg = base.disjoint_padding(*base.segment_ids(x))  # [B, T], [B, S]
+  q_seg = jnp.broadcast_to(base.pad_axis(q_seg, 1, t_pad, -1)[..., None],
+                           (lay.batch, t_pad, tpu_lists.LANES))  # [B, Tp, 128]
+  kv_seg = jnp.broadcast_to(base.pad_axis(kv_seg, 1, s_pad, -2)[:, None],
+                            (lay.batch, tpu_lists.SUBLANES, s_pad))  # [B, 8, Sp]
+  head_major = lambda a, size: base.pad_axis(base.to_bhtd(a), 2, size)
+  q = head_major(x.query, t_pad)  # [B, Hq, Tp, D]
+  k, v = head_major(x.key, s_pad), head_major(x.value, s_pad)  # [B, Hkv, Sp, D|Dv]
+  sinks = (jnp.full((lay.num_heads, 1), -jnp.inf, jnp.float32) if x.sinks is None
+           else x.sinks)  # [Hq, n]
+  out = _attend(spec, lists, counts, q_seg, kv_seg, q, k, v, sinks)  # [B, Hq, Tp, Dv]
+  return KernelOutput(base.to_bhtd(out[:, :, :lay.query_len]).astype(x.query.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(spec, lists, counts, q_seg, kv_seg, q, k, v, sinks):
+  return _forward(spec, lists, counts, q_seg, kv_seg, q, k, v, sinks)[0]
+
+
+def _forward(spec, lists, counts, q_seg, kv_seg, q, k, v, sinks):
+  heads = base.sink_logsumexp(sinks)  # [Hq]
+  row = jnp.broadcast_to(heads[None], (tpu_lists.SUBLANES, heads.shape[0]))  # [8, Hq]
+  out, lse = tpu_lists.forward(spec, lists, counts, q, k, v, q_seg, kv_seg, row)
+  return out, (lists, counts, q_seg, kv_seg, q, k, v, sinks, out, lse)
+
+
+def _backward(spec, saved, d_out):
+  lists, counts, q_seg, kv_seg, q, k, v, sinks, out, lse = saved
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, Hq, Tp]
+  lanes = lambda a: jnp.broadcast_to(a[..., None], (*a.shape, tpu_lists.LANES))
+  dq = tpu_lists.dq(spec, lists, counts, q, k, v, q_seg, kv_seg, lse, lanes(delta), d_out)
+  tlists, tcounts = transpose(lists, counts, k.shape[2] // spec.block_kv)
+  dk, dv = tpu_lists.dkv(spec, tlists, tcounts, q, k, v, q_seg, kv_seg, lse, lanes(delta), d_out)
+  d_sinks = base.sink_grads(sinks, base.to_bhtd(lse[..., 0]), base.to_bhtd(delta))  # [Hq, n]
+  return None, None, None, None, dq, dk, dv, d_sinks.astype(sinks.dtype)
+
+
+_attend.defvjp(_forward, _backward)

@@ -1,0 +1,281 @@
+"""The block-list kernel (Pallas TPU): attention over lists of key blocks, forward and backward.
+
+Each query tile of `block_q` rows of one head reads the key blocks its list names, one grid
+step per listed block: the lists sit in scalar prefetch and the key/value `BlockSpec` index maps
+read them, so only listed blocks are copied to VMEM. The online softmax lives in VMEM scratch
+across a tile's steps; steps past a tile's count repeat its last block's index (no copy) and
+compute nothing. The backward is two kernels: dq over the same lists, dK/dV over their
+transpose (for each key block, the query tiles that list it), the group's query heads summed
+in the kernel's accumulators.
+
+Glossary (head-major, padded): B batch, H query heads, Hkv kv heads (G = H // Hkv), L list
+heads (each serves H // L query heads), Tp = nq * bq query rows, Sp = nk * bk keys, K the
+longest list, D key size, Dv value size. Inside a block, keys are visible by the position rule
+(end-aligned default positions) and by segment ids (padding disjoint: -1 queries, -2 keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+import jax.numpy as jnp
+
+from splash_hk.masks._mask import Mask
+
+LANES, SUBLANES = 128, 8  # a TPU vector register's (sublanes, lanes): Mosaic's tiling
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """What the three kernels know statically (hashable)."""
+
+  block_q: int  # bq, a multiple of 8
+  block_kv: int  # bk, a multiple of 128
+  query_len: int  # T (unpadded)
+  kv_len: int  # S (unpadded)
+  groups: int  # G: query heads per kv head
+  list_group: int  # query heads per list head
+  scale: float
+  soft_cap: float | None
+  rule: Mask | None  # a static position rule beside the choice (its `visible`), or None
+  interpret: bool
+
+  def list_head(self, h: Any) -> Any:
+    return _div(h, self.list_group)
+
+
+def _div(a: Any, b: int) -> Any:
+  """a // b for a >= 0 (grid indices) without `floor_divide`, whose `sign` Mosaic lowers only
+  where it knows the TPU's version (never when lowered on another host)."""
+  return jax.lax.div(a, b)
+
+
+def _scores(spec: Spec, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+  """Scaled (and soft-capped) logits [bq, bk] f32, and tanh of the cap (for its derivative)."""
+  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32) * spec.scale  # [bq, bk]
+  if spec.soft_cap is None:
+    return s, None
+  t = jnp.tanh(s / spec.soft_cap)
+  return spec.soft_cap * t, t
+
+
+def _visible(spec: Spec, row: Any, block: Any, q_seg: jax.Array,
+             kv_seg: jax.Array) -> jax.Array:
+  """[bq, bk] bool: query tile `row` against key block `block`, by segments and the rule."""
+  shape = (spec.block_q, spec.block_kv)
+  seen = q_seg[:, :1] == kv_seg[:1, :]  # [bq, bk]
+  if spec.rule is not None:
+    q_pos = (row * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+             + (spec.kv_len - spec.query_len))  # end-aligned default positions
+    kv_pos = block * spec.block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    seen = seen & spec.rule.visible(q_pos, kv_pos)
+  return seen
+
+
+def _listed(lists_ref: Any, counts_ref: Any, b: Any, l: Any, row: Any, j: Any) -> Any:
+  """The j-th listed block of (b, l, row); past the count, the last listed one (no new copy)."""
+  last = jnp.maximum(counts_ref[b, l, row] - 1, 0)
+  return lists_ref[b, l, row, jnp.minimum(j, last)]
+
+
+def _forward_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref,
+                    sink_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr):
+  b, h, i, j = (pl.program_id(n) for n in range(4))
+  count = counts_ref[b, spec.list_head(h), i]
+
+  @pl.when(j == 0)
+  def _():
+    m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
+    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+  @pl.when(j < count)
+  def _():
+    block = _listed(lists_ref, counts_ref, b, spec.list_head(h), i, j)
+    s, _ = _scores(spec, q_ref[...], k_ref[...])  # [bq, bk]
+    s = jnp.where(_visible(spec, i, block, qs_ref[...], ks_ref[...]), s, -jnp.inf)
+    m_prev = m_scr[...]  # [bq, 128]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+    p = jnp.exp(s - m_safe[:, :1])  # [bq, bk]
+    alpha = jnp.exp(m_prev - m_safe)  # [bq, 128]
+    l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
+    pv = jax.lax.dot_general(p.astype(v_ref.dtype), v_ref[...], (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [bq, Dv]
+    acc_scr[...] = alpha[:, :1] * acc_scr[...] + pv
+    m_scr[...] = m_next
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _():
+    m, sink = m_scr[...], sink_ref[0, h]  # [bq, 128], the head's sinks as one logit
+    top = jnp.maximum(m, sink)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    norm = l_scr[...] * jnp.exp(m - top) + jnp.exp(sink - top)  # [bq, 128]
+    safe = jnp.where(norm > 0, norm, 1.0)
+    out = acc_scr[...] * (jnp.exp(m - top) / safe)[:, :1]  # [bq, Dv]
+    o_ref[...] = jnp.where(norm[:, :1] > 0, out, 0.0).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(norm > 0, top + jnp.log(safe), -jnp.inf)
+
+
+def _probabilities(spec: Spec, row, block, q, k, qs, ks, lse) -> tuple[jax.Array, Any]:
+  """p [bq, bk] from the saved lse (+inf for rows that see nothing: p 0) and the cap's tanh."""
+  s, t = _scores(spec, q, k)
+  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, :1]  # [bq, 1]
+  p = jnp.where(_visible(spec, row, block, qs, ks), jnp.exp(s - lse), 0.0)
+  return p, t
+
+
+def _d_logits(spec: Spec, p: jax.Array, t: Any, dp: jax.Array, delta: jax.Array) -> jax.Array:
+  """d(scaled logits) [bq, bk] from p, dO.V^T and delta, through the soft cap."""
+  ds = p * (dp - delta[:, :1])
+  return ds if t is None else ds * (1.0 - t * t)
+
+
+def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
+  return jax.lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+
+def _dq_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref, lse_ref,
+               delta_ref, do_ref, dq_ref, dq_scr):
+  b, h, i, j = (pl.program_id(n) for n in range(4))
+
+  @pl.when(j == 0)
+  def _():
+    dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+
+  @pl.when(j < counts_ref[b, spec.list_head(h), i])
+  def _():
+    block = _listed(lists_ref, counts_ref, b, spec.list_head(h), i, j)
+    k = k_ref[...]
+    p, t = _probabilities(spec, i, block, q_ref[...], k, qs_ref[...], ks_ref[...], lse_ref[...])
+    dp = _dot(do_ref[...], v_ref[...], (1, 1))  # [bq, bk]
+    ds = _d_logits(spec, p, t, dp, delta_ref[...])
+    dq_scr[...] += _dot(ds.astype(k.dtype), k, (1, 0))  # [bq, D]
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _():
+    dq_ref[...] = (dq_scr[...] * spec.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(spec: Spec, tlists_ref, tcounts_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref,
+                lse_ref, delta_ref, do_ref, dk_ref, dv_ref, dk_scr, dv_scr, *, rows: int):
+  b, hk, c, jj = (pl.program_id(n) for n in range(4))
+  h, t_index = hk * spec.groups + _div(jj, rows), jax.lax.rem(jj, rows)
+
+  @pl.when(jj == 0)
+  def _():
+    dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
+    dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+
+  @pl.when(t_index < tcounts_ref[b, spec.list_head(h), c])
+  def _():
+    row = _listed(tlists_ref, tcounts_ref, b, spec.list_head(h), c, t_index)
+    q, do = q_ref[...], do_ref[...]
+    p, t = _probabilities(spec, row, c, q, k_ref[...], qs_ref[...], ks_ref[...], lse_ref[...])
+    dv_scr[...] += _dot(p.astype(do.dtype), do, (0, 0))  # [bk, Dv]
+    ds = _d_logits(spec, p, t, _dot(do, v_ref[...], (1, 1)), delta_ref[...])
+    dk_scr[...] += _dot(ds.astype(q.dtype), q, (0, 0))  # [bk, D]
+
+  @pl.when(jj == pl.num_programs(3) - 1)
+  def _():
+    dk_ref[...] = (dk_scr[...] * spec.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
+
+
+def _q_map(b, h, i, j, *_):
+  return b, h, i, 0
+
+
+def _call(kernel: Any, spec: Spec, grid: tuple[int, ...], in_specs: list[Any],
+          out_specs: Any, out_shape: Any, scratch: list[Any], *args: Any) -> Any:
+  grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=grid, in_specs=in_specs,
+                                           out_specs=out_specs, scratch_shapes=scratch)
+  params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",))
+  return pl.pallas_call(functools.partial(kernel, spec), grid_spec=grid_spec,
+                        out_shape=out_shape, compiler_params=params,
+                        interpret=spec.interpret)(*args)
+
+
+def _sides(spec: Spec, d: int, dv: int, kv_map: Any, q_map: Any, q_seg_map: Any,
+           kv_seg_map: Any) -> list[Any]:
+  """BlockSpecs of q, k, v and the two segment-id sides."""
+  bq, bk = spec.block_q, spec.block_kv
+  return [pl.BlockSpec((None, None, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
+          pl.BlockSpec((None, None, bk, dv), kv_map), pl.BlockSpec((None, bq, LANES), q_seg_map),
+          pl.BlockSpec((None, SUBLANES, bk), kv_seg_map)]
+
+
+def forward(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: jax.Array,
+            v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array,
+            sinks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """q [B, H, Tp, D], k [B, Hkv, Sp, D], v [B, Hkv, Sp, Dv], lists [B, L, nq, K] and counts
+  [B, L, nq] int32, q_seg [B, Tp, 128], kv_seg [B, 8, Sp], sinks [8, H] f32 (one logit per
+  head, -inf for none) -> out [B, H, Tp, Dv], lse [B, H, Tp, 128] f32 (lanes equal)."""
+  (batch, heads, t_pad, d), dv = q.shape, v.shape[-1]
+  listed = lambda b, h, i, j, lists, counts: _listed(lists, counts, b, spec.list_head(h), i, j)
+  kv_map = lambda b, h, i, j, *refs: (b, _div(h, spec.groups), listed(b, h, i, j, *refs), 0)
+  in_specs = _sides(spec, d, dv, kv_map, _q_map, lambda b, h, i, j, *_: (b, i, 0),
+                    lambda b, h, i, j, *refs: (b, 0, listed(b, h, i, j, *refs)))
+  in_specs.append(pl.BlockSpec((SUBLANES, heads), lambda *_: (0, 0), memory_space=pltpu.SMEM))
+  bq = spec.block_q
+  out_specs = [pl.BlockSpec((None, None, bq, dv), _q_map),
+               pl.BlockSpec((None, None, bq, LANES), _q_map)]
+  out_shape = [jax.ShapeDtypeStruct((batch, heads, t_pad, dv), q.dtype),
+               jax.ShapeDtypeStruct((batch, heads, t_pad, LANES), jnp.float32)]
+  scratch = [pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
+             pltpu.VMEM((bq, dv), jnp.float32)]
+  grid = (batch, heads, t_pad // bq, lists.shape[-1])
+  return _call(_forward_kernel, spec, grid, in_specs, out_specs, out_shape, scratch,
+               lists, counts, q, k, v, q_seg, kv_seg, sinks)
+
+
+def dq(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: jax.Array,
+       v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array, lse: jax.Array, delta: jax.Array,
+       d_out: jax.Array) -> jax.Array:
+  """dq [B, H, Tp, D] over the lists (lse, delta [B, H, Tp, 128] f32; d_out as out)."""
+  (batch, heads, t_pad, d), dv = q.shape, v.shape[-1]
+  listed = lambda b, h, i, j, lists, counts: _listed(lists, counts, b, spec.list_head(h), i, j)
+  kv_map = lambda b, h, i, j, *refs: (b, _div(h, spec.groups), listed(b, h, i, j, *refs), 0)
+  in_specs = _sides(spec, d, dv, kv_map, _q_map, lambda b, h, i, j, *_: (b, i, 0),
+                    lambda b, h, i, j, *refs: (b, 0, listed(b, h, i, j, *refs)))
+  bq = spec.block_q
+  in_specs += [pl.BlockSpec((None, None, bq, LANES), _q_map),
+               pl.BlockSpec((None, None, bq, LANES), _q_map),
+               pl.BlockSpec((None, None, bq, dv), _q_map)]
+  grid = (batch, heads, t_pad // bq, lists.shape[-1])
+  return _call(_dq_kernel, spec, grid, in_specs, pl.BlockSpec((None, None, bq, d), _q_map),
+               jax.ShapeDtypeStruct(q.shape, q.dtype), [pltpu.VMEM((bq, d), jnp.float32)],
+               lists, counts, q, k, v, q_seg, kv_seg, lse, delta, d_out)
+
+
+def dkv(spec: Spec, tlists: jax.Array, tcounts: jax.Array, q: jax.Array, k: jax.Array,
+        v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array, lse: jax.Array, delta: jax.Array,
+        d_out: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """dk [B, Hkv, Sp, D], dv [B, Hkv, Sp, Dv] over the transposed lists (tlists [B, L, nk, nq]:
+  the query tiles listing each key block, tcounts [B, L, nk]); the group's heads summed."""
+  (batch, heads, t_pad, d), (kv_heads, s_pad, dv) = q.shape, v.shape[1:]
+  bq, bk, rows = spec.block_q, spec.block_kv, t_pad // spec.block_q
+  head = lambda hk, jj: hk * spec.groups + _div(jj, rows)
+  row = lambda b, hk, c, jj, tl, tc: _listed(tl, tc, b, spec.list_head(head(hk, jj)), c,
+                                               jax.lax.rem(jj, rows))
+  q_map = lambda b, hk, c, jj, *refs: (b, head(hk, jj), row(b, hk, c, jj, *refs), 0)
+  kv_map = lambda b, hk, c, jj, *_: (b, hk, c, 0)
+  in_specs = _sides(spec, d, dv, kv_map, q_map,
+                    lambda b, hk, c, jj, *refs: (b, row(b, hk, c, jj, *refs), 0),
+                    lambda b, hk, c, jj, *_: (b, 0, c))
+  in_specs += [pl.BlockSpec((None, None, bq, LANES), q_map),
+               pl.BlockSpec((None, None, bq, LANES), q_map),
+               pl.BlockSpec((None, None, bq, dv), q_map)]
+  out_specs = [pl.BlockSpec((None, None, bk, d), kv_map), pl.BlockSpec((None, None, bk, dv), kv_map)]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  scratch = [pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)]
+  grid = (batch, kv_heads, s_pad // bk, spec.groups * rows)
+  return _call(functools.partial(_dkv_kernel, rows=rows), spec, grid, in_specs, out_specs,
+               out_shape, scratch, tlists, tcounts, q, k, v, q_seg, kv_seg, lse, delta, d_out)

@@ -1,0 +1,149 @@
+"""The block-list kernel (Pallas TPU, `backends/tpu_lists.py`) on chosen blocks: interpret mode
+against the float64 oracle (values, gradients, misuse, garbage in unlisted blocks), and lowered
+to Mosaic for TPU from this host, forward and backward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import harness
+import oracle
+import splash_hk as sh
+from splash_hk.backends import splash_lists
+from cases import blocks_case, random_choice
+
+TPU = dict(platform="splash", interpret=True, allow_fallback=False)
+
+CASES = {  # name: (B, T, S, Hq, Hkv, D, Dv, list heads, block_size, K, rest, extras)
+    "gqa_shared_partial_blocks": (2, 320, 320, 4, 2, 64, 64, 2, (64, 128), 2, "causal", {}),
+    "per_head_mqa_dv_cap_sinks": (1, 256, 384, 4, 1, 32, 48, 4, (32, 128), 2, "causal",
+                                  dict(cap=5.0, sinks=True)),
+    "one_choice_packed_no_rule": (1, 256, 256, 2, 2, 32, 32, 1, (128, 128), 2, None,
+                                  dict(packed=True)),
+    "decode_rows_against_a_cache": (2, 8, 640, 4, 2, 32, 32, 2, (8, 128), 3, "causal", {}),
+    "window_beside_the_choice": (1, 512, 512, 2, 1, 32, 32, 1, (128, 128), 3, "window", {}),
+}
+
+
+def _case(name, seed=0):
+  (q, k, v, sinks), mask, kwargs, _, rules = blocks_case(CASES[name], seed)
+  return (q, k, v, sinks), mask, kwargs, rules
+
+
+def _attention(config, mask, kwargs):
+  def f(q, k, v, *sinks):
+    return sh.attention(q, k, v, config=config, mask=mask, softmax_aux=sinks[0] if sinks else None,
+                        **kwargs).attention_outputs
+  return f
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_values_and_gradients_match_the_oracle(name):
+  (q, k, v, sinks), mask, kwargs, rules = _case(name)
+  config = sh.AttentionConfig(logits_soft_cap=rules["soft_cap"], **TPU)
+  decision = sh.explain(q, k, v, config=config, mask=mask, softmax_aux=sinks, **kwargs)
+  assert decision.backend == "splash" and "block-list kernel" in decision.reason
+  cot = np.random.default_rng(1).standard_normal((*q.shape[:3], v.shape[-1])).astype(np.float32)
+  harness.check_against_oracle(_attention(config, mask, kwargs), q, k, v, cot, sinks=sinks,
+                               **rules)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_and_backward_lower_to_mosaic(name):
+  (q, k, v, sinks), mask, kwargs, rules = _case(name)
+  config = sh.AttentionConfig(logits_soft_cap=rules["soft_cap"], allow_fallback=False)
+  f = _attention(config, mask, kwargs)
+  args = (q, k, v) if sinks is None else (q, k, v, sinks)
+  loss = lambda *a: jnp.sum(f(*a) ** 2)
+  for fn, kernels in ((f, 1), (jax.grad(loss, argnums=tuple(range(len(args)))), 3)):
+    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    assert exported.mlir_module().count("tpu_custom_call") == kernels
+
+
+def test_a_real_size_in_bfloat16_lowers_to_mosaic():
+  """T = 8192, D 128, bf16, 8 of 64 key blocks per query tile (MoBA's top-k), GQA: a step."""
+  b, t, hq, hkv, d = 1, 8192, 8, 2, 128
+  q = jax.ShapeDtypeStruct((b, t, hq, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, t, hkv, d), jnp.bfloat16)
+
+  def loss(q, k, v):
+    choice = sh.sparse.top_k_blocks(q, k, top_k=7, block_size=(128, 128))
+    out = sh.attention(q, k, v, mask=choice & sh.masks.Causal(),
+                       config=sh.AttentionConfig(allow_fallback=False)).attention_outputs
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+                               platforms=["tpu"])(q, kv, kv)
+  assert exported.mlir_module().count("tpu_custom_call") == 3
+
+
+def test_a_misused_choice_gives_nan_rows_under_jit_and_the_others_match():
+  (q, k, v, _), _, _, rules = _case("gqa_shared_partial_blocks")
+  lists, counts = random_choice(np.random.default_rng(4), 2, 2, 320, 320, (64, 128), 2)
+  counts[1, 0, 2] = 3  # more than K: the misuse rule
+  config = sh.AttentionConfig(**TPU)
+
+  @jax.jit
+  def f(q, k, v, lists, counts):  # the choice traced: its misuse is seen in the output
+    mask = sh.masks.Blocks(lists, counts, (64, 128)) & sh.masks.Causal()
+    return sh.attention(q, k, v, mask=mask, config=config).attention_outputs
+
+  out = np.asarray(f(q, k, v, lists, counts))  # [B, T, Hq, Dv]
+  bad = np.zeros(out.shape[:3], bool)
+  bad[1, 128:192, 0:2] = True  # batch row 1, query tile 2, the group of list head 0
+  assert np.isnan(out[bad]).all() and not np.isnan(out[~bad]).any()
+  rules["mask"] = oracle.chosen_blocks(lists, np.minimum(counts, 2), (64, 128), 2, 4, 320, 320)
+  want, _ = oracle.attention(q, k, v, **rules)
+  np.testing.assert_allclose(out[~bad], np.asarray(want)[~bad], **harness.tol())
+
+
+def test_garbage_in_unlisted_blocks_changes_nothing():
+  """Only listed blocks are read: NaN keys and values in blocks no list names leave the output
+  and the gradients as the oracle gives them with those blocks zeroed."""
+  (q, k, v, _), mask, _, rules = _case("window_beside_the_choice")
+  listed = rules["mask"].any(axis=(0, 1, 2))  # [S]: keys some list names
+  k, v = k.copy(), v.copy()
+  k[:, ~listed], v[:, ~listed] = np.nan, np.nan
+  assert (~listed).any()
+  f = _attention(sh.AttentionConfig(**TPU), mask, {})
+  cot = np.ones((*q.shape[:3], v.shape[-1]), np.float32)
+  out, grads = harness.values_and_grads(f, (q, k, v), cot)
+  clean = lambda a: np.where(listed[None, :, None, None], a, 0)
+  want, want_grads = harness.oracle_values_and_grads(q, clean(k), clean(v), cot, **rules)
+  np.testing.assert_allclose(out, want, **harness.tol())
+  harness.assert_near(grads[0], want_grads[0])
+  for g, w in zip(grads[1:], want_grads[1:]):
+    harness.assert_near(g[:, listed], w[:, listed])
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(block_size=(4, 128)), "bq a multiple of 8"),
+    (dict(block_size=(128, 64)), "bk of 128"),
+    (dict(block_size=(1024, 1024)), "MiB of VMEM"),
+    (dict(q_positions=True), "explicit q_positions"),
+    (dict(bias=True), "a `bias` was given"),
+])
+def test_what_it_cannot_serve_falls_back_to_xla_naming_it(kwargs, needle):
+  rng = np.random.default_rng(0)
+  size = kwargs.get("block_size", (128, 128))
+  q, k, v = (rng.standard_normal((1, 2048, 2, 64)).astype(np.float32) for _ in range(3))
+  lists, counts = random_choice(rng, 1, 2, 2048, 2048, size, 2)
+  extras = {}
+  if kwargs.get("q_positions"):
+    extras["q_positions"] = np.arange(2048, dtype=np.int32)[None]
+  if kwargs.get("bias"):
+    extras["bias"] = sh.scores.Alibi(np.ones(2, np.float32))
+  decision = sh.explain(q, k, v, mask=sh.masks.Blocks(lists, counts, size) & sh.masks.Causal(),
+                        **extras, for_platform="tpu")
+  assert decision.backend == "xla" and decision.fallback and needle in decision.reason
+
+
+def test_the_transposed_lists_name_every_listing_tile_once():
+  lists = jnp.asarray([[[[2, 0], [1, 1], [0, 3]]]], jnp.int32)  # [1, 1, nq 3, K 2]
+  counts = jnp.asarray([[[2, 1, 1]]], jnp.int32)  # tile 1 lists block 1; tile 2 block 0
+  tlists, tcounts = splash_lists.transpose(lists, counts, 4)
+  np.testing.assert_array_equal(np.asarray(tcounts), [[[2, 1, 1, 0]]])
+  np.testing.assert_array_equal(np.asarray(tlists)[0, 0, 0, :2], [0, 2])
+  np.testing.assert_array_equal(np.asarray(tlists)[0, 0, 1, :1], [1])
+  np.testing.assert_array_equal(np.asarray(tlists)[0, 0, 2, :1], [0])
