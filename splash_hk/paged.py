@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from splash_hk import inputs
 from splash_hk import kernel
+from splash_hk import lowering
 from splash_hk import owners
 from splash_hk import platforms
 from splash_hk import quant
@@ -42,7 +43,9 @@ def paged_facts(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: An
   return PagedFacts(config=config, query_shape=tuple(query.shape),
                     cache_shape=tuple(cache.key.shape), value_dim=cache.value.shape[-1],
                     max_seqs=batch.kv_lens.shape[0], pages_per_seq=batch.page_table.shape[1],
-                    rule=skeleton(rule), bias=skeleton(as_score(bias)))
+                    rule=skeleton(rule), bias=skeleton(as_score(bias)),
+                    quantized=any(quant.is_quantized(a) for a in (cache.key, cache.value)),
+                    cascade=batch.prefix is not None)
 
 
 def explain_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: Any, *,
@@ -124,7 +127,11 @@ def paged_attention(
   owners.check(cache, owner, "cache")
   if mesh is not None:
     validation.validate_mesh(mesh, axes)
-  decision = selector.select_paged(facts)
+  decisions = selector.per_platform(lambda hardware: selector.select_paged(facts, hardware))
+  host = decisions[jax.default_backend()]
+  if isinstance(host, Decision):
+    selector.log_fallback(host)
+  choice = tuple((h, d if isinstance(d, str) else d.backend) for h, d in decisions.items())
   layout = None  # computed once here when the batch is known now, else in the step
   if not traced(batch):  # concrete, even as a constant a jitted function captured: check it now
     with jax.ensure_compile_time_eval():
@@ -151,11 +158,11 @@ def paged_attention(
       sinks=inputs.sinks(softmax_aux, facts.num_heads),  # [Hq, n] or None
       heads=jnp.arange(facts.num_heads, dtype=jnp.int32))  # [Hq]
   if mesh is None and staged(call):
-    out, written, lse = _step(call, facts, decision.backend, layout)
+    out, written, lse = _step(call, facts, choice, layout)
   elif mesh is None:
-    out, written, lse = _whole(call, Static(facts), decision.backend, layout)
+    out, written, lse = _whole(call, Static(facts), choice, layout)
   else:
-    out, written, lse = sharding.shard_paged(lambda c, f: _step(c, f, decision.backend), call,
+    out, written, lse = sharding.shard_paged(lambda c, f: _step(c, f, choice), call,
                                              facts, mesh=mesh, axes=axes)
   written = written.replace(owner=owner or cache.owner)
   return (out, written, lse) if return_residuals else (out, written)
@@ -176,26 +183,41 @@ def _not_differentiated_jvp(primals, tangents):  # JAX calls it only when someth
       "jax.lax.stop_gradient where a gradient reaches them by accident.")
 
 
+Choice = tuple[tuple[str, str], ...]  # (hardware, its backend's name, or why it has none)
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _whole(call: PagedCall, facts: Static, backend: str,
+def _whole(call: PagedCall, facts: Static, choice: Choice,
            layout: Layout | None) -> tuple[jax.Array, PagedKVCache, jax.Array]:
   """`_step` on all heads of an eager call, jitted: one compile (cached per facts) instead of
   one per operation."""
-  return _step(call, facts.value, backend, layout)
+  return _step(call, facts.value, choice, layout)
 
 
-def _step(call: PagedCall, facts: PagedFacts, backend: str,
+def _step(call: PagedCall, facts: PagedFacts, choice: Choice,
           layout: Layout | None = None) -> tuple[jax.Array, PagedKVCache, jax.Array]:
   """Write, then attend (on one shard of heads, or all): (out [N, Hq, Dv], cache, lse [N, Hq]).
+  `choice`: each hardware's backend (the kernel lowered per platform where they differ);
   `layout`: the batch's, when already computed."""
   if layout is None:
     layout = pages.layout(call.batch, facts.num_tokens, facts.num_pages, facts.page_size)
   cache = _write(call.cache, call.key, call.value, call.batch, layout)
   x = PagedInputs(query=call.query, cache=cache, batch=call.batch, layout=layout, rule=call.rule,
                   bias=call.bias, sinks=call.sinks, heads=call.heads)
-  out, lse = kernel.run_paged(backend, x, facts)  # [N, Hq, Dv], [N, Hq]
+  out, lse = _run(choice, x, facts)  # [N, Hq, Dv], [N, Hq]
   out = jnp.where(layout.row_bad[:, None, None], jnp.nan, out)
   out = jnp.where((layout.row_live | layout.row_bad)[:, None, None], out, 0)
   lse = jnp.where(layout.row_bad[:, None], jnp.nan, lse)
   lse = jnp.where((layout.row_live | layout.row_bad)[:, None], lse, -jnp.inf)
   return out.astype(call.query.dtype), cache, lse
+
+
+def _run(choice: Choice, x: PagedInputs, facts: PagedFacts) -> tuple[jax.Array, jax.Array]:
+  """Each hardware's paged kernel (`choice`), one program per lowering platform."""
+  named = dict(choice)
+  run = lambda name: lambda y: kernel.run_paged(name, y, facts)
+  if len(set(named.values())) == 1:
+    return run(named[jax.default_backend()])(x)
+  return lowering.per_platform(  # a hardware without a backend: the reason, not a name
+      {h: run(n) if n in kernel.backends() else lowering.Unlowerable(n) for h, n in named.items()},
+      x)

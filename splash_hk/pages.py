@@ -135,6 +135,8 @@ class PagedFacts:
   pages_per_seq: int
   rule: _objects.Mask | None = None  # the position rule's skeleton
   bias: Score | None = None  # the bias's skeleton
+  quantized: bool = False  # the pool's keys or values are quantized
+  cascade: bool = False  # the batch has a shared prefix (`RaggedBatch.prefix`)
 
   @property
   def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ import pytest
 
 import harness
 import oracle
+import paged_cases
 import splash_hk as sh
 from splash_hk.backends import splash_lists
 from cases import blocks_case, random_choice
@@ -16,7 +17,8 @@ from cases import blocks_case, random_choice
 TPU = dict(platform="splash", interpret=True, allow_fallback=False)
 
 CASES = {  # name: (B, T, S, Hq, Hkv, D, Dv, list heads, block_size, K, rest, extras)
-    "gqa_shared_partial_blocks": (2, 320, 320, 4, 2, 64, 64, 2, (64, 128), 2, "causal", {}),
+    "gqa_shared_partial_blocks": (2, 320, 320, 4, 2, 64, 64, 2, (64, 128), 2, "causal",
+                                  dict(sinks=True)),
     "per_head_mqa_dv_cap_sinks": (1, 256, 384, 4, 1, 32, 48, 4, (32, 128), 2, "causal",
                                   dict(cap=5.0, sinks=True)),
     "one_choice_packed_no_rule": (1, 256, 256, 2, 2, 32, 32, 1, (128, 128), 2, None,
@@ -147,3 +149,37 @@ def test_the_transposed_lists_name_every_listing_tile_once():
   np.testing.assert_array_equal(np.asarray(tlists)[0, 0, 0, :2], [0, 2])
   np.testing.assert_array_equal(np.asarray(tlists)[0, 0, 1, :1], [1])
   np.testing.assert_array_equal(np.asarray(tlists)[0, 0, 2, :1], [0])
+
+
+def test_a_paged_step_with_sinks_gqa_and_a_value_size_matches_the_oracle():
+  """The paged kernel: a mixed step (decode, prefill, chunked prefill, padding rows) over
+  shuffled pages with NaN in every free slot, kv-head sinks, soft cap, Dv != D, a window."""
+  step = paged_cases.step(seed=2, value_dim=24)
+  sinks = np.random.default_rng(3).normal(size=(paged_cases.HKV, 2)).astype(np.float32)
+  config = sh.AttentionConfig(sliding_window=(6, 0), logits_soft_cap=3.0, **TPU)
+  run = jax.jit(lambda *a, s: sh.paged_attention(*a, config=config, softmax_aux=s,
+                                                 return_residuals=True))
+  out, _, lse = run(step.q, step.k, step.v, step.cache, step.batch, s=sinks)
+  groups = paged_cases.HQ // paged_cases.HKV
+  want = paged_cases.attend(step, sinks=np.repeat(sinks, groups, 0), soft_cap=3.0,
+                            window=(6, 0))
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
+  rows = sum(step.q_lens)
+  assert np.isfinite(np.asarray(lse)[:rows]).all() and (np.asarray(lse)[rows:] == -np.inf).all()
+
+
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_paged_attention_exported_for_tpu_holds_the_paged_kernel(page_size):
+  pool = sh.PagedKVCache.zeros(64, page_size, 2, 128, dtype=jnp.bfloat16)
+  batch = sh.RaggedBatch(jnp.asarray([0, 512, 513, 514], jnp.int32), jnp.asarray([0, 900, 40]),
+                         jnp.zeros((3, 16), jnp.int32), jnp.asarray(3, jnp.int32))
+  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+  q = jax.ShapeDtypeStruct((514, 8, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((514, 2, 128), jnp.bfloat16)
+  args = (q, kv, kv, jax.tree.map(spec, pool), jax.tree.map(spec, batch))
+  assert sh.explain_paged(*args, for_platform="tpu").backend == "splash"
+  step = lambda *a: sh.paged_attention(*a, config=sh.AttentionConfig(allow_fallback=False))
+  exported = jax.export.export(jax.jit(step), platforms=["tpu"])(*args)
+  assert exported.mlir_module().count("tpu_custom_call") == 1
+  both = jax.export.export(jax.jit(step), platforms=["cpu", "tpu"])(*args)
+  assert both.mlir_module().count("tpu_custom_call") == 1

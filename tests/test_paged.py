@@ -37,11 +37,13 @@ def _check_cache(step, cache):
 # The reference path (a dense gather into the reference attend, which every attention test
 # holds to the oracle) on two rules; the xla path on every rule.
 @pytest.mark.parametrize("platform,rule", [("xla", r) for r in RULES] +
-                         [("reference", "causal"), ("reference", "soft_cap")])
+                         [("reference", "causal"), ("reference", "soft_cap")] +
+                         [("splash", r) for r in RULES])
 def test_mixed_step_matches_the_oracle_and_writes_only_its_tokens(platform, rule):
   config, rules = RULES[rule]
   step = _step(seed=1)
-  config = dataclasses.replace(config, platform=platform, allow_fallback=False)
+  config = dataclasses.replace(config, platform=platform, allow_fallback=False,
+                               interpret=platform == "splash")  # splash: the block-list kernel
   out, cache = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
       step.q, step.k, step.v, step.cache, step.batch)
   np.testing.assert_allclose(np.asarray(out), _oracle(step, **rules), **harness.tol())
@@ -62,12 +64,13 @@ def test_sinks_gqa_value_size_and_position_bias(platform, kind):
   np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
 
 
-@pytest.mark.parametrize("platform", ["xla", "reference"])
+@pytest.mark.parametrize("platform", ["xla", "reference", "splash"])
 def test_mask_objects_over_positions(platform):
   step = _step(seed=4)
   rule = (sh.masks.Causal() & sh.masks.MaskFn(lambda q, kv: (q - kv) % 3 != 1)) | sh.masks.MaskFn(
       lambda q, kv: kv < 2)
-  config = sh.AttentionConfig(platform=platform, allow_fallback=False)
+  config = sh.AttentionConfig(platform=platform, allow_fallback=False,
+                              interpret=platform == "splash")
   out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config, mask=rule))(
       step.q, step.k, step.v, step.cache, step.batch)
   def dense(ql, s):
@@ -226,10 +229,11 @@ def test_explain_paged_names_the_backend_and_the_refusals():
   decision = sh.explain_paged(*args, config=sh.AttentionConfig(platform="reference"))
   assert decision == sh.Decision("reference", "reference is the requested (paged)")
   splash = sh.explain_paged(*args, config=sh.AttentionConfig(platform="splash", interpret=True))
-  assert splash.fallback and splash.backend == "xla", splash
-  assert "splash: JAX's ragged_paged_attention is not served" in splash.reason, splash
+  assert splash == sh.Decision("splash", "splash is the requested (paged)"), splash
   tpu = sh.explain_paged(*args, for_platform="tpu")  # the choice on a TPU, from this host
-  assert tpu.backend == "xla" and "splash: JAX's ragged_paged_attention" in tpu.reason, tpu
+  assert tpu == sh.Decision("splash", "splash is the first choice on tpu (paged)"), tpu
+  here = sh.explain_paged(*args, config=sh.AttentionConfig(platform="splash"))
+  assert here.backend == "xla" and "splash: the block-list kernel is a Pallas TPU" in here.reason
   gpu = selector.select_paged(
       paged.paged_facts(*args, config=sh.AttentionConfig(), mask=None, bias=None, softmax_aux=None),
       hardware="gpu")

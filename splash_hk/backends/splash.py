@@ -26,6 +26,7 @@ from splash_hk.masks import _rules
 from splash_hk.backends import base
 from splash_hk.backends import splash_horizon
 from splash_hk.backends import splash_lists
+from splash_hk.backends import splash_paged
 from splash_hk.backends import splash_plan
 from splash_hk.backends import xla
 from splash_hk.backends import xla_lists
@@ -296,11 +297,6 @@ def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool) -> jax.Array:
   return out.astype(x.query.dtype)
 
 
-# JAX's paged kernel (ragged_paged_attention) fails in jax 0.10.2's TPU interpret mode (its
-# interpreter has no reshaped refs), so no CPU test can hold it to the oracle: not served.
-PAGED_REFUSAL = ("JAX's ragged_paged_attention is not served: it does not run in interpret mode "
-                 "on jax 0.10.2, and no kernel is served unchecked")
-
 BACKEND = base.Backend(name="splash", why_not=why_not,
                        attend=base.guard_garbage(attend, xla.attend), hardware=("tpu",), rank=0,
-                       paged_why_not=lambda facts, hardware: PAGED_REFUSAL)
+                       paged_why_not=splash_paged.why_not, paged_attend=splash_paged.attend)

@@ -83,8 +83,10 @@ def transpose(lists: jax.Array, counts: jax.Array, kv_blocks: int) -> tuple[jax.
 
 def _spec(x: KernelInputs, facts: Facts, lay: xla_lists.Layout) -> tpu_lists.Spec:
   _, rest = xla_lists.choice_of(x)
-  return tpu_lists.Spec(lay.block_q, lay.block_kv, lay.query_len, lay.kv_len,
-                        lay.num_heads // lay.num_kv_heads, lay.group, facts.scale,
+  groups = lay.num_heads // lay.num_kv_heads
+  whole_groups = lay.group % groups == 0  # each list serves whole groups: a program per kv head
+  return tpu_lists.Spec(lay.block_q, lay.block_kv, lay.query_len, lay.kv_len, groups, lay.group,
+                        groups if whole_groups else 1, facts.scale,
                         facts.config.logits_soft_cap, rest, facts.config.interpret)
 
 

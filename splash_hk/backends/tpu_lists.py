@@ -1,8 +1,10 @@
 """The block-list kernel (Pallas TPU): attention over lists of key blocks, forward and backward.
 
-Each query tile of `block_q` rows of one head reads the key blocks its list names, one grid
-step per listed block: the lists sit in scalar prefetch and the key/value `BlockSpec` index maps
-read them, so only listed blocks are copied to VMEM. The online softmax lives in VMEM scratch
+The grid is (batch, kv head, query tile, listed block): a program's query tile of `block_q`
+rows, for every query head of the kv head's group, reads the key blocks its list names, one
+grid step per listed block (one copy of a block for the group); where each query head has its
+own lists, a program is one query head. The lists sit in scalar prefetch and the key/value
+`BlockSpec` index maps read them, so only listed blocks are copied to VMEM. The online softmax lives in VMEM scratch
 across a tile's steps; steps past a tile's count repeat its last block's index (no copy) and
 compute nothing. The backward is two kernels: dq over the same lists, dK/dV over their
 transpose (for each key block, the query tiles that list it), the group's query heads summed
@@ -40,6 +42,7 @@ class Spec:
   kv_len: int  # S (unpadded)
   groups: int  # G: query heads per kv head
   list_group: int  # query heads per list head
+  per_program: int  # query heads in one forward / dq program: G where lists serve whole groups
   scale: float
   soft_cap: float | None
   rule: Mask | None  # a static position rule beside the choice (its `visible`), or None
@@ -47,6 +50,10 @@ class Spec:
 
   def list_head(self, h: Any) -> Any:
     return _div(h, self.list_group)
+
+  def program_heads(self, p: Any) -> tuple[Any, Any]:
+    """The kv head and the list head of forward / dq program head p."""
+    return _div(p * self.per_program, self.groups), self.list_head(p * self.per_program)
 
 
 def _div(a: Any, b: int) -> Any:
@@ -84,10 +91,22 @@ def _listed(lists_ref: Any, counts_ref: Any, b: Any, l: Any, row: Any, j: Any) -
   return lists_ref[b, l, row, jnp.minimum(j, last)]
 
 
+def _online_step(spec: Spec, g: int, s: jax.Array, v: jax.Array, m_scr, l_scr, acc_scr) -> None:
+  """Head g of the program: visible logits s [bq, bk] of one block folded into its state."""
+  m_prev = m_scr[g]  # [bq, 128]
+  m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
+  m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+  p = jnp.exp(s - m_safe[:, :1])  # [bq, bk]
+  alpha = jnp.exp(m_prev - m_safe)  # [bq, 128]
+  l_scr[g] = alpha * l_scr[g] + jnp.sum(p, axis=1, keepdims=True)
+  acc_scr[g] = alpha[:, :1] * acc_scr[g] + _dot(p.astype(v.dtype), v, (1, 0))  # [bq, Dv]
+  m_scr[g] = m_next
+
+
 def _forward_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref,
                     sink_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr):
-  b, h, i, j = (pl.program_id(n) for n in range(4))
-  count = counts_ref[b, spec.list_head(h), i]
+  b, p, i, j = (pl.program_id(n) for n in range(4))
+  l = spec.program_heads(p)[1]  # the list head
 
   @pl.when(j == 0)
   def _():
@@ -95,32 +114,26 @@ def _forward_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_r
     l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-  @pl.when(j < count)
+  @pl.when(j < counts_ref[b, l, i])
   def _():
-    block = _listed(lists_ref, counts_ref, b, spec.list_head(h), i, j)
-    s, _ = _scores(spec, q_ref[...], k_ref[...])  # [bq, bk]
-    s = jnp.where(_visible(spec, i, block, qs_ref[...], ks_ref[...]), s, -jnp.inf)
-    m_prev = m_scr[...]  # [bq, 128]
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
-    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-    p = jnp.exp(s - m_safe[:, :1])  # [bq, bk]
-    alpha = jnp.exp(m_prev - m_safe)  # [bq, 128]
-    l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
-    pv = jax.lax.dot_general(p.astype(v_ref.dtype), v_ref[...], (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [bq, Dv]
-    acc_scr[...] = alpha[:, :1] * acc_scr[...] + pv
-    m_scr[...] = m_next
+    block = _listed(lists_ref, counts_ref, b, l, i, j)
+    seen = _visible(spec, i, block, qs_ref[...], ks_ref[...])  # [bq, bk]
+    k, v = k_ref[...], v_ref[...]  # one copy of the block for the program's heads
+    for g in range(spec.per_program):
+      s, _ = _scores(spec, q_ref[g], k)  # [bq, bk]
+      _online_step(spec, g, jnp.where(seen, s, -jnp.inf), v, m_scr, l_scr, acc_scr)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
-    m, sink = m_scr[...], sink_ref[0, h]  # [bq, 128], the head's sinks as one logit
-    top = jnp.maximum(m, sink)
-    top = jnp.where(top == -jnp.inf, 0.0, top)
-    norm = l_scr[...] * jnp.exp(m - top) + jnp.exp(sink - top)  # [bq, 128]
-    safe = jnp.where(norm > 0, norm, 1.0)
-    out = acc_scr[...] * (jnp.exp(m - top) / safe)[:, :1]  # [bq, Dv]
-    o_ref[...] = jnp.where(norm[:, :1] > 0, out, 0.0).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(norm > 0, top + jnp.log(safe), -jnp.inf)
+    for g in range(spec.per_program):
+      m, sink = m_scr[g], sink_ref[0, p * spec.per_program + g]  # the head's sinks as one logit
+      top = jnp.maximum(m, sink)
+      top = jnp.where(top == -jnp.inf, 0.0, top)
+      norm = l_scr[g] * jnp.exp(m - top) + jnp.exp(sink - top)  # [bq, 128]
+      safe = jnp.where(norm > 0, norm, 1.0)
+      out = acc_scr[g] * (jnp.exp(m - top) / safe)[:, :1]  # [bq, Dv]
+      o_ref[g] = jnp.where(norm[:, :1] > 0, out, 0.0).astype(o_ref.dtype)
+      lse_ref[g] = jnp.where(norm > 0, top + jnp.log(safe), -jnp.inf)
 
 
 def _probabilities(spec: Spec, row, block, q, k, qs, ks, lse) -> tuple[jax.Array, Any]:
@@ -144,20 +157,21 @@ def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
 
 def _dq_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref, lse_ref,
                delta_ref, do_ref, dq_ref, dq_scr):
-  b, h, i, j = (pl.program_id(n) for n in range(4))
+  b, p, i, j = (pl.program_id(n) for n in range(4))
+  l = spec.program_heads(p)[1]  # the list head
 
   @pl.when(j == 0)
   def _():
     dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
 
-  @pl.when(j < counts_ref[b, spec.list_head(h), i])
+  @pl.when(j < counts_ref[b, l, i])
   def _():
-    block = _listed(lists_ref, counts_ref, b, spec.list_head(h), i, j)
-    k = k_ref[...]
-    p, t = _probabilities(spec, i, block, q_ref[...], k, qs_ref[...], ks_ref[...], lse_ref[...])
-    dp = _dot(do_ref[...], v_ref[...], (1, 1))  # [bq, bk]
-    ds = _d_logits(spec, p, t, dp, delta_ref[...])
-    dq_scr[...] += _dot(ds.astype(k.dtype), k, (1, 0))  # [bq, D]
+    block = _listed(lists_ref, counts_ref, b, l, i, j)
+    k, v, qs, ks = k_ref[...], v_ref[...], qs_ref[...], ks_ref[...]
+    for g in range(spec.per_program):
+      prob, t = _probabilities(spec, i, block, q_ref[g], k, qs, ks, lse_ref[g])
+      ds = _d_logits(spec, prob, t, _dot(do_ref[g], v, (1, 1)), delta_ref[g])  # [bq, bk]
+      dq_scr[g] += _dot(ds.astype(k.dtype), k, (1, 0))  # [bq, D]
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
@@ -189,10 +203,6 @@ def _dkv_kernel(spec: Spec, tlists_ref, tcounts_ref, q_ref, k_ref, v_ref, qs_ref
     dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def _q_map(b, h, i, j, *_):
-  return b, h, i, 0
-
-
 def _call(kernel: Any, spec: Spec, grid: tuple[int, ...], in_specs: list[Any],
           out_specs: Any, out_shape: Any, scratch: list[Any], *args: Any) -> Any:
   grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=grid, in_specs=in_specs,
@@ -203,13 +213,28 @@ def _call(kernel: Any, spec: Spec, grid: tuple[int, ...], in_specs: list[Any],
                         interpret=spec.interpret)(*args)
 
 
-def _sides(spec: Spec, d: int, dv: int, kv_map: Any, q_map: Any, q_seg_map: Any,
+def _sides(spec: Spec, d: int, dv: int, kv_map: Any, q_spec: Any, q_seg_map: Any,
            kv_seg_map: Any) -> list[Any]:
-  """BlockSpecs of q, k, v and the two segment-id sides."""
+  """BlockSpecs of q (given), k, v and the two segment-id sides."""
   bq, bk = spec.block_q, spec.block_kv
-  return [pl.BlockSpec((None, None, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
+  return [q_spec, pl.BlockSpec((None, None, bk, d), kv_map),
           pl.BlockSpec((None, None, bk, dv), kv_map), pl.BlockSpec((None, bq, LANES), q_seg_map),
           pl.BlockSpec((None, SUBLANES, bk), kv_seg_map)]
+
+
+def _programs(spec: Spec, a: jax.Array) -> jax.Array:
+  """[B, H, Tp, X] -> [B, H / n, n, Tp, X]: the query heads of each forward / dq program."""
+  return a.reshape(a.shape[0], -1, spec.per_program, *a.shape[2:])
+
+
+def _list_maps(spec: Spec) -> tuple[Any, Any, Any, Any]:
+  """Index maps of a program's q-side blocks, k/v blocks and the segment sides."""
+  listed = lambda b, p, i, j, lists, counts: _listed(lists, counts, b, spec.program_heads(p)[1],
+                                                     i, j)
+  kv_map = lambda b, p, i, j, *refs: (b, spec.program_heads(p)[0], listed(b, p, i, j, *refs), 0)
+  q_map = lambda b, p, i, j, *_: (b, p, 0, i, 0)
+  kv_seg_map = lambda b, p, i, j, *refs: (b, 0, listed(b, p, i, j, *refs))
+  return q_map, kv_map, lambda b, p, i, j, *_: (b, i, 0), kv_seg_map
 
 
 def forward(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: jax.Array,
@@ -217,23 +242,24 @@ def forward(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: ja
             sinks: jax.Array) -> tuple[jax.Array, jax.Array]:
   """q [B, H, Tp, D], k [B, Hkv, Sp, D], v [B, Hkv, Sp, Dv], lists [B, L, nq, K] and counts
   [B, L, nq] int32, q_seg [B, Tp, 128], kv_seg [B, 8, Sp], sinks [8, H] f32 (one logit per
-  head, -inf for none) -> out [B, H, Tp, Dv], lse [B, H, Tp, 128] f32 (lanes equal)."""
+  head, -inf for none) -> out [B, H, Tp, Dv], lse [B, H, Tp, 128] f32 (lanes equal). The grid
+  is (batch, program head, query tile, listed block)."""
   (batch, heads, t_pad, d), dv = q.shape, v.shape[-1]
-  listed = lambda b, h, i, j, lists, counts: _listed(lists, counts, b, spec.list_head(h), i, j)
-  kv_map = lambda b, h, i, j, *refs: (b, _div(h, spec.groups), listed(b, h, i, j, *refs), 0)
-  in_specs = _sides(spec, d, dv, kv_map, _q_map, lambda b, h, i, j, *_: (b, i, 0),
-                    lambda b, h, i, j, *refs: (b, 0, listed(b, h, i, j, *refs)))
+  bq, n = spec.block_q, spec.per_program
+  q_map, kv_map, q_seg_map, kv_seg_map = _list_maps(spec)
+  in_specs = _sides(spec, d, dv, kv_map, pl.BlockSpec((None, None, n, bq, d), q_map), q_seg_map,
+                    kv_seg_map)
   in_specs.append(pl.BlockSpec((SUBLANES, heads), lambda *_: (0, 0), memory_space=pltpu.SMEM))
-  bq = spec.block_q
-  out_specs = [pl.BlockSpec((None, None, bq, dv), _q_map),
-               pl.BlockSpec((None, None, bq, LANES), _q_map)]
-  out_shape = [jax.ShapeDtypeStruct((batch, heads, t_pad, dv), q.dtype),
-               jax.ShapeDtypeStruct((batch, heads, t_pad, LANES), jnp.float32)]
-  scratch = [pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
-             pltpu.VMEM((bq, dv), jnp.float32)]
-  grid = (batch, heads, t_pad // bq, lists.shape[-1])
-  return _call(_forward_kernel, spec, grid, in_specs, out_specs, out_shape, scratch,
-               lists, counts, q, k, v, q_seg, kv_seg, sinks)
+  out_specs = [pl.BlockSpec((None, None, n, bq, dv), q_map),
+               pl.BlockSpec((None, None, n, bq, LANES), q_map)]
+  out_shape = [jax.ShapeDtypeStruct((batch, heads // n, n, t_pad, dv), q.dtype),
+               jax.ShapeDtypeStruct((batch, heads // n, n, t_pad, LANES), jnp.float32)]
+  scratch = [pltpu.VMEM((n, bq, LANES), jnp.float32), pltpu.VMEM((n, bq, LANES), jnp.float32),
+             pltpu.VMEM((n, bq, dv), jnp.float32)]
+  grid = (batch, heads // n, t_pad // bq, lists.shape[-1])
+  out, lse = _call(_forward_kernel, spec, grid, in_specs, out_specs, out_shape, scratch,
+                   lists, counts, _programs(spec, q), k, v, q_seg, kv_seg, sinks)
+  return out.reshape(batch, heads, t_pad, dv), lse.reshape(batch, heads, t_pad, LANES)
 
 
 def dq(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: jax.Array,
@@ -241,18 +267,17 @@ def dq(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: jax.Arr
        d_out: jax.Array) -> jax.Array:
   """dq [B, H, Tp, D] over the lists (lse, delta [B, H, Tp, 128] f32; d_out as out)."""
   (batch, heads, t_pad, d), dv = q.shape, v.shape[-1]
-  listed = lambda b, h, i, j, lists, counts: _listed(lists, counts, b, spec.list_head(h), i, j)
-  kv_map = lambda b, h, i, j, *refs: (b, _div(h, spec.groups), listed(b, h, i, j, *refs), 0)
-  in_specs = _sides(spec, d, dv, kv_map, _q_map, lambda b, h, i, j, *_: (b, i, 0),
-                    lambda b, h, i, j, *refs: (b, 0, listed(b, h, i, j, *refs)))
-  bq = spec.block_q
-  in_specs += [pl.BlockSpec((None, None, bq, LANES), _q_map),
-               pl.BlockSpec((None, None, bq, LANES), _q_map),
-               pl.BlockSpec((None, None, bq, dv), _q_map)]
-  grid = (batch, heads, t_pad // bq, lists.shape[-1])
-  return _call(_dq_kernel, spec, grid, in_specs, pl.BlockSpec((None, None, bq, d), _q_map),
-               jax.ShapeDtypeStruct(q.shape, q.dtype), [pltpu.VMEM((bq, d), jnp.float32)],
-               lists, counts, q, k, v, q_seg, kv_seg, lse, delta, d_out)
+  bq, n = spec.block_q, spec.per_program
+  q_map, kv_map, q_seg_map, kv_seg_map = _list_maps(spec)
+  side = lambda width: pl.BlockSpec((None, None, n, bq, width), q_map)
+  in_specs = _sides(spec, d, dv, kv_map, side(d), q_seg_map, kv_seg_map)
+  in_specs += [side(LANES), side(LANES), side(dv)]
+  grid = (batch, heads // n, t_pad // bq, lists.shape[-1])
+  grads = _call(_dq_kernel, spec, grid, in_specs, side(d),
+                jax.ShapeDtypeStruct((batch, heads // n, n, t_pad, d), q.dtype),
+                [pltpu.VMEM((n, bq, d), jnp.float32)], lists, counts, _programs(spec, q), k, v,
+                q_seg, kv_seg, *(_programs(spec, a) for a in (lse, delta, d_out)))
+  return grads.reshape(q.shape)
 
 
 def dkv(spec: Spec, tlists: jax.Array, tcounts: jax.Array, q: jax.Array, k: jax.Array,
@@ -267,7 +292,7 @@ def dkv(spec: Spec, tlists: jax.Array, tcounts: jax.Array, q: jax.Array, k: jax.
                                                jax.lax.rem(jj, rows))
   q_map = lambda b, hk, c, jj, *refs: (b, head(hk, jj), row(b, hk, c, jj, *refs), 0)
   kv_map = lambda b, hk, c, jj, *_: (b, hk, c, 0)
-  in_specs = _sides(spec, d, dv, kv_map, q_map,
+  in_specs = _sides(spec, d, dv, kv_map, pl.BlockSpec((None, None, bq, d), q_map),
                     lambda b, hk, c, jj, *refs: (b, row(b, hk, c, jj, *refs), 0),
                     lambda b, hk, c, jj, *_: (b, 0, c))
   in_specs += [pl.BlockSpec((None, None, bq, LANES), q_map),

@@ -1,0 +1,96 @@
+"""The TPU backend's paged calls: the block-list kernel over the pool (`tpu_paged`).
+
+A step's rows are cut into tiles of `block_q` rows of one sequence (a static bound of them:
+ceil(N / bq) + max_seqs); each tile's list of blocks is its sequence's page-table row, its count
+the sequence's length after the write. Rows the batch does not make live (padding, a misusing
+sequence) are no tile's rows; `paged._step` gives them their 0 or NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from splash_hk import pages
+from splash_hk.backends import base
+from splash_hk.backends import tpu_lists
+from splash_hk.backends import tpu_paged
+
+VMEM_BUDGET = 12 * 2 ** 20  # as the block-list kernel's: a v5e's 16 MiB of scoped VMEM
+
+
+def block_q(facts: pages.PagedFacts) -> int:
+  """Query rows per tile: a sequence's share of the step's rows, in [8, 128], a multiple of 8."""
+  share = -(-facts.num_tokens // facts.max_seqs)
+  return min(128, base.round_up(max(share, 1), tpu_lists.SUBLANES))
+
+
+def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
+  """Why the paged block-list kernel cannot serve this paged call, or None."""
+  if hardware != "tpu" and not facts.config.interpret:
+    return (f"the block-list kernel is a Pallas TPU kernel (this is {hardware}); set "
+            "AttentionConfig(interpret=True) to run it in interpret mode")
+  if facts.bias is not None:
+    return "a `bias` was given, and the paged block-list kernel takes none"
+  if facts.quantized:
+    return "the pool is quantized, and the paged block-list kernel reads floating pools only"
+  if facts.cascade:
+    return "the batch has a shared prefix (a cascade), which the paged block-list kernel lacks"
+  if facts.config.dropout_rate > 0:
+    return base.DROPOUT_REFUSAL
+  need = tpu_paged.vmem_bytes(block_q(facts), facts.page_size, facts.num_heads,
+                              facts.num_kv_heads, facts.head_dim, facts.value_dim, 4)
+  if need > VMEM_BUDGET:
+    return (f"{facts.num_heads} query heads over pages of {facts.page_size} need about "
+            f"{need / 2 ** 20:.1f} MiB of VMEM per step, over the kernel's "
+            f"{VMEM_BUDGET / 2 ** 20:.0f} MiB")
+  return None
+
+
+def _tiles(x: pages.PagedInputs, bq: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """tile_seq [W], tile_len [W] (0: no tile) and rows [W, bq] (N: no row)."""
+  layout, batch = x.layout, x.batch
+  n, max_seqs = x.query.shape[0], batch.max_seqs
+  cu = batch.cu_q_lens[:max_seqs + 1].astype(jnp.int32)  # [max_seqs + 1]
+  live = (jnp.arange(max_seqs) < jnp.reshape(batch.num_seqs, (-1,))[0]) & ~layout.misuse.any()
+  q_len = jnp.where(live, jnp.clip(cu[1:] - cu[:-1], 0, n), 0)  # [max_seqs]
+  count = -(-q_len // bq)  # [max_seqs] tiles per sequence
+  ends = jnp.cumsum(count)  # [max_seqs]
+  tau = jnp.arange(-(-n // bq) + max_seqs, dtype=jnp.int32)  # [W]
+  seq = jnp.clip(jnp.searchsorted(ends, tau, side="right"), 0, max_seqs - 1).astype(jnp.int32)
+  used = tau < ends[-1]  # [W]
+  first = cu[seq] + (tau - (ends[seq] - count[seq])) * bq  # [W]
+  rows = first[:, None] + jnp.arange(bq, dtype=jnp.int32)  # [W, bq]
+  ok = used[:, None] & (rows < cu[seq + 1][:, None]) & (rows >= 0) & (rows < n)
+  tile_len = jnp.where(used, layout.kv_len_after[seq], 0).astype(jnp.int32)
+  return seq, tile_len, jnp.where(ok, rows, n)
+
+
+def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:
+  """out [N, Hq, Dv] of every live row over its sequence's pages (other rows: 0) and its lse
+  [N, Hq] (base's convention)."""
+  n, heads, _ = x.query.shape
+  kv_heads, dv = x.cache.key.shape[2], x.cache.value.shape[-1]
+  bq = block_q(facts)
+  tile_seq, tile_len, rows = _tiles(x, bq)  # [W], [W], [W, bq]
+  some = rows < n  # [W, bq]
+  at = jnp.clip(rows, 0, n - 1)
+  q = jnp.where(some[..., None, None], x.query[at], 0)  # [W, bq, Hq, D]
+  pos = jnp.where(some, x.layout.pos[at], -1)  # [W, bq]
+  pos = jnp.broadcast_to(pos[..., None], (*pos.shape, tpu_lists.LANES))  # [W, bq, 128]
+  sinks = (jnp.full((heads,), -jnp.inf, jnp.float32) if x.sinks is None
+           else base.sink_logsumexp(x.sinks))  # [Hq]
+  spec = tpu_paged.Spec(bq, facts.page_size, facts.num_pages, kv_heads, heads // kv_heads,
+                        facts.scale, facts.config.logits_soft_cap, facts.rule,
+                        facts.config.interpret)
+  out, lse = tpu_paged.attend(
+      spec, tile_seq, tile_len, x.batch.page_table.astype(jnp.int32),
+      jnp.swapaxes(q, 1, 2), pos, x.cache.key, x.cache.value,
+      jnp.broadcast_to(sinks[None], (tpu_lists.SUBLANES, heads)))  # [W, Hq, bq, Dv|128]
+  flat = rows.reshape(-1)  # [W * bq]
+  place = lambda a: jnp.zeros((n + 1, *a.shape[2:]), a.dtype).at[flat].set(
+      a.reshape(-1, *a.shape[2:]), mode="drop")[:n]
+  out = place(jnp.swapaxes(out, 1, 2))  # [N, Hq, Dv]
+  lse = jnp.where(some[..., None], jnp.swapaxes(lse[..., 0], 1, 2), -jnp.inf)  # [W, bq, Hq]
+  lse = jnp.full((n + 1, heads), -jnp.inf).at[flat].set(lse.reshape(-1, heads), mode="drop")
+  return out.reshape(n, heads, dv), lse[:n]
