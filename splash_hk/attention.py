@@ -192,13 +192,29 @@ def attend(query: Array, key: Array, value: Array, extras: Extras, *,
     assert isinstance(host, Decision), "per_platform raises when no hardware has a decision"
     selector.log_fallback(host)
     result = run(host, x)
+  elif mesh is None and not staged(x):
+    result = _whole_per_platform(tuple(decisions.items()), x, Static(facts))
   else:
-    result = lowering.per_platform(
-        {hardware: lowering.Unlowerable(d) if isinstance(d, str) else functools.partial(run, d)
-         for hardware, d in decisions.items()}, x)
+    result = _per_platform(decisions, x, run)
   result = _misuse_as_nan(result, x.rule)
   lse = result.lse if return_residuals else None  # [B, T, Hq]
   return AttentionOutput(result.out, result.weights, lse)  # [B, T, Hq, Dv], [B, Hq, T, S]
+
+
+def _per_platform(decisions: dict[str, Decision | str], x: KernelInputs,
+                  run: Callable[[Decision, KernelInputs], KernelOutput]) -> KernelOutput:
+  """`run` with each hardware's decision, one program per lowering platform."""
+  return lowering.per_platform(
+      {hardware: lowering.Unlowerable(d) if isinstance(d, str) else functools.partial(run, d)
+       for hardware, d in decisions.items()}, x)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _whole_per_platform(decisions: tuple[tuple[str, Decision | str], ...], x: KernelInputs,
+                        facts: Static) -> KernelOutput:
+  """`_per_platform` on a whole eager call, jitted: one compile per decisions and facts."""
+  run = functools.partial(_run, facts=facts.value, mesh=None, axes=sharding.MeshAxes())
+  return _per_platform(dict(decisions), x, run)
 
 
 def _run(decision: Decision, x: KernelInputs, *, facts: Facts, mesh: jax.sharding.Mesh | None,

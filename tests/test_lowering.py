@@ -169,3 +169,21 @@ def test_chunked_divides_negative_positions_by_floor():
   got = sh.masks.Chunked(4).visible(pos[:, None], pos[None, :])
   want = (np.arange(-9, 9)[:, None] // 4) == (np.arange(-9, 9)[None, :] // 4)
   np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_second_eager_call_compiles_nothing():
+  """Eager calls of a per-platform choice are jitted once per decisions and facts, as a call
+  with one backend is."""
+  q, k, v, extras = CASE.arrays(seed=3)
+  call = lambda: sh.attention(q, k, v, config=CASE.config, softmax_aux=extras["softmax_aux"])
+  call()
+  compiles = []
+  listener = lambda event, duration, **_: compiles.append(event) if "compile" in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    out = call().attention_outputs
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert not [e for e in compiles if "backend_compile" in e], compiles
+  want, _ = CASE.oracle(q, k, v, extras)
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
