@@ -56,6 +56,7 @@ def test_splash_forward_and_backward_lower_to_mosaic(case):
 MASK_OBJECTS = {
     "causal_and_window": lambda b, t: sh.masks.Causal() & sh.masks.SlidingWindow((96, 0)),
     "chunked": lambda b, t: sh.masks.Chunked(128),
+    "mask_fn_band": lambda b, t: sh.masks.MaskFn(lambda q, kv: (kv <= q) & (q - kv < 200)),
     "causal_or_spans": lambda b, t: sh.masks.Causal() | sh.masks.Bidirectional(
         jnp.asarray(np.repeat([[0, 1, 1, 2]], b, 0).repeat(t // 4, 1))),
 }
