@@ -204,9 +204,8 @@ def attend(query: Array, key: Array, value: Array, extras: Extras, *,
 def _per_platform(decisions: dict[str, Decision | str], x: KernelInputs,
                   run: Callable[[Decision, KernelInputs], KernelOutput]) -> KernelOutput:
   """`run` with each hardware's decision, one program per lowering platform."""
-  return lowering.per_platform(
-      {hardware: lowering.Unlowerable(d) if isinstance(d, str) else functools.partial(run, d)
-       for hardware, d in decisions.items()}, x)
+  return lowering.per_platform(lowering.branches_of(decisions, lambda d: functools.partial(run, d)),
+                               x)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))

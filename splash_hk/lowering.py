@@ -185,6 +185,13 @@ def _halves(rules: Rules, leaves: Sequence[Any],
   return pick(forward), pick(backward), next(n for _, _, n in traced.values())
 
 
+def branches_of(choices: Mapping[str, Any], build: Callable[[Any], Branch]) -> dict[str, Branch]:
+  """Each hardware's branch, `build(choice)`, from its choice; a str is the reason it has none
+  (an `Unlowerable`)."""
+  return {hardware: Unlowerable(choice) if isinstance(choice, str) else build(choice)
+          for hardware, choice in choices.items()}
+
+
 def per_platform(branches: Mapping[str, Branch], x: Any) -> Any:
   """`branches[h](x)` for the hardware `h` ("cpu", "gpu", "tpu") the program is lowered for.
 

@@ -131,7 +131,7 @@ def paged_attention(
   host = decisions[jax.default_backend()]
   if isinstance(host, Decision):
     selector.log_fallback(host)
-  choice = tuple((h, d if isinstance(d, str) else d.backend) for h, d in decisions.items())
+  choice = tuple(decisions.items())
   layout = None  # computed once here when the batch is known now, else in the step
   if not traced(batch):  # concrete, even as a constant a jitted function captured: check it now
     with jax.ensure_compile_time_eval():
@@ -183,7 +183,7 @@ def _not_differentiated_jvp(primals, tangents):  # JAX calls it only when someth
       "jax.lax.stop_gradient where a gradient reaches them by accident.")
 
 
-Choice = tuple[tuple[str, str], ...]  # (hardware, its backend's name, or why it has none)
+Choice = tuple[tuple[str, Decision | str], ...]  # (hardware, its decision, or why it has none)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -216,8 +216,8 @@ def _run(choice: Choice, x: PagedInputs, facts: PagedFacts) -> tuple[jax.Array, 
   """Each hardware's paged kernel (`choice`), one program per lowering platform."""
   named = dict(choice)
   run = lambda name: lambda y: kernel.run_paged(name, y, facts)
-  if len(set(named.values())) == 1:
-    return run(named[jax.default_backend()])(x)
-  return lowering.per_platform(  # a hardware without a backend: the reason, not a name
-      {h: run(n) if n in kernel.backends() else lowering.Unlowerable(n) for h, n in named.items()},
-      x)
+  if selector.same_program(named):
+    host = named[jax.default_backend()]
+    assert isinstance(host, Decision), "per_platform raises when no hardware has a decision"
+    return run(host.backend)(x)
+  return lowering.per_platform(lowering.branches_of(named, lambda d: run(d.backend)), x)

@@ -18,9 +18,6 @@ from splash_hk.backends import tpu_lists
 from splash_hk.backends import xla_lists
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
-# The kernels' VMEM for one step (blocks double-buffered, scores and scratch), kept under a
-# v5e's 16 MiB of scoped VMEM with room for Mosaic's own.
-VMEM_BUDGET = 12 * 2 ** 20
 
 
 def vmem_bytes(block_q: int, block_kv: int, head_dim: int, value_dim: int, itemsize: int) -> int:
@@ -52,10 +49,10 @@ def why_not(facts: Facts) -> str | None:
     return (f"Blocks.block_size {choice.block_size}: the block-list kernel needs bq a multiple "
             f"of {tpu_lists.SUBLANES} and bk of {tpu_lists.LANES} (Mosaic's tiling)")
   need = vmem_bytes(bq, bk, facts.head_dim, facts.value_dim, 4)
-  if need > VMEM_BUDGET:
+  if need > tpu_lists.VMEM_BUDGET:
     return (f"Blocks.block_size {choice.block_size} with head dims {facts.head_dim}/"
             f"{facts.value_dim} needs about {need / 2 ** 20:.1f} MiB of VMEM per step, over "
-            f"the kernel's {VMEM_BUDGET / 2 ** 20:.0f} MiB")
+            f"the kernel's {tpu_lists.VMEM_BUDGET / 2 ** 20:.0f} MiB")
   return None
 
 
@@ -71,11 +68,12 @@ def _lists(x: KernelInputs) -> tuple[xla_lists.Layout, jax.Array, jax.Array]:
 def transpose(lists: jax.Array, counts: jax.Array, kv_blocks: int) -> tuple[jax.Array, jax.Array]:
   """For each key block, the query tiles whose lists hold it (ascending) and how many:
   [B, L, nq, K] -> tlists [B, L, nk, nq], tcounts [B, L, nk]."""
-  rows, most = lists.shape[2:]
+  most = lists.shape[3]
   held = jnp.arange(most) < counts[..., None]  # [B, L, nq, K]
   place = jnp.where(held, lists, kv_blocks)  # [B, L, nq, K]
-  hit = jax.nn.one_hot(place, kv_blocks + 1, dtype=jnp.int32).sum(axis=3)[..., :kv_blocks] > 0
-  hit = jnp.swapaxes(hit, 2, 3)  # [B, L, nk, nq]
+  b, l, r = (i[..., None] for i in jnp.indices(lists.shape[:3]))  # [B, L, nq, 1] each
+  hit = jnp.zeros((*lists.shape[:3], kv_blocks + 1), bool).at[b, l, r, place].set(True)
+  hit = jnp.swapaxes(hit[..., :kv_blocks], 2, 3)  # [B, L, nk, nq]: no [.., K, nk] one-hot
   tcounts = jnp.sum(hit, axis=-1, dtype=jnp.int32)  # [B, L, nk]
   tlists = jnp.argsort(~hit, axis=-1, stable=True).astype(jnp.int32)  # chosen rows first
   return tlists, tcounts

@@ -16,7 +16,6 @@ from splash_hk.backends import base
 from splash_hk.backends import tpu_lists
 from splash_hk.backends import tpu_paged
 
-VMEM_BUDGET = 12 * 2 ** 20  # as the block-list kernel's: a v5e's 16 MiB of scoped VMEM
 
 
 def block_q(facts: pages.PagedFacts) -> int:
@@ -40,10 +39,10 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
     return base.DROPOUT_REFUSAL
   need = tpu_paged.vmem_bytes(block_q(facts), facts.page_size, facts.num_heads,
                               facts.num_kv_heads, facts.head_dim, facts.value_dim, 4)
-  if need > VMEM_BUDGET:
+  if need > tpu_lists.VMEM_BUDGET:
     return (f"{facts.num_heads} query heads over pages of {facts.page_size} need about "
             f"{need / 2 ** 20:.1f} MiB of VMEM per step, over the kernel's "
-            f"{VMEM_BUDGET / 2 ** 20:.0f} MiB")
+            f"{tpu_lists.VMEM_BUDGET / 2 ** 20:.0f} MiB")
   return None
 
 

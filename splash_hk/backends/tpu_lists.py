@@ -30,6 +30,9 @@ import jax.numpy as jnp
 from splash_hk.masks._mask import Mask
 
 LANES, SUBLANES = 128, 8  # a TPU vector register's (sublanes, lanes): Mosaic's tiling
+# The kernels' VMEM for one grid step (blocks double-buffered, scores and scratch), kept under a
+# v5e's 16 MiB of scoped VMEM with room for Mosaic's own.
+VMEM_BUDGET = 12 * 2 ** 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +65,16 @@ def _div(a: Any, b: int) -> Any:
   return jax.lax.div(a, b)
 
 
-def _scores(spec: Spec, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-  """Scaled (and soft-capped) logits [bq, bk] f32, and tanh of the cap (for its derivative)."""
+def scores(q: jax.Array, k: jax.Array, scale: float,
+           soft_cap: float | None) -> tuple[jax.Array, jax.Array | None]:
+  """Scaled (and soft-capped) logits [bq, bk] f32 of q [bq, D] and k [bk, D], and tanh of the
+  cap (for its derivative)."""
   s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                          preferred_element_type=jnp.float32) * spec.scale  # [bq, bk]
-  if spec.soft_cap is None:
+                          preferred_element_type=jnp.float32) * scale  # [bq, bk]
+  if soft_cap is None:
     return s, None
-  t = jnp.tanh(s / spec.soft_cap)
-  return spec.soft_cap * t, t
+  t = jnp.tanh(s / soft_cap)
+  return soft_cap * t, t
 
 
 def _visible(spec: Spec, row: Any, block: Any, q_seg: jax.Array,
@@ -91,8 +96,17 @@ def _listed(lists_ref: Any, counts_ref: Any, b: Any, l: Any, row: Any, j: Any) -
   return lists_ref[b, l, row, jnp.minimum(j, last)]
 
 
-def _online_step(spec: Spec, g: int, s: jax.Array, v: jax.Array, m_scr, l_scr, acc_scr) -> None:
-  """Head g of the program: visible logits s [bq, bk] of one block folded into its state."""
+def init_state(m_scr: Any, l_scr: Any, acc_scr: Any) -> None:
+  """The online softmax's state in VMEM scratch, emptied: max -inf, sum 0, accumulator 0."""
+  m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
+  l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+  acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+
+def online_step(g: int, s: jax.Array, v: jax.Array, m_scr: Any, l_scr: Any,
+                acc_scr: Any) -> None:
+  """Head g's state (m, l [H', bq, 128], acc [H', bq, Dv]): visible logits s [bq, bk] of one
+  block and its values v [bk, Dv] folded in."""
   m_prev = m_scr[g]  # [bq, 128]
   m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
   m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
@@ -103,6 +117,20 @@ def _online_step(spec: Spec, g: int, s: jax.Array, v: jax.Array, m_scr, l_scr, a
   m_scr[g] = m_next
 
 
+def finish(g: int, sink: Any, m_scr: Any, l_scr: Any, acc_scr: Any, o_ref: Any,
+           lse_ref: Any) -> None:
+  """Head g's output and lse from its state, its sinks joining the denominator as one logit
+  (-inf: none); a row that sees nothing outputs 0 with lse -inf."""
+  m = m_scr[g]  # [bq, 128]
+  top = jnp.maximum(m, sink)
+  top = jnp.where(top == -jnp.inf, 0.0, top)
+  norm = l_scr[g] * jnp.exp(m - top) + jnp.exp(sink - top)  # [bq, 128]
+  safe = jnp.where(norm > 0, norm, 1.0)
+  out = acc_scr[g] * (jnp.exp(m - top) / safe)[:, :1]  # [bq, Dv]
+  o_ref[g] = jnp.where(norm[:, :1] > 0, out, 0.0).astype(o_ref.dtype)
+  lse_ref[g] = jnp.where(norm > 0, top + jnp.log(safe), -jnp.inf)
+
+
 def _forward_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref,
                     sink_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr):
   b, p, i, j = (pl.program_id(n) for n in range(4))
@@ -110,9 +138,7 @@ def _forward_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_r
 
   @pl.when(j == 0)
   def _():
-    m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+    init_state(m_scr, l_scr, acc_scr)
 
   @pl.when(j < counts_ref[b, l, i])
   def _():
@@ -120,25 +146,18 @@ def _forward_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_r
     seen = _visible(spec, i, block, qs_ref[...], ks_ref[...])  # [bq, bk]
     k, v = k_ref[...], v_ref[...]  # one copy of the block for the program's heads
     for g in range(spec.per_program):
-      s, _ = _scores(spec, q_ref[g], k)  # [bq, bk]
-      _online_step(spec, g, jnp.where(seen, s, -jnp.inf), v, m_scr, l_scr, acc_scr)
+      s, _ = scores(q_ref[g], k, spec.scale, spec.soft_cap)  # [bq, bk]
+      online_step(g, jnp.where(seen, s, -jnp.inf), v, m_scr, l_scr, acc_scr)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
-    for g in range(spec.per_program):
-      m, sink = m_scr[g], sink_ref[0, p * spec.per_program + g]  # the head's sinks as one logit
-      top = jnp.maximum(m, sink)
-      top = jnp.where(top == -jnp.inf, 0.0, top)
-      norm = l_scr[g] * jnp.exp(m - top) + jnp.exp(sink - top)  # [bq, 128]
-      safe = jnp.where(norm > 0, norm, 1.0)
-      out = acc_scr[g] * (jnp.exp(m - top) / safe)[:, :1]  # [bq, Dv]
-      o_ref[g] = jnp.where(norm[:, :1] > 0, out, 0.0).astype(o_ref.dtype)
-      lse_ref[g] = jnp.where(norm > 0, top + jnp.log(safe), -jnp.inf)
+    for g in range(spec.per_program):  # each head's sinks as one logit
+      finish(g, sink_ref[0, p * spec.per_program + g], m_scr, l_scr, acc_scr, o_ref, lse_ref)
 
 
 def _probabilities(spec: Spec, row, block, q, k, qs, ks, lse) -> tuple[jax.Array, Any]:
   """p [bq, bk] from the saved lse (+inf for rows that see nothing: p 0) and the cap's tanh."""
-  s, t = _scores(spec, q, k)
+  s, t = scores(q, k, spec.scale, spec.soft_cap)
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, :1]  # [bq, 1]
   p = jnp.where(_visible(spec, row, block, qs, ks), jnp.exp(s - lse), 0.0)
   return p, t

@@ -51,26 +51,6 @@ def _page(spec: Spec, seq_ref: Any, len_ref: Any, table_ref: Any, t: Any, j: Any
   return jnp.clip(page, 0, spec.num_pages - 1)
 
 
-def _head_step(spec: Spec, h: int, q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array,
-               m_scr, l_scr, acc_scr) -> None:
-  """Query head h's online-softmax update with one page (q [bq, D], k [page, D], v [page, Dv])."""
-  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                          preferred_element_type=jnp.float32) * spec.scale  # [bq, page]
-  if spec.soft_cap is not None:
-    s = spec.soft_cap * jnp.tanh(s / spec.soft_cap)
-  s = jnp.where(seen, s, -jnp.inf)
-  m_prev = m_scr[h]  # [bq, 128]
-  m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-  m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-  p = jnp.exp(s - m_safe[:, :1])  # [bq, page]
-  alpha = jnp.exp(m_prev - m_safe)
-  l_scr[h] = alpha * l_scr[h] + jnp.sum(p, axis=1, keepdims=True)
-  pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float32)  # [bq, Dv]
-  acc_scr[h] = alpha[:, :1] * acc_scr[h] + pv
-  m_scr[h] = m_next
-
-
 def _kernel(spec: Spec, seq_ref, len_ref, table_ref, q_ref, pos_ref, k_ref, v_ref, sink_ref,
             o_ref, lse_ref, m_scr, l_scr, acc_scr):
   t, j = pl.program_id(0), pl.program_id(1)
@@ -78,9 +58,7 @@ def _kernel(spec: Spec, seq_ref, len_ref, table_ref, q_ref, pos_ref, k_ref, v_re
 
   @pl.when(j == 0)
   def _():
-    m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+    tpu_lists.init_state(m_scr, l_scr, acc_scr)
 
   @pl.when(j * spec.page_size < length)
   def _():
@@ -97,19 +75,13 @@ def _kernel(spec: Spec, seq_ref, len_ref, table_ref, q_ref, pos_ref, k_ref, v_re
       v = jnp.where(held, v_ref[:, hk, :], 0).astype(v_ref.dtype)  # [page, Dv]
       for g in range(spec.groups):
         h = hk * spec.groups + g
-        _head_step(spec, h, q_ref[h], k, v, seen, m_scr, l_scr, acc_scr)
+        s, _ = tpu_lists.scores(q_ref[h], k, spec.scale, spec.soft_cap)  # [bq, page]
+        tpu_lists.online_step(h, jnp.where(seen, s, -jnp.inf), v, m_scr, l_scr, acc_scr)
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _():
     for h in range(spec.num_kv_heads * spec.groups):
-      m, sink = m_scr[h], sink_ref[0, h]
-      top = jnp.maximum(m, sink)
-      top = jnp.where(top == -jnp.inf, 0.0, top)
-      norm = l_scr[h] * jnp.exp(m - top) + jnp.exp(sink - top)  # [bq, 128]
-      safe = jnp.where(norm > 0, norm, 1.0)
-      out = acc_scr[h] * (jnp.exp(m - top) / safe)[:, :1]
-      o_ref[h] = jnp.where(norm[:, :1] > 0, out, 0.0).astype(o_ref.dtype)
-      lse_ref[h] = jnp.where(norm > 0, top + jnp.log(safe), -jnp.inf)
+      tpu_lists.finish(h, sink_ref[0, h], m_scr, l_scr, acc_scr, o_ref, lse_ref)
 
 
 def vmem_bytes(block_q: int, page_size: int, heads: int, kv_heads: int, head_dim: int,
