@@ -51,6 +51,16 @@ def test_values_and_gradients_match_the_oracle(name):
                                **rules)
 
 
+def test_a_real_size_matches_the_oracle():
+  """T = S = 2048, D 128, GQA 8 / 2, four chosen 128-blocks per tile (a 16 x 16 block grid),
+  causal, with sinks: values and gradients against the float64 oracle in interpret mode."""
+  case = (1, 2048, 2048, 8, 2, 128, 128, 2, (128, 128), 4, "causal", dict(sinks=True))
+  (q, k, v, sinks), mask, kwargs, _, rules = blocks_case(case, seed=5)
+  cot = np.random.default_rng(6).standard_normal((*q.shape[:3], v.shape[-1])).astype(np.float32)
+  harness.check_against_oracle(_attention(sh.AttentionConfig(**TPU), mask, kwargs), q, k, v,
+                               cot, sinks=sinks, **rules)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_forward_and_backward_lower_to_mosaic(name):
   (q, k, v, sinks), mask, kwargs, rules = _case(name)
