@@ -2,6 +2,8 @@
 against the float64 oracle (values, gradients, misuse, garbage in unlisted blocks), and lowered
 to Mosaic for TPU from this host, forward and backward."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -193,3 +195,26 @@ def test_paged_attention_exported_for_tpu_holds_the_paged_kernel(page_size):
   assert exported.mlir_module().count("tpu_custom_call") == 1
   both = jax.export.export(jax.jit(step), platforms=["cpu", "tpu"])(*args)
   assert both.mlir_module().count("tpu_custom_call") == 1
+
+
+@pytest.mark.parametrize("platform", ["xla", "splash"])
+def test_a_new_nan_value_shows_only_in_the_rows_that_see_it(platform):
+  """A prefill row's new value holds NaN: its own and later rows of the sequence (one tile)
+  output NaN in that column of its kv head's group; the rows before it match the oracle."""
+  step = paged_cases.step(seed=7)
+  seq, at = 1, 4  # sequence 1 (kv_len 0, 7 new rows): its row at position 4
+  row = sum(step.q_lens[:seq]) + at
+  step.v[row, 0, 0] = np.nan
+  config = sh.AttentionConfig(platform=platform, interpret=True, allow_fallback=False)
+  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
+      step.q, step.k, step.v, step.cache, step.batch)
+  out = np.asarray(out)
+  first, last = sum(step.q_lens[:seq]), sum(step.q_lens[:seq + 1])
+  groups = paged_cases.HQ // paged_cases.HKV
+  assert np.isnan(out[row:last, :groups, 0]).all()
+  assert np.isfinite(out[row:last, :, 1:]).all() and np.isfinite(out[row:last, groups:]).all()
+  clean = np.nan_to_num(step.v)
+  step.history_v[seq] = np.nan_to_num(step.history_v[seq])
+  want = paged_cases.attend(dataclasses.replace(step, v=clean))
+  np.testing.assert_allclose(out[first:row], want[first:row], **harness.tol())
+  np.testing.assert_allclose(out[last:], want[last:], **harness.tol())

@@ -85,7 +85,8 @@ def _late_and_causal(q_pos, kv_pos):
   return (q_pos >= 8) & (kv_pos <= q_pos)
 
 
-def test_a_visible_nan_value_shows_and_a_row_seeing_nothing_outputs_0():
+@pytest.mark.parametrize("platform", ["xla", "splash"])  # splash: the block-list kernel
+def test_a_visible_nan_value_shows_and_a_row_seeing_nothing_outputs_0(platform):
   # Rows before position 8 see nothing (0); sequence 2's rows (positions 12..14) see a NaN in
   # value column 0 of its cached token 5 (not the shared page): NaN there, finite elsewhere.
   step = _step(seed=21)
@@ -94,7 +95,9 @@ def test_a_visible_nan_value_shows_and_a_row_seeing_nothing_outputs_0():
   value[table[2, 5 // PAGE], 5 % PAGE, 0, 0] = np.nan
   step.history_v[2][5, 0, 0] = np.nan
   step.cache = sh.PagedKVCache(step.cache.key, jnp.asarray(value))
-  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, mask=sh.masks.MaskFn(_late_and_causal)))(
+  config = sh.AttentionConfig(platform=platform, interpret=True, allow_fallback=False)
+  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, mask=sh.masks.MaskFn(_late_and_causal),
+                                                 config=config))(
       step.q, step.k, step.v, step.cache, step.batch)
 
   def dense(ql, s):

@@ -51,6 +51,15 @@ def _page(spec: Spec, seq_ref: Any, len_ref: Any, table_ref: Any, t: Any, j: Any
   return jnp.clip(page, 0, spec.num_pages - 1)
 
 
+def _poison(seen: jax.Array, finite: jax.Array) -> jax.Array:
+  """[bq, Dv]: NaN in value column c of the rows that see a key whose column c is not finite
+  (`finite` [page, Dv]; a visible NaN shows there, and only there), else 0."""
+  bad = (~finite).astype(jnp.float32)  # [page, Dv]
+  hits = jax.lax.dot_general(seen.astype(jnp.float32), bad, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [bq, Dv]
+  return jnp.where(hits > 0, jnp.nan, 0.0)
+
+
 def _kernel(spec: Spec, seq_ref, len_ref, table_ref, q_ref, pos_ref, k_ref, v_ref, sink_ref,
             o_ref, lse_ref, m_scr, l_scr, acc_scr):
   t, j = pl.program_id(0), pl.program_id(1)
@@ -73,10 +82,14 @@ def _kernel(spec: Spec, seq_ref, len_ref, table_ref, q_ref, pos_ref, k_ref, v_re
     for hk in range(spec.num_kv_heads):
       k = k_ref[:, hk, :]  # [page, D]
       v = jnp.where(held, v_ref[:, hk, :], 0).astype(v_ref.dtype)  # [page, Dv]
+      finite = jnp.isfinite(v.astype(jnp.float32))  # [page, Dv] (Mosaic tests f32 only)
+      poison = _poison(seen, finite)  # [bq, Dv]: NaN where a row sees a non-finite value
+      v = jnp.where(finite, v, 0).astype(v.dtype)  # 0 * NaN must not reach the other rows
       for g in range(spec.groups):
         h = hk * spec.groups + g
         s, _ = tpu_lists.scores(q_ref[h], k, spec.scale, spec.soft_cap)  # [bq, page]
         tpu_lists.online_step(h, jnp.where(seen, s, -jnp.inf), v, m_scr, l_scr, acc_scr)
+        acc_scr[h] = acc_scr[h] + poison
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _():
