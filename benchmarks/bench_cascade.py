@@ -41,8 +41,8 @@ def _step(prefix: int, own: np.ndarray, shared: bool, grouped: bool):
   for s, n in enumerate(own_pages):
     table[s, :prefix_pages] = pages[0 if shared else s]
     table[s, prefix_pages:prefix_pages + n], start = order[start:start + n], start + n
-  cache = sh.PagedKVCache(jnp.asarray(rng.normal(size=(total, PAGE, HKV, D)), jnp.float32),
-                          jnp.asarray(rng.normal(size=(total, PAGE, HKV, D)), jnp.float32))
+  cache = sh.PagedKVCache(jnp.asarray(rng.normal(size=(total, HKV, PAGE, D)), jnp.float32),
+                          jnp.asarray(rng.normal(size=(total, HKV, PAGE, D)), jnp.float32))
   group = np.zeros(seqs, np.int32) if shared else np.arange(seqs, dtype=np.int32)
   batch = sh.RaggedBatch(
       jnp.arange(seqs + 1, dtype=jnp.int32), jnp.asarray(prefix + own, jnp.int32),

@@ -43,7 +43,7 @@ def pool_for(lens: Sequence[int], q_lens: Sequence[int], pages_per_seq: int, see
     table[s, :n] = order[start:start + n]
     start += n
   pool = sum(need)
-  cache = sh.PagedKVCache(*(_stored(rng.normal(size=(pool, PAGE, HKV, dim)), dtype)
+  cache = sh.PagedKVCache(*(_stored(rng.normal(size=(pool, HKV, PAGE, dim)), dtype)
                             for _ in "kv"))
   cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   batch = sh.RaggedBatch(jnp.asarray(cu), jnp.asarray(lens, jnp.int32), jnp.asarray(table),

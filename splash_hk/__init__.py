@@ -15,6 +15,7 @@ from splash_hk.kv_cache import KVCache
 from splash_hk.merge import merge_attention
 from splash_hk.module import MultiHeadAttention
 from splash_hk.module import SplashAttention
+from splash_hk.paged import PageSelection
 from splash_hk.paged import PagedKVCache
 from splash_hk.paged import RaggedBatch
 from splash_hk.paged import SharedPrefix
@@ -38,6 +39,7 @@ __all__ = (
     "MeshAxes",
     "Mode",
     "MultiHeadAttention",
+    "PageSelection",
     "PagedKVCache",
     "Quantized",
     "RaggedBatch",

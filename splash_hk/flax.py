@@ -169,6 +169,7 @@ class MultiHeadAttention(nnx.Module):
       kv_cache: KVCache | PagedKVCache | None = None,
       lengths: ArrayLike | None = None,
       batch: RaggedBatch | None = None,
+      page_top_k: int | None = None,
       deterministic: bool | None = None,
       rngs: nnx.Rngs | nnx.RngStream | None = None,
       **words: Any,
@@ -198,7 +199,8 @@ class MultiHeadAttention(nnx.Module):
     call = layer.Call(mask=mask, bias=bias, q_segment_ids=q_segment_ids,
                       kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                       kv_positions=kv_positions, kv_cache=kv_cache, lengths=lengths,
-                      batch=batch, dropout_rng=key, dropout_broadcast=self.broadcast_dropout)
+                      batch=batch, page_top_k=page_top_k, dropout_rng=key,
+                      dropout_broadcast=self.broadcast_dropout)
     settings = self.settings._replace(config=self.settings.config.replace(
         dropout_rate=0.0 if key is None else self.dropout_rate))
     sinks = None if self.sinks is None else self.sinks[...]  # [H, n]

@@ -15,6 +15,7 @@ Glossary of shapes:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -24,6 +25,7 @@ from jax.typing import ArrayLike
 
 from splash_hk import kv_cache as kv_cache_lib
 from splash_hk import owners
+from splash_hk import sparse
 from splash_hk.attention import attend as attend_heads
 from splash_hk.config import AttentionConfig
 from splash_hk.kv_cache import KVCache, row_lengths
@@ -48,6 +50,7 @@ class Call(NamedTuple):
   kv_cache: kv_cache_lib.Cache | PagedKVCache | None = None
   lengths: ArrayLike | None = None  # [...] or [] int: tokens each row appends
   batch: RaggedBatch | None = None  # with a PagedKVCache: the step's sequences
+  page_top_k: int | None = None  # with a PagedKVCache: read each sequence's chosen pages (Quest)
   dropout_rng: Any = None  # a jax.random key: attention dropout at the config's rate
   dropout_broadcast: bool = False  # one dropout mask for every batch row and head (Flax's)
 
@@ -131,6 +134,7 @@ def attend_paged(query: jax.Array, key: jax.Array, value: jax.Array, call: Call,
                      "heads.")
   given = [name for name in ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions",
                              "lengths") if getattr(call, name) is not None]
+  batch = call.batch
   if given:
     raise ValueError(f"With a PagedKVCache, `batch` says each token's sequence and position: do "
                      f"not pass {', '.join(given)}.")
@@ -140,7 +144,10 @@ def attend_paged(query: jax.Array, key: jax.Array, value: jax.Array, call: Call,
   # them in the query's: narrower pools are a choice, not a mismatch.
   if not isinstance(call.kv_cache.key, Quantized):  # a quantized pool quantizes as it writes
     key, value = key.astype(call.kv_cache.key.dtype), value.astype(call.kv_cache.value.dtype)
-  result = paged_attention(query, key, value, call.kv_cache, call.batch, config=settings.config,
+  if call.page_top_k is not None:  # Quest: this layer's queries choose its pages
+    batch = dataclasses.replace(batch, selection=sparse.top_k_pages(
+        query, call.kv_cache, batch, top_k=call.page_top_k))
+  result = paged_attention(query, key, value, call.kv_cache, batch, config=settings.config,
                            softmax_aux=sinks, mesh=settings.mesh, axes=settings.axes,
                            owner=settings.layer, **rules)
   return result[0], result[1]  # [N, H, V], the cache

@@ -196,6 +196,7 @@ class MultiHeadAttention(hk.Module):
       kv_cache: kv_cache_lib.Cache | PagedKVCache | None = None,
       lengths: ArrayLike | None = None,
       batch: RaggedBatch | None = None,
+      page_top_k: int | None = None,
       is_training: bool = False,
   ) -> jax.Array | tuple[jax.Array, KVCache | PagedKVCache]:
     """Attends `query` to `key`/`value` (default: self-attention).
@@ -229,6 +230,9 @@ class MultiHeadAttention(hk.Module):
         [N, D_q], and the call is `splash_hk.paged_attention` between the
         projections: returns ([N, D'], new PagedKVCache). `mask` and `bias`
         are then objects over positions.
+      page_top_k: with `batch`, each sequence reads only the pages this layer's queries
+        choose (Quest: `splash_hk.sparse.top_k_pages` with `top_k=page_top_k` and its last
+        page, on a pool built with `page_summaries=True`); None reads every page.
       is_training: apply the module's `dropout_rate` (a key from `hk.next_rng_key()`, so
         the transform needs an rng); False (the default) computes without dropout.
 
@@ -244,7 +248,8 @@ class MultiHeadAttention(hk.Module):
     call = layer_lib.Call(mask=mask, bias=bias, q_segment_ids=q_segment_ids,
                           kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                           kv_positions=kv_positions, kv_cache=kv_cache, lengths=lengths,
-                          batch=batch, dropout_rng=hk.next_rng_key() if dropout else None)
+                          batch=batch, page_top_k=page_top_k,
+                          dropout_rng=hk.next_rng_key() if dropout else None)
     settings = self.splash.settings(self.module_name)
     settings = settings._replace(config=settings.config.replace(dropout_rate=dropout))
     out, cache = layer_lib.attend(q, k, v, call, settings,

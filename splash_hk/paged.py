@@ -21,31 +21,33 @@ from splash_hk import platforms
 from splash_hk import quant
 from splash_hk import sharding
 from splash_hk import validation
+from splash_hk import validation_paged
 from splash_hk.config import AttentionConfig, staged, traced
 from splash_hk.fallback import selector
 from splash_hk.masks import Mask
 from splash_hk.masks import _rules
 from splash_hk.nodes import Static, skeleton
-from splash_hk import pages
+from splash_hk import ragged
 from splash_hk.pages import Layout, PagedCall, PagedFacts, PagedInputs, PagedKVCache, RaggedBatch
-from splash_hk.pages import SharedPrefix
+from splash_hk.pages import PageSelection, SharedPrefix
 from splash_hk.scores import Score
 from splash_hk.types import Array, Decision, Shaped, as_score
 
-__all__ = ("PagedKVCache", "RaggedBatch", "SharedPrefix", "explain_paged", "paged_attention")
+__all__ = ("PageSelection", "PagedKVCache", "RaggedBatch", "SharedPrefix", "explain_paged",
+           "paged_attention")
 
 
 def paged_facts(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: Any, *,
            config: AttentionConfig, mask: Any, bias: Any, softmax_aux: Any) -> PagedFacts:
   """Validates a paged call's arguments (shapes and dtypes only); returns its facts."""
-  validation.validate_paged(query, key, value, cache, batch, config, mask, bias, softmax_aux)
+  validation_paged.validate_paged(query, key, value, cache, batch, config, mask, bias, softmax_aux)
   rule = _rules.call_rule(**config.rules, mask=mask)
   return PagedFacts(config=config, query_shape=tuple(query.shape),
                     cache_shape=tuple(cache.key.shape), value_dim=cache.value.shape[-1],
                     max_seqs=batch.kv_lens.shape[0], pages_per_seq=batch.page_table.shape[1],
                     rule=skeleton(rule), bias=skeleton(as_score(bias)),
                     quantized=any(quant.is_quantized(a) for a in (cache.key, cache.value)),
-                    cascade=batch.prefix is not None)
+                    cascade=batch.prefix is not None, selected=batch.selection is not None)
 
 
 def explain_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: Any, *,
@@ -60,17 +62,6 @@ def explain_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: 
   facts = paged_facts(query, key, value, cache, batch, config=config, mask=mask, bias=bias,
                  softmax_aux=softmax_aux)
   return selector.select_paged(facts, hardware)
-
-
-def _write(cache: PagedKVCache, key: jax.Array, value: jax.Array, batch: RaggedBatch,
-           layout: Layout) -> PagedKVCache:
-  """Each live row's key/value at its position in its sequence's pages; others write nothing."""
-  num_pages, page_size = cache.num_pages, cache.page_size
-  logical = jnp.clip(layout.pos // page_size, 0, batch.pages_per_seq - 1)  # [N]
-  page = jnp.where(layout.row_live, batch.page_table[layout.seq, logical], num_pages)  # [N]
-  slot = layout.pos % page_size  # [N]
-  put = lambda pool, new, name: quant.write(pool, (page, slot), new, name)  # quantized as written
-  return cache.replace(key=put(cache.key, key, "key"), value=put(cache.value, value, "value"))
 
 
 def paged_attention(
@@ -98,7 +89,7 @@ def paged_attention(
     query: [N, Hq, D], the rows of sequence s at `batch.cu_q_lens[s]:cu_q_lens[s+1]`.
     key: [N, Hkv, D], written at each row's position (`kv_lens[s]` + its index in s).
     value: [N, Hkv, Dv].
-    cache: the pool, key [P, page_size, Hkv, D] and value [P, page_size, Hkv, Dv].
+    cache: the pool (`PagedKVCache`: its pages in the library's layout, built by `.zeros`).
     batch: the step's `RaggedBatch` (row offsets, lengths before the call, page table).
     config: the rules (default causal: each row sees its sequence up to its own position),
       soft cap, scale and platform, as for `attention`.
@@ -135,8 +126,8 @@ def paged_attention(
   layout = None  # computed once here when the batch is known now, else in the step
   if not traced(batch):  # concrete, even as a constant a jitted function captured: check it now
     with jax.ensure_compile_time_eval():
-      layout = pages.layout(batch, facts.num_tokens, facts.num_pages, facts.page_size)
-    pages.raise_misuse(layout.misuse, n=facts.num_tokens, max_seqs=facts.max_seqs,
+      layout = ragged.layout(batch, facts.num_tokens, facts.num_pages, facts.page_size)
+    ragged.raise_misuse(layout.misuse, n=facts.num_tokens, max_seqs=facts.max_seqs,
                        capacity=facts.pages_per_seq * facts.page_size,
                        num_pages=facts.num_pages)
   query, key, value, softmax_aux, bias = _not_differentiated(
@@ -200,8 +191,8 @@ def _step(call: PagedCall, facts: PagedFacts, choice: Choice,
   `choice`: each hardware's backend (the kernel lowered per platform where they differ);
   `layout`: the batch's, when already computed."""
   if layout is None:
-    layout = pages.layout(call.batch, facts.num_tokens, facts.num_pages, facts.page_size)
-  cache = _write(call.cache, call.key, call.value, call.batch, layout)
+    layout = ragged.layout(call.batch, facts.num_tokens, facts.num_pages, facts.page_size)
+  cache = ragged.write(call.cache, call.key, call.value, call.batch, layout)
   x = PagedInputs(query=call.query, cache=cache, batch=call.batch, layout=layout, rule=call.rule,
                   bias=call.bias, sinks=call.sinks, heads=call.heads)
   out, lse = _run(choice, x, facts)  # [N, Hq, Dv], [N, Hq]

@@ -219,14 +219,6 @@ def write(buf: Any, index: Any, new: Any, name: str) -> Any:
                    buf.scale.at[index].set(q.scale, mode="drop"))
 
 
-def pages(pool: Any, index: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-  """`pool[index]` as (values, scales or None): a quantized pool's values as stored and its
-  scales [..., page, Hkv, 1], for a kernel to apply after its dots."""
-  if not isinstance(pool, Quantized):
-    return pool[index], None
-  return pool.values[index], pool.scale[index]
-
-
 def cotangent(primal: Any, grad: jax.Array) -> Any:
   """A custom VJP's cotangent for an input from the gradient of what it stands for (`grad`, its
   dequantized shape): for a `Quantized` one, its scale's (`d scale = sum(grad * values)` over

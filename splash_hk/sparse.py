@@ -1,7 +1,9 @@
-"""Gates that choose key blocks from the data: MoBA's top-k by mean-pooled keys.
+"""Gates that choose key blocks from the data: MoBA's top-k by mean-pooled keys, Quest's pages.
 
 `top_k_blocks` returns a `masks.Blocks`: pass it as `mask=` (`& masks.Causal()` keeps
 causality inside the diagonal block), and attention computes the chosen blocks only.
+`top_k_pages` returns a `PageSelection` for `RaggedBatch(selection=...)`: a paged step then
+reads only the chosen pages of each sequence (a decode's cost follows the choice).
 
 Glossary of shapes: B batch, T queries, S keys, Hq query heads, Hkv kv heads (Gq = Hq / Hkv
 per group), D head dim, (bq, bk) the block size, nq = ceil(T / bq), nk = ceil(S / bk), K the
@@ -13,9 +15,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from splash_hk import pages
+from splash_hk import ragged
 from splash_hk.masks._chosen import Blocks
+from splash_hk.pages import PagedKVCache, PageSelection, RaggedBatch
 
-__all__ = ("top_k_blocks",)
+__all__ = ("top_k_blocks", "top_k_pages")
+
+ROWS_PER_STEP = 16  # query rows whose page bounds `top_k_pages` scores in one loop step
 
 
 def _block_means(x: jax.Array, valid: jax.Array, block: int) -> jax.Array:
@@ -131,3 +138,100 @@ def _check(q, k, top_k, block_size, local, q_segment_ids, kv_segment_ids) -> Non
     raise ValueError("`kv_segment_ids` needs `q_segment_ids` (the queries' documents) too.")
   if kv_segment_ids is None and q_segment_ids is not None and q.shape[1] != k.shape[1]:
     raise ValueError("`kv_segment_ids` is required when T != S and `q_segment_ids` is given.")
+
+
+def top_k_pages(q: jax.Array, cache: PagedKVCache, batch: RaggedBatch, top_k: int, *,
+                local: int = 1) -> PageSelection:
+  """Quest's page choice: for each sequence and kv head, its `local` last pages and the `top_k`
+  cached pages whose keys can score highest, as a `PageSelection` for `RaggedBatch(selection=)`.
+
+  A page's bound for a query is `sum_d max(q_d * key_min_d, q_d * key_max_d)` over the page's
+  key summaries (`PagedKVCache.zeros(..., page_summaries=True)`), an upper bound of every
+  logit the page holds; a page's score for a sequence and kv head is its bound's max over the
+  sequence's rows and the kv head's group of query heads. The `local` last pages of the length
+  after the step (the rows' own, newest tokens) are always chosen; the candidates are the other
+  pages holding cached tokens (`kv_lens`); pages that only this step writes, other than the
+  local ones, are not chosen (a chunk longer than `local` pages: pass a larger `local`). Then
+  the `top_k` highest candidates, ties to the lower index; count = what was chosen. No gradient.
+
+  Args:
+    q: [N, Hq, D], the step's query rows (`paged_attention`'s `query`).
+    cache: the pool, with page summaries.
+    batch: the step's `RaggedBatch` (its lengths before the step, as `paged_attention` reads).
+    top_k: pages chosen beyond the local ones (>= 0).
+    local: the last pages always chosen (>= 0).
+
+  Returns:
+    PageSelection(pages [max_seqs, Hkv, top_k' + local] int32 logical pages (-1 past each
+    count), counts [max_seqs, Hkv]), top_k' = min(top_k, pages_per_seq).
+  """
+  _check_pages(q, cache, batch, top_k, local)
+  q = jax.lax.stop_gradient(jnp.asarray(q))
+  n, page_size = q.shape[0], cache.page_size
+  lay = ragged.layout(batch, n, cache.num_pages, page_size)
+  score = _page_scores(q, cache, batch, lay)  # [max_seqs, Hkv, pps]
+  kv = batch.kv_lens.astype(jnp.int32)[:, None, None]  # [max_seqs, 1, 1]
+  after = -(-lay.kv_len_after // page_size)[:, None, None]  # pages after the step
+  logical = jnp.arange(batch.pages_per_seq, dtype=jnp.int32)
+  own = (logical >= after - local) & (logical < after)  # [max_seqs, 1, pps]
+  candidate = (logical < -(-kv // page_size)) & ~own
+  values, top = jax.lax.top_k(jnp.where(candidate, score, -jnp.inf),
+                              min(top_k, batch.pages_per_seq))  # ties to the lower index
+  chosen_top = jnp.take_along_axis(jnp.broadcast_to(candidate, score.shape), top, axis=-1)
+  firsts = after - local + jnp.arange(local, dtype=jnp.int32)  # [max_seqs, 1, local]
+  firsts = jnp.broadcast_to(firsts, (*score.shape[:2], local))
+  listed = jnp.concatenate([firsts, top.astype(jnp.int32)], axis=-1)  # [max_seqs, Hkv, K]
+  valid = jnp.concatenate([(firsts >= 0) & (firsts < batch.pages_per_seq), chosen_top], axis=-1)
+  live = jnp.arange(batch.max_seqs) < jnp.reshape(batch.num_seqs, (-1,))[0]
+  valid = valid & live[:, None, None]
+  order = jnp.argsort(~valid, axis=-1, stable=True)  # chosen first, in their order
+  listed = jnp.where(jnp.take_along_axis(valid, order, -1),
+                     jnp.take_along_axis(listed, order, -1), -1)
+  return PageSelection(listed, jnp.sum(valid, axis=-1, dtype=jnp.int32))
+
+
+def _page_scores(q: jax.Array, cache: PagedKVCache, batch: RaggedBatch,
+                 lay: pages.Layout) -> jax.Array:
+  """[max_seqs, Hkv, pps] f32: each page's Quest bound, maxed over its sequence's live rows
+  and each kv head's group (-inf: no row). `ROWS_PER_STEP` rows a loop step."""
+  n, num_heads, dim = q.shape
+  kv_heads = cache.num_kv_heads
+  size = ROWS_PER_STEP
+  steps = -(-n // size)
+  pad = lambda a, fill: jnp.pad(a, [(0, steps * size - n)] + [(0, 0)] * (a.ndim - 1),
+                                constant_values=fill)
+  grouped = pad(q.astype(jnp.float32), 0).reshape(-1, kv_heads, num_heads // kv_heads, dim)
+  seq, live = pad(lay.seq, 0), pad(lay.row_live, False)
+  table = jnp.clip(batch.page_table.astype(jnp.int32), 0, cache.num_pages - 1)  # [S, pps]
+  best = jnp.full((batch.max_seqs, kv_heads, batch.pages_per_seq), -jnp.inf)
+
+  def step(i, best):
+    rows = jax.lax.dynamic_slice_in_dim(grouped, i * size, size)  # [R, Hkv, G, D]
+    seqs = jax.lax.dynamic_slice_in_dim(seq, i * size, size)  # [R]
+    lo, hi = cache.key_min[table[seqs]], cache.key_max[table[seqs]]  # [R, pps, Hkv, D]
+    bound = (jnp.einsum("rkgd,rpkd->rkgp", jnp.maximum(rows, 0), hi)
+             + jnp.einsum("rkgd,rpkd->rkgp", jnp.minimum(rows, 0), lo))  # [R, Hkv, G, pps]
+    ok = jax.lax.dynamic_slice_in_dim(live, i * size, size)
+    at = jnp.where(ok, seqs, batch.max_seqs)  # dead rows: dropped
+    return best.at[at].max(jnp.max(bound, axis=2), mode="drop")
+
+  return jax.lax.fori_loop(0, steps, step, best)
+
+
+def _check_pages(q, cache, batch, top_k, local) -> None:
+  """Arguments of `top_k_pages`, each refusal naming its argument."""
+  if not isinstance(cache, PagedKVCache) or cache.key_min is None:
+    raise ValueError("`cache` must be a PagedKVCache that keeps page summaries: build it with "
+                     "PagedKVCache.zeros(..., page_summaries=True).")
+  if not isinstance(batch, RaggedBatch):
+    raise ValueError(f"`batch` must be a splash_hk.RaggedBatch, got {type(batch).__name__}.")
+  if (jnp.ndim(q) != 3 or q.shape[2] != cache.key_min.shape[-1]
+      or q.shape[1] % cache.num_kv_heads):
+    raise ValueError(f"`q` must be [N, Hq, D] with D = {cache.key_min.shape[-1]} and Hq a "
+                     f"multiple of the cache's {cache.num_kv_heads} kv heads, got "
+                     f"{tuple(jnp.shape(q))}.")
+  for name, count in (("top_k", top_k), ("local", local)):
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+      raise ValueError(f"`{name}` must be an int >= 0, got {count!r}.")
+  if top_k + local < 1:
+    raise ValueError("`top_k` + `local` must be at least 1: a choice of no page sees nothing.")

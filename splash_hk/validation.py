@@ -13,24 +13,20 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk.masks import _objects
-from splash_hk.masks._chosen import Blocks
 from splash_hk.config import AttentionConfig
-from splash_hk.pages import PagedKVCache, RaggedBatch, SharedPrefix
-from splash_hk.quant import Quantized, as_quantized, shaped
-from splash_hk.scores import Score
 from splash_hk.sharding.axes import MeshAxes, dropped_names
 from splash_hk.types import Extras, as_score
 
 Shaped = Any  # anything with .shape and .dtype
 
 
-def _fail(message: str):
+def fail(message: str):
   raise ValueError(message)
 
 
-def _array(x: Any, name: str, layout: str) -> None:
+def array(x: Any, name: str, layout: str) -> None:
   if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-    _fail(f"`{name}` must be an array {layout} (a jax.Array or np.ndarray), got "
+    fail(f"`{name}` must be an array {layout} (a jax.Array or np.ndarray), got "
           f"{type(x).__name__}; wrap it with jnp.asarray.")
 
 
@@ -42,47 +38,47 @@ def _chex(check: Callable[[], None], message: str) -> None:
     raise ValueError(f"{message} ({e})") from None
 
 
-def _rank(x: Shaped, rank: int, name: str, layout: str) -> None:
-  _array(x, name, layout)
+def rank(x: Shaped, rank: int, name: str, layout: str) -> None:
+  array(x, name, layout)
   _chex(lambda: chex.assert_rank(x, rank),
         f"`{name}` must be {layout}, got shape {tuple(x.shape)}.")
 
 
-def _integer(x: Shaped, name: str) -> None:
+def integer(x: Shaped, name: str) -> None:
   if not jnp.issubdtype(x.dtype, jnp.integer):
-    _fail(f"`{name}` must have an integer dtype, got {x.dtype}; pass it as "
+    fail(f"`{name}` must have an integer dtype, got {x.dtype}; pass it as "
           f"{name}.astype(jnp.int32).")
 
 
 def validate_qkv(query: Shaped, key: Shaped, value: Shaped, config: AttentionConfig) -> None:
   """query [B, T, Hq, D], key [B, S, Hkv, D], value [B, S, Hkv, Dv]."""
   if not isinstance(config, AttentionConfig):
-    _fail(f"`config` must be a splash_hk.AttentionConfig, got {type(config).__name__}.")
-  _rank(query, 4, "query", "[batch, query_len, num_heads, head_dim]")
-  _rank(key, 4, "key", "[batch, kv_len, num_kv_heads, head_dim]")
-  _rank(value, 4, "value", "[batch, kv_len, num_kv_heads, value_head_dim]")
+    fail(f"`config` must be a splash_hk.AttentionConfig, got {type(config).__name__}.")
+  rank(query, 4, "query", "[batch, query_len, num_heads, head_dim]")
+  rank(key, 4, "key", "[batch, kv_len, num_kv_heads, head_dim]")
+  rank(value, 4, "value", "[batch, kv_len, num_kv_heads, value_head_dim]")
   batch, _, num_heads, head_dim = query.shape
   num_kv_heads, key_dim = key.shape[2:]
   if min(query.shape) < 1 or min(key.shape) < 1 or min(value.shape) < 1:
-    _fail(f"`query`, `key` and `value` must have no empty axis, got query {tuple(query.shape)}, "
+    fail(f"`query`, `key` and `value` must have no empty axis, got query {tuple(query.shape)}, "
           f"key {tuple(key.shape)}, value {tuple(value.shape)}.")
   if key.shape[0] != batch or value.shape[0] != batch:
-    _fail(f"`key` and `value` must have the batch size of `query` ({batch}), got key "
+    fail(f"`key` and `value` must have the batch size of `query` ({batch}), got key "
           f"{tuple(key.shape)}, value {tuple(value.shape)}.")
   if key_dim != head_dim:
-    _fail(f"`key` head_dim must equal `query` head_dim ({head_dim}), got key "
+    fail(f"`key` head_dim must equal `query` head_dim ({head_dim}), got key "
           f"{tuple(key.shape)}, query {tuple(query.shape)}.")
   if value.shape[1:3] != key.shape[1:3]:
-    _fail(f"`value` must have the kv_len and num_kv_heads of `key` {tuple(key.shape[1:3])}, got "
+    fail(f"`value` must have the kv_len and num_kv_heads of `key` {tuple(key.shape[1:3])}, got "
           f"value {tuple(value.shape)}.")
   if num_heads % num_kv_heads:
-    _fail(f"`query` num_heads ({num_heads}) must be a multiple of `key` num_kv_heads "
+    fail(f"`query` num_heads ({num_heads}) must be a multiple of `key` num_kv_heads "
           f"({num_kv_heads}) for GQA/MQA.")
   for name, x in (("query", query), ("key", key), ("value", value)):
     if not jnp.issubdtype(x.dtype, jnp.floating):
-      _fail(f"`{name}` must have a floating dtype, got {x.dtype}.")
+      fail(f"`{name}` must have a floating dtype, got {x.dtype}.")
   if config.runtime_dtype is None and not query.dtype == key.dtype == value.dtype:
-    _fail(f"`query`, `key` and `value` must share a dtype, got {query.dtype}, {key.dtype}, "
+    fail(f"`query`, `key` and `value` must share a dtype, got {query.dtype}, {key.dtype}, "
           f"{value.dtype}; cast them or set AttentionConfig(runtime_dtype=...).")
 
 
@@ -99,12 +95,12 @@ def validate_extras(query: Shaped, key: Shaped, extras: Extras) -> None:
       _validate_rows(x, name, batch, length, axis)
   if query_len != kv_len and (extras.q_segment_ids is None) != (extras.kv_segment_ids is None):
     missing = "kv_segment_ids" if extras.kv_segment_ids is None else "q_segment_ids"
-    _fail(f"`{missing}` is required when query_len ({query_len}) != kv_len ({kv_len}) and "
+    fail(f"`{missing}` is required when query_len ({query_len}) != kv_len ({kv_len}) and "
           "the other segment ids are given: ids of one length cannot default to the other.")
   if extras.mask is not None and not isinstance(extras.mask, _objects.Mask):
     _validate_mask(extras.mask, batch, query.shape[2], query_len, kv_len)
   if extras.softmax_aux is not None:
-    _validate_sinks(extras.softmax_aux, query.shape[2], key.shape[2])
+    validate_sinks(extras.softmax_aux, query.shape[2], key.shape[2])
   score = as_score(extras.bias)
   for part in () if score is None else score.parts():  # each term checks itself, naming `bias`
     part.check(batch, query.shape[2], query_len, kv_len)
@@ -117,13 +113,13 @@ def validate_dropout(query: Shaped, key: Shaped, extras: Extras, config: Attenti
   rate = config.dropout_rate
   if extras.dropout_mask is not None:
     if rate == 0:
-      _fail("`dropout_mask` was given with dropout_rate=0: kept probabilities are scaled by "
+      fail("`dropout_mask` was given with dropout_rate=0: kept probabilities are scaled by "
             "1 / (1 - dropout_rate); set AttentionConfig(dropout_rate=...) to the rate the mask "
             "was drawn at.")
     _validate_mask(extras.dropout_mask, query.shape[0], query.shape[2], query.shape[1],
                    key.shape[1], "dropout_mask")
   elif rate > 0 and extras.dropout_rng is None and need_key:
-    _fail(f"AttentionConfig(dropout_rate={rate}) needs a key: pass "
+    fail(f"AttentionConfig(dropout_rate={rate}) needs a key: pass "
           "dropout_rng=jax.random.key(...) (a fresh one each step, e.g. hk.next_rng_key()), an "
           "explicit dropout_mask, or dropout_rate=0 to evaluate.")
   if extras.dropout_q_index is not None:
@@ -133,43 +129,43 @@ def validate_dropout(query: Shaped, key: Shaped, extras: Extras, config: Attenti
 
 def _validate_mask(mask: Shaped, batch: int, num_heads: int, query_len: int, kv_len: int,
                    name: str = "mask") -> None:
-  _rank(mask, 4, name, "[batch, 1 or num_heads, query_len, kv_len]")
+  rank(mask, 4, name, "[batch, 1 or num_heads, query_len, kv_len]")
   if (mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, num_heads)
       or tuple(mask.shape[2:]) != (query_len, kv_len)):
-    _fail(f"`{name}` must be [batch or 1, 1 or num_heads, query_len, kv_len] = "
+    fail(f"`{name}` must be [batch or 1, 1 or num_heads, query_len, kv_len] = "
           f"[{batch}, 1 or {num_heads}, {query_len}, {kv_len}], got {tuple(mask.shape)}.")
   if mask.dtype != jnp.bool_:
-    _fail(f"`{name}` must be bool (True = may attend), got {mask.dtype}; pass {name} != 0.")
+    fail(f"`{name}` must be bool (True = may attend), got {mask.dtype}; pass {name} != 0.")
 
 
-def _validate_sinks(softmax_aux: Shaped, num_heads: int, num_kv_heads: int) -> None:
-  _array(softmax_aux, "softmax_aux", "[num_heads] or [num_heads or num_kv_heads, n]")
+def validate_sinks(softmax_aux: Shaped, num_heads: int, num_kv_heads: int) -> None:
+  array(softmax_aux, "softmax_aux", "[num_heads] or [num_heads or num_kv_heads, n]")
   shape = tuple(softmax_aux.shape)
   if not ((len(shape) == 1 and shape[0] == num_heads)
           or (len(shape) == 2 and shape[0] in (num_heads, num_kv_heads) and shape[1] >= 1)):
-    _fail(f"`softmax_aux` (sinks) must be [num_heads] = [{num_heads}], [num_heads, n] or "
+    fail(f"`softmax_aux` (sinks) must be [num_heads] = [{num_heads}], [num_heads, n] or "
           f"[num_kv_heads, n] = [{num_kv_heads}, n], got {shape}.")
   if not jnp.issubdtype(softmax_aux.dtype, jnp.floating):
-    _fail(f"`softmax_aux` must have a floating dtype, got {softmax_aux.dtype}.")
+    fail(f"`softmax_aux` must have a floating dtype, got {softmax_aux.dtype}.")
 
 
 def validate_mesh(mesh: Any, axes: MeshAxes) -> tuple[str, ...]:
   """`mesh` is a jax.sharding.Mesh and `axes` a MeshAxes sharing a name with it; returns the
   names of `axes` the mesh lacks (dropped, logged once: `axes.dropped_names`)."""
   if not isinstance(mesh, jax.sharding.Mesh):
-    _fail(f"`mesh` must be a jax.sharding.Mesh (e.g. from jax.make_mesh), got {type(mesh).__name__}.")
+    fail(f"`mesh` must be a jax.sharding.Mesh (e.g. from jax.make_mesh), got {type(mesh).__name__}.")
   if not isinstance(axes, MeshAxes):
-    _fail(f"`axes` must be a splash_hk.sharding.MeshAxes, got {type(axes).__name__}.")
+    fail(f"`axes` must be a splash_hk.sharding.MeshAxes, got {type(axes).__name__}.")
   return dropped_names(axes, mesh)
 
 
-def _one_rule_place(rule: _objects.Mask, config: AttentionConfig) -> None:
+def one_rule_place(rule: _objects.Mask, config: AttentionConfig) -> None:
   """A mask object is the whole rule: the config states none beside it."""
   stated = [f"{name}={value!r}" for name, value, default in (
       ("causal", config.causal, True), ("sliding_window", config.sliding_window, None),
       ("chunk_size", config.chunk_size, None)) if value != default]
   if stated:
-    _fail(f"`mask` is a mask object ({type(rule).__name__}), the whole position rule, and "
+    fail(f"`mask` is a mask object ({type(rule).__name__}), the whole position rule, and "
           f"AttentionConfig also states {', '.join(stated)}: state the rule in one place "
           "(combine Causal(), SlidingWindow(w), Chunked(c) into the object, or pass no object).")
 
@@ -180,7 +176,7 @@ def validate_rule(rule: _objects.Mask, query: Shaped, key: Shaped,
   (by their side) and each object's own rules (`Mask.check`)."""
   batch, query_len, num_heads = query.shape[:3]
   kv_len = key.shape[1]
-  _one_rule_place(rule, config)
+  one_rule_place(rule, config)
   for part in rule.parts():
     for field, side, array in part.array_fields():
       name = f"{part.name}.{field}"
@@ -198,131 +194,7 @@ def validate_rule(rule: _objects.Mask, query: Shaped, key: Shaped,
 def _validate_rows(x: Shaped, name: str, batch: int, length: int, axis: str) -> None:
   """An int array with one entry per token of one side: [batch, length]."""
   layout = f"[batch, {axis}] = {(batch, length)}"
-  _rank(x, 2, name, layout)
+  rank(x, 2, name, layout)
   _chex(lambda: chex.assert_shape(x, (batch, length)), f"`{name}` must be {layout}, got "
         f"{tuple(x.shape)}.")
-  _integer(x, name)
-
-
-def validate_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: Any,
-                   config: AttentionConfig, mask: Any, bias: Any, softmax_aux: Any) -> None:
-  """A paged call: query [N, Hq, D], key [N, Hkv, D], value [N, Hkv, Dv] against the cache's
-  pages and the batch's arrays; rules and scores over positions only."""
-  if not isinstance(config, AttentionConfig):
-    _fail(f"`config` must be a splash_hk.AttentionConfig, got {type(config).__name__}.")
-  if not isinstance(cache, PagedKVCache):
-    _fail(f"`cache` must be a splash_hk.PagedKVCache, got {type(cache).__name__}; build one with "
-          "PagedKVCache.zeros(num_pages, page_size, num_kv_heads, key_size, value_size).")
-  if not isinstance(batch, RaggedBatch):
-    _fail(f"`batch` must be a splash_hk.RaggedBatch(cu_q_lens, kv_lens, page_table, num_seqs), "
-          f"got {type(batch).__name__}.")
-  quantized = isinstance(cache.key, Quantized)
-  _quantized_pool(cache)
-  query, key, value = (shaped(a, name) for a, name in ((query, "query"), (key, "key"),
-                                                       (value, "value")))
-  _rank(shaped(cache.key, "cache.key"), 4, "cache.key",
-        "[num_pages, page_size, num_kv_heads, head_dim]")
-  _rank(shaped(cache.value, "cache.value"), 4, "cache.value",
-        "[num_pages, page_size, num_kv_heads, value_head_dim]")
-  pool = tuple(cache.key.shape[:3])
-  if tuple(cache.value.shape[:3]) != pool:
-    _fail(f"`cache.value` must be [num_pages, page_size, num_kv_heads, value_head_dim] = "
-          f"{(*pool, 'Dv')}, got {tuple(cache.value.shape)}.")
-  _rank(query, 3, "query", "[num_tokens, num_heads, head_dim]")
-  num_tokens, num_heads, head_dim = query.shape
-  num_kv_heads, dv = pool[2], cache.value.shape[3]
-  for name, x, cached, want in (("key", key, cache.key, (num_tokens, num_kv_heads, head_dim)),
-                                ("value", value, cache.value, (num_tokens, num_kv_heads, dv))):
-    _rank(x, 3, name, f"[num_tokens, num_kv_heads, head_dim] = {want}")
-    if tuple(x.shape) != want:
-      _fail(f"`{name}` must be [num_tokens, num_kv_heads (the cache's), size (the cache's)] = "
-            f"{want}, got {tuple(x.shape)}.")
-    if not quantized and x.dtype != cached.dtype:
-      _fail(f"`{name}` is {x.dtype} and the cache holds {cached.dtype}: pass "
-            f"{name}.astype(cache.{name}.dtype).")
-  if not jnp.issubdtype(query.dtype, jnp.floating) or num_heads % num_kv_heads:
-    _fail(f"`query` must be floating with a multiple of the cache's {num_kv_heads} kv heads, got "
-          f"{query.dtype} with {num_heads} heads.")
-  _validate_batch(batch)
-  if config.dropout_rate:
-    _fail(f"`config.dropout_rate` is {config.dropout_rate}: attention dropout is for training and "
-          "a paged call serves inference; pass a config with dropout_rate=0.")
-  _validate_positions_only(mask, bias, config, num_heads)
-  if softmax_aux is not None:
-    _validate_sinks(softmax_aux, num_heads, num_kv_heads)
-
-
-def _quantized_pool(cache: PagedKVCache) -> None:
-  """A pool holds floats in both fields, or `Quantized` in both with a scale per (token, head)."""
-  kinds = {isinstance(cache.key, Quantized), isinstance(cache.value, Quantized)}
-  if kinds == {False}:
-    return
-  if len(kinds) == 2:
-    _fail("`cache.key` and `cache.value` must both be quantized or both floating; build the pool "
-          "with PagedKVCache.zeros(..., dtype=jnp.int8).")
-  for name in ("key", "value"):
-    a = as_quantized(getattr(cache, name), f"cache.{name}")
-    if tuple(a.scale.shape) != (*a.shape[:-1], 1):
-      _fail(f"`cache.{name}.scale` must hold one scale per (token, kv head), "
-            f"{(*a.shape[:-1], 1)}, got {tuple(a.scale.shape)}; build the pool with "
-            "PagedKVCache.zeros(..., dtype=...).")
-
-
-def _validate_batch(batch: RaggedBatch) -> None:
-  _rank(batch.kv_lens, 1, "batch.kv_lens", "[max_seqs]")
-  max_seqs = batch.kv_lens.shape[0]
-  _rank(batch.cu_q_lens, 1, "batch.cu_q_lens", f"[max_seqs + 1] = [{max_seqs + 1}]")
-  _rank(batch.page_table, 2, "batch.page_table", f"[max_seqs, pages_per_seq] = [{max_seqs}, .]")
-  num_seqs = batch.num_seqs
-  _array(num_seqs, "batch.num_seqs", "[] or [1]")
-  if (batch.cu_q_lens.shape[0] != max_seqs + 1 or batch.page_table.shape[0] != max_seqs
-      or tuple(num_seqs.shape) not in ((), (1,))):
-    _fail(f"`batch` must hold cu_q_lens [max_seqs + 1], kv_lens [max_seqs], page_table "
-          f"[max_seqs, pages_per_seq] and num_seqs [] or [1] (max_seqs = {max_seqs} from kv_lens), "
-          f"got {tuple(batch.cu_q_lens.shape)}, {tuple(batch.kv_lens.shape)}, "
-          f"{tuple(batch.page_table.shape)}, {tuple(num_seqs.shape)}.")
-  for name in ("cu_q_lens", "kv_lens", "page_table", "num_seqs"):
-    _integer(getattr(batch, name), f"batch.{name}")
-  prefix = batch.prefix
-  if prefix is None:
-    return
-  if not isinstance(prefix, SharedPrefix):
-    _fail(f"`batch.prefix` must be a splash_hk.SharedPrefix(pages, lens, group) or None, got "
-          f"{type(prefix).__name__}.")
-  _rank(prefix.pages, 2, "batch.prefix.pages", "[groups, prefix_pages]")
-  groups = prefix.pages.shape[0]
-  _rank(prefix.lens, 1, "batch.prefix.lens", f"[groups] = [{groups}]")
-  _rank(prefix.group, 1, "batch.prefix.group", f"[max_seqs] = [{max_seqs}]")
-  if prefix.lens.shape[0] != groups or prefix.group.shape[0] != max_seqs or groups < 1:
-    _fail(f"`batch.prefix` must hold pages [groups, prefix_pages], lens [groups] and group "
-          f"[max_seqs] = [{max_seqs}], got {tuple(prefix.pages.shape)}, "
-          f"{tuple(prefix.lens.shape)}, {tuple(prefix.group.shape)}.")
-  for name in ("pages", "lens", "group"):
-    _integer(getattr(prefix, name), f"batch.prefix.{name}")
-
-
-def _validate_positions_only(mask: Any, bias: Any, config: AttentionConfig,
-                             num_heads: int) -> None:
-  """A pool has no [T, S] layout: rules and scores over positions and heads only."""
-  if mask is not None:
-    if not isinstance(mask, _objects.Mask):
-      _fail("`mask` of a paged call must be a mask object over positions (splash_hk.masks: "
-            "Causal(), SlidingWindow(w), Chunked(c), MaskFn(fn), combined with & and |); a dense "
-            f"array has no meaning over a pool of pages, got {type(mask).__name__}.")
-    _one_rule_place(mask, config)
-    if any(isinstance(part, Blocks) for part in mask.parts()):
-      _fail("`mask` holds chosen key blocks (Blocks), which paged_attention does not take: a "
-            "paged sequence reads the pages its RaggedBatch's page table lists; pass a rule over "
-            "positions, or attend the chosen blocks with sh.attention over a KVCache.")
-    if mask.array_sides():
-      _fail(f"`mask` ({mask.name}) holds per-token arrays, which a paged call cannot place; "
-            "pass a rule over positions (a MaskFn of q_pos and kv_pos).")
-    for part in mask.parts():
-      part.check(1, 1, 1)
-  if bias is not None:
-    if not isinstance(bias, Score) or bias.array_sides() & {"q", "kv", "qk"}:
-      _fail("`bias` of a paged call must be a position score object (splash_hk.scores: Alibi, "
-            "RelativePosition, ScoreFn, added with +); a dense bias has no meaning over a pool "
-            f"of pages, got {getattr(bias, 'name', type(bias).__name__)}.")
-    for term in bias.parts():  # each term checks itself, naming `bias`
-      term.check(1, num_heads, 1, 1)
+  integer(x, name)

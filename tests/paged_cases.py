@@ -66,8 +66,8 @@ def step(seed, kv_lens=(5, 0, 12, 3), q_lens=(1, 7, 3, 1), max_seqs=5, pad_rows=
   q[sum(q_lens):] = np.nan
   batch = sh.RaggedBatch(jnp.asarray(cu), jnp.asarray(lens), jnp.asarray(table),
                          jnp.asarray(n_seqs, jnp.int32))
-  return Step(q, new(history_k), new(history_v), sh.PagedKVCache(jnp.asarray(key),
-              jnp.asarray(value)), batch, history_k, history_v, list(q_lens))
+  return Step(q, new(history_k), new(history_v), sh.PagedKVCache.from_token_major(
+              jnp.asarray(key), jnp.asarray(value)), batch, history_k, history_v, list(q_lens))
 
 
 def attend(step, sinks=None, bias=None, **rules):

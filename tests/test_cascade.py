@@ -10,7 +10,7 @@ import pytest
 import harness
 import oracle
 import splash_hk as sh
-from splash_hk import pages
+from splash_hk import ragged
 
 PAGE, HQ, HKV, D = 4, 4, 2, 16
 
@@ -63,7 +63,7 @@ def _step(seed, groups=((12, 3), (8, 2)), lone=(5,), q_len=(1, 3, 1, 2, 1, 4), d
   plain = sh.RaggedBatch(cu, kv, table, np.int32(n))
   grouped = sh.RaggedBatch(cu, kv, table, np.int32(n),
                            prefix=sh.SharedPrefix(prefix_pages, lens, group))
-  cache = sh.PagedKVCache(jnp.asarray(key), jnp.asarray(value))
+  cache = sh.PagedKVCache.from_token_major(jnp.asarray(key), jnp.asarray(value))
   return q, k, v, cache, grouped, plain, hist, cu
 
 
@@ -126,7 +126,7 @@ def test_a_grouping_that_disagrees_is_the_misuse_rule():
     with pytest.raises(ValueError, match=r"`batch.prefix` disagrees with a member"):
       sh.paged_attention(q, k, v, cache, batch)
     out, pool = jax.jit(sh.paged_attention)(q, k, v, cache, batch)
-    bad = np.flatnonzero(np.asarray(jax.jit(lambda b: pages.layout(
+    bad = np.flatnonzero(np.asarray(jax.jit(lambda b: ragged.layout(
         b, q.shape[0], 64, PAGE).misuse.prefix)(batch)))
     assert bad.size, name
     for s in range(int(grouped.num_seqs)):

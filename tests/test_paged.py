@@ -22,14 +22,14 @@ _step, _oracle = paged_cases.step, paged_cases.attend
 
 def _check_cache(step, cache):
   """The new tokens at their slots; every other slot bit for bit as before (NaN included)."""
-  key, value = np.array(step.cache.key), np.array(step.cache.value)
+  key, value = (np.array(a) for a in step.cache.token_major())
   table, kv_lens = np.asarray(step.batch.page_table), np.asarray(step.batch.kv_lens)
   for s, (hk, hv, ql) in enumerate(zip(step.history_k, step.history_v, step.q_lens)):
     for t in range(kv_lens[s], kv_lens[s] + ql):
       key[table[s, t // PAGE], t % PAGE] = hk[t]
       value[table[s, t // PAGE], t % PAGE] = hv[t]
-  np.testing.assert_array_equal(np.asarray(cache.key), key)
-  np.testing.assert_array_equal(np.asarray(cache.value), value)
+  np.testing.assert_array_equal(np.asarray(cache.token_major()[0]), key)
+  np.testing.assert_array_equal(np.asarray(cache.token_major()[1]), value)
 
 
 
@@ -91,10 +91,10 @@ def test_a_visible_nan_value_shows_and_a_row_seeing_nothing_outputs_0(platform):
   # value column 0 of its cached token 5 (not the shared page): NaN there, finite elsewhere.
   step = _step(seed=21)
   table = np.asarray(step.batch.page_table)
-  value = np.array(step.cache.value)
+  key, value = (np.array(a) for a in step.cache.token_major())
   value[table[2, 5 // PAGE], 5 % PAGE, 0, 0] = np.nan
   step.history_v[2][5, 0, 0] = np.nan
-  step.cache = sh.PagedKVCache(step.cache.key, jnp.asarray(value))
+  step.cache = sh.PagedKVCache.from_token_major(key, jnp.asarray(value))
   config = sh.AttentionConfig(platform=platform, interpret=True, allow_fallback=False)
   out, _ = jax.jit(lambda *a: sh.paged_attention(*a, mask=sh.masks.MaskFn(_late_and_causal),
                                                  config=config))(
@@ -280,7 +280,7 @@ def test_heads_shard_over_the_head_axis(mesh_name):
   call = jax.jit(lambda q, k, v, c, b, s, a: sh.paged_attention(
       q, k, v, c, b, softmax_aux=s, bias=sh.scores.Alibi(a), mesh=mesh))
   out, cache = call(step.q, step.k, step.v, step.cache, step.batch, sinks, slopes)
-  assert out.sharding.spec[1] == "tp" and cache.key.sharding.spec[2] == "tp"
+  assert out.sharding.spec[1] == "tp" and cache.key.sharding.spec[1] == "tp"
   bias = lambda ql, s: np.asarray(dense(slopes))[:, :, s - ql:s, :s]
   want = _oracle(step, sinks=np.repeat(sinks, 2, 0), bias=bias)
   np.testing.assert_allclose(np.asarray(out), want, **harness.tol())

@@ -333,8 +333,9 @@ def test_a_paged_step_over_a_quantized_pool_matches_the_oracle_and_writes_its_to
   table, kv_lens = np.asarray(step.batch.page_table), np.asarray(step.batch.kv_lens)
   slots = [(table[s, t // 4], t % 4) for s, ql in enumerate(step.q_lens)
            for t in range(kv_lens[s], kv_lens[s] + ql)]  # where each new row is written
-  for name, new in (("key", step.k), ("value", step.v)):  # the new tokens quantized as written
-    got, want = getattr(cache, name), jax.tree.map(np.array, getattr(step.cache, name))
+  pools = zip((step.k, step.v), cache.token_major(), step.cache.token_major())
+  for new, got, want in pools:  # the new tokens quantized as written ([P, page, Hkv, .])
+    want = jax.tree.map(np.array, want)
     got_scale = np.asarray(got.scale)
     for row, slot in enumerate(slots):
       want.scale[slot] = _np_quantize(new[row], kind)[1]

@@ -179,7 +179,7 @@ def test_paged_lse_matches_the_oracle_per_row():
   table = np.full((4, 5), -1, np.int32)
   free = list(rng.permutation(16))
   hist_k, hist_v = [], []
-  key, value = np.array(pool.key), np.array(pool.value)
+  key, value = (np.array(a) for a in pool.token_major())
   for s, (kv, ql) in enumerate(zip(kv_lens, q_lens)):
     hist_k.append(rng.normal(size=(kv + ql, hkv, d)).astype(np.float32))
     hist_v.append(rng.normal(size=(kv + ql, hkv, d)).astype(np.float32))
@@ -196,7 +196,7 @@ def test_paged_lse_matches_the_oracle_per_row():
   sinks = rng.normal(size=(hq,)).astype(np.float32)
   for platform in ("xla", "reference"):
     out, _, lse = sh.paged_attention(q, new_k.astype(np.float32), new_v.astype(np.float32),
-                                     sh.PagedKVCache(jnp.asarray(key), jnp.asarray(value)), batch,
+                                     sh.PagedKVCache.from_token_major(key, value), batch,
                                      config=sh.AttentionConfig(platform=platform),
                                      softmax_aux=sinks, return_residuals=True)
     for s, (kv, ql) in enumerate(zip(kv_lens, q_lens)):

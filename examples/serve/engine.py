@@ -63,10 +63,10 @@ class PagedEngine:
   """The model's serving step over `num_pages` pages per layer (pools donated each step)."""
 
   def __init__(self, config: model_lib.ModelConfig, params: Any, sched: SchedulerConfig,
-               num_pages: int, kv_dtype: Any = jnp.float32):
+               num_pages: int, kv_dtype: Any = jnp.float32, page_top_k: int | None = None):
     forward = hk.without_apply_rng(hk.transform(
         lambda tokens, positions, caches, batch: model_lib.Transformer(config)(
-            tokens, positions, caches, batch=batch)))
+            tokens, positions, caches, batch=batch, page_top_k=page_top_k)))
 
     def step(params, tokens, positions, caches, batch):
       logits, caches = forward.apply(params, tokens, positions, caches, batch)  # [N, V]
@@ -77,7 +77,8 @@ class PagedEngine:
     self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
     self.params, self.sched, self.num_pages = params, sched, num_pages
     self.caches = hk.transform(lambda: model_lib.Transformer(config).init_paged_caches(
-        num_pages, sched.page_size, kv_dtype)).apply({}, None)
+        num_pages, sched.page_size, kv_dtype, page_summaries=page_top_k is not None)).apply(
+            {}, None)
     self.buckets = token_buckets(sched.step_tokens)
 
   @property
@@ -128,9 +129,9 @@ class PagedEngine:
 
 
 def _copy_pages(caches: list[sh.PagedKVCache], src: jax.Array, dst: jax.Array):
-  """Page src[i] copied to page dst[i] in every layer's pool (dst past the pool: no copy)."""
-  copy = lambda pool: jax.tree.map(lambda a: a.at[dst].set(a[src], mode="drop"), pool)  # scales too
-  return [c.replace(key=copy(c.key), value=copy(c.value)) for c in caches]
+  """Page src[i] copied to page dst[i] in every layer's pool (dst past the pool: no copy): its
+  keys, values, scales and key bounds, every one of a pool's leaves being per page."""
+  return jax.tree.map(lambda a: a.at[dst].set(a[src], mode="drop"), caches)
 
 
 def serve(engine: PagedEngine, requests: list[Request], *, prefix_sharing: bool,

@@ -76,6 +76,11 @@ _KV_DTYPE = flags.DEFINE_enum(
     "and fp8 (float8_e4m3fn) are quantized as written, with a float32 scale per token and kv "
     "head. Other than float32, the requests are also served with float32 pools and the greedy "
     "agreement printed. The static comparison keeps float32 caches.")
+_PAGE_TOP_K = flags.DEFINE_integer(
+    "page_top_k", 0, "Quest: each layer's decode reads only each sequence's last page and the "
+    "K pages its queries can score highest (per kv head, from each page's key bounds); 0: "
+    "every page. The requests are also served reading every page, and the greedy agreement "
+    "and both runs' tokens/s printed.")
 _SERVE_SEED = flags.DEFINE_integer("serve_seed", 0, "Seed of the requests.")
 _LOG_EVERY_STEPS = flags.DEFINE_integer("log_every_steps", 25, "Steps between progress lines.")
 
@@ -157,16 +162,30 @@ def report(served: engine_lib.Served, requests, static: engine_lib.Served | None
 
 def agreement(served: engine_lib.Served, reference: engine_lib.Served, requests) -> None:
   """How far the --kv_dtype run's greedy outputs agree with the float32 pools' run."""
+  agree = _agreeing(served, reference, requests, "float32 pools'")
+  print(f"--kv_dtype={_KV_DTYPE.value} against float32 pools: {agree}; KV pool "
+        f"{served.kv_bytes / reference.kv_bytes:.2f}x the bytes")
+
+
+def _agreeing(served: engine_lib.Served, reference: engine_lib.Served, requests,
+              name: str) -> str:
+  """'n/m requests identical, x% of tokens equal; `name` recall answers' of two runs."""
   both = [r.id for r in requests if r.id in served.outputs and r.id in reference.outputs]
   same = sum(served.outputs[i] == reference.outputs[i] for i in both)
   pairs = [(a, b) for i in both for a, b in zip(served.outputs[i], reference.outputs[i])]
   tokens = sum(a == b for a, b in pairs) / max(len(pairs), 1)
   scored = [r for r in requests if r.answer is not None and r.id in reference.outputs]
   right = sum(reference.outputs[r.id][0] == r.answer for r in scored)
-  print(f"--kv_dtype={_KV_DTYPE.value} against float32 pools: {same}/{len(both)} requests "
-        f"identical, {tokens:.1%} of tokens equal; float32 pools' recall answers: "
-        f"{right}/{len(scored)} right; KV pool {served.kv_bytes / reference.kv_bytes:.2f}x "
-        "the bytes")
+  return (f"{same}/{len(both)} requests identical, {tokens:.1%} of tokens equal; {name} "
+          f"recall answers: {right}/{len(scored)} right")
+
+
+def quest_agreement(served: engine_lib.Served, every: engine_lib.Served, requests) -> None:
+  """The --page_top_k run against the same requests reading every page."""
+  rate = lambda s: s.tokens / s.seconds
+  agree = _agreeing(served, every, requests, "the every-page run's")
+  print(f"--page_top_k={_PAGE_TOP_K.value} against every page: {agree}; {rate(served):.0f} / "
+        f"{rate(every):.0f} tokens/s = {rate(served) / rate(every):.2f}x")
 
 
 def run() -> None:
@@ -194,7 +213,11 @@ def run() -> None:
   except ValueError as e:
     _fail(str(e))
   num_pages = _NUM_PAGES.value or _default_pages(requests, sched)
-  paged = engine_lib.PagedEngine(config, params, sched, num_pages, KV_DTYPES[_KV_DTYPE.value])
+  top_k = _PAGE_TOP_K.value or None
+  if _PAGE_TOP_K.value < 0:
+    _fail(f"--page_top_k must be >= 0, got {_PAGE_TOP_K.value}.")
+  paged = engine_lib.PagedEngine(config, params, sched, num_pages, KV_DTYPES[_KV_DTYPE.value],
+                                 page_top_k=top_k)
   paged.warm_up((True, False) if _COMPARE_CASCADE.value else None)
   logging.info("serving %d requests: pool of %d pages of %d slots per layer, steps of %d "
                "tokens (buckets %s), prefill chunks of %d, prefix sharing %s", len(requests),
@@ -213,6 +236,11 @@ def run() -> None:
     print(f"cascade / no cascade: {(with_.tokens / with_.seconds) / (without.tokens / without.seconds):.2f}x "
           f"tokens/s ({with_.tokens / with_.seconds:.0f} / {without.tokens / without.seconds:.0f}); "
           f"outputs equal: {with_.outputs == without.outputs}")
+  if top_k is not None:
+    every = engine_lib.PagedEngine(config, params, sched, num_pages, KV_DTYPES[_KV_DTYPE.value])
+    every.warm_up()
+    quest_agreement(served, engine_lib.serve(every, requests, prefix_sharing=sched.prefix_sharing,
+                                             cancels=cancels), requests)
   if _KV_DTYPE.value != "float32":
     full = engine_lib.PagedEngine(config, params, sched, num_pages)
     full.warm_up()
@@ -225,7 +253,7 @@ def run() -> None:
     static = engine_lib.serve_static(static_engine, requests)
   finished = [r for r in requests if r.id in served.outputs]
   mismatches = (engine_lib.greedy_mismatches(config, params, finished, served.outputs)
-                if _CHECK.value else None)
+                if _CHECK.value and top_k is None else None)  # a choice of pages may differ
   report(served, requests, static, mismatches)
 
 

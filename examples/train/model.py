@@ -120,19 +120,21 @@ class Transformer(hk.Module):
                              c.model_size // c.num_heads, dtype=dtype)
             for _ in range(c.num_layers)]
 
-  def init_paged_caches(self, num_pages: int, page_size: int,
-                        dtype: Any = jnp.float32) -> list[sh.PagedKVCache]:
+  def init_paged_caches(self, num_pages: int, page_size: int, dtype: Any = jnp.float32,
+                        page_summaries: bool = False) -> list[sh.PagedKVCache]:
     """One empty pool of `num_pages` pages of `page_size` slots per layer (int8 or fp8:
-    quantized as written)."""
+    quantized as written; `page_summaries`: with each page's key bounds, for Quest)."""
     c = self.config
     return [sh.PagedKVCache.zeros(num_pages, page_size, c.num_kv_heads or c.num_heads,
-                                  c.model_size // c.num_heads, dtype=dtype)
+                                  c.model_size // c.num_heads, dtype=dtype,
+                                  page_summaries=page_summaries)
             for _ in range(c.num_layers)]
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                caches: list[sh.KVCache] | list[sh.PagedKVCache] | None = None,
                segment_ids: jax.Array | None = None, lengths: jax.Array | None = None,
-               batch: sh.RaggedBatch | None = None, is_training: bool = False):
+               batch: sh.RaggedBatch | None = None, is_training: bool = False,
+               page_top_k: int | None = None):
     """tokens [B, T] -> logits [B, T, V] (and the new caches, with `caches`).
 
     Args:
@@ -145,6 +147,7 @@ class Transformer(hk.Module):
       lengths: with caches, [B] how many of the T tokens each row appends.
       batch: a serving step's sequences over the flat tokens (with paged `caches`).
       is_training: attention dropout (`attention_dropout`) on; needs an rng.
+      page_top_k: with `batch`, each layer reads only the pages its queries choose (Quest).
     """
     c = self.config
     if batch is not None and (caches is None or positions is None or c.prefix_len
@@ -160,7 +163,8 @@ class Transformer(hk.Module):
       x = hk.LayerNorm(-1, True, True, name=f"ln_attn_{i}")(h)
       attend = self._attention(i)
       if batch is not None:
-        a, cache = attend(x, kv_cache=caches[i], batch=batch, bias=bias(i))
+        a, cache = attend(x, kv_cache=caches[i], batch=batch, bias=bias(i),
+                          page_top_k=page_top_k)
         new_caches.append(cache)
       elif caches is not None:
         a, cache = attend(x, kv_cache=caches[i], lengths=lengths, mask=mask, bias=bias(i))

@@ -13,6 +13,7 @@ from splash_hk import pages
 from splash_hk import dropout
 from splash_hk import quant
 from splash_hk.backends import base
+from splash_hk.masks import Dense, Mask
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -110,14 +111,31 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   return KernelOutput(out, jnp.swapaxes(lse, 1, 2), asked)  # [B, T, Hq, Dv], [B, T, Hq]
 
 
+def _with_selection(x: pages.PagedInputs, facts: pages.PagedFacts) -> Mask | None:
+  """The call's rule, ANDed with a page selection's element rule (a key is visible only if its
+  logical page is chosen for the row's sequence and kv head) as a dense [N, Hq, 1, S] mask."""
+  chosen = x.batch.selection
+  if chosen is None:
+    return x.rule
+  counts = chosen.counts.astype(jnp.int32)[..., None]  # [max_seqs, Hkv, 1]
+  listed = jnp.arange(chosen.most)[None, None, :] < counts
+  seqs, heads = (jnp.arange(n)[:, None, None] for n in counts.shape[:2])
+  page = jnp.where(listed, chosen.pages.astype(jnp.int32), facts.pages_per_seq)
+  table = jnp.zeros((*counts.shape[:2], facts.pages_per_seq), jnp.bool_).at[
+      seqs, heads.reshape(1, -1, 1), page].set(True, mode="drop")  # [max_seqs, Hkv, pages]
+  keys = jnp.repeat(table, facts.page_size, axis=2)[x.layout.seq]  # [N, Hkv, S]
+  dense = Dense(jnp.repeat(keys, facts.num_heads // facts.num_kv_heads, axis=1)[:, :, None])
+  return dense if x.rule is None else x.rule & dense
+
+
 def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:
   """Dense gather: each row against its sequence's whole page table, as a one-query call of
   `attend` (keys past the sequence's length are padding). out [N, Hq, Dv], lse [N, Hq]."""
   layout, page_size = x.layout, facts.page_size
   num_tokens, kv_len = facts.num_tokens, facts.pages_per_seq * page_size
   table = jnp.clip(x.batch.page_table, 0, facts.num_pages - 1)[layout.seq]  # [N, pages_per_seq]
-  gather = lambda pool: quant.cut(pool, 0, lambda t: t[table].reshape(
-      num_tokens, kv_len, *t.shape[2:]))  # [N, S, Hkv, .]
+  gather = lambda pool: quant.cut(pool, 0, lambda t: jnp.swapaxes(t[table], 2, 3).reshape(
+      num_tokens, kv_len, t.shape[1], t.shape[3]))  # [N, pages, Hkv, page, .] -> [N, S, Hkv, .]
   kv_positions = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (num_tokens, kv_len))
   inputs = KernelInputs(
       query=x.query[:, None],  # [N, 1, Hq, D]
@@ -127,9 +145,9 @@ def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Arr
       kv_positions=kv_positions,  # [N, S]
       q_segment_ids=jnp.where(layout.row_live, 0, -1)[:, None],  # [N, 1]
       kv_segment_ids=jnp.where(kv_positions < layout.kv_len_after[layout.seq][:, None], 0, -1),
-      rule=x.rule, sinks=x.sinks, bias=x.bias, heads=x.heads)
+      rule=_with_selection(x, facts), sinks=x.sinks, bias=x.bias, heads=x.heads)
   call = Facts.from_shapes(facts.config, inputs.query.shape, inputs.key.shape, facts.value_dim,
-                           default_positions=False, mask=facts.rule, bias=facts.bias)
+                           default_positions=False, mask=inputs.rule, bias=facts.bias)
   out, lse, _ = attend(inputs, call)
   assert lse is not None  # the reference always computes it
   return out[:, 0], lse[:, 0]  # [N, Hq, Dv], [N, Hq]

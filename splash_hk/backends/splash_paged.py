@@ -35,6 +35,8 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
     return "the pool is quantized, and the paged block-list kernel reads floating pools only"
   if facts.cascade:
     return "the batch has a shared prefix (a cascade), which the paged block-list kernel lacks"
+  if facts.selected:
+    return "the batch has a page selection, which the paged block-list kernel lacks"
   if facts.config.dropout_rate > 0:
     return base.DROPOUT_REFUSAL
   need = tpu_paged.vmem_bytes(block_q(facts), facts.page_size, facts.num_heads,
@@ -69,7 +71,7 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, ja
   """out [N, Hq, Dv] of every live row over its sequence's pages (other rows: 0) and its lse
   [N, Hq] (base's convention)."""
   n, heads, _ = x.query.shape
-  kv_heads, dv = x.cache.key.shape[2], x.cache.value.shape[-1]
+  kv_heads, dv = facts.num_kv_heads, facts.value_dim
   bq = block_q(facts)
   tile_seq, tile_len, rows = _tiles(x, bq)  # [W], [W], [W, bq]
   some = rows < n  # [W, bq]

@@ -3,8 +3,8 @@
 A page table row is a list of blocks: a tile of `block_q` query rows of one sequence reads its
 sequence's pages, one grid step per page, the page's index read from the table in scalar
 prefetch by the key/value `BlockSpec` index maps (so only its pages are copied to VMEM). A
-page holds every kv head (the pool's layout, [P, page, Hkv, D]): one copy serves all the
-tile's query heads, each group reading its own head's slice. Online softmax in VMEM scratch per
+page block holds every kv head (the pool's layout, head-major [P, Hkv, page, D]): one copy
+serves all the tile's query heads, each group reading its own head's [page, D] block. Online softmax in VMEM scratch per
 head; keys past the sequence's length are invisible and their values zeroed (free slots may
 hold anything). The new tokens are written into the pool before this kernel runs.
 
@@ -80,8 +80,8 @@ def _kernel(spec: Spec, seq_ref, len_ref, table_ref, q_ref, pos_ref, k_ref, v_re
     held = (j * spec.page_size + jax.lax.broadcasted_iota(
         jnp.int32, (spec.page_size, 1), 0)) < length  # [page, 1]: slots of the sequence
     for hk in range(spec.num_kv_heads):
-      k = k_ref[:, hk, :]  # [page, D]
-      v = jnp.where(held, v_ref[:, hk, :], 0).astype(v_ref.dtype)  # [page, Dv]
+      k = k_ref[hk]  # [page, D]
+      v = jnp.where(held, v_ref[hk], 0).astype(v_ref.dtype)  # [page, Dv]
       finite = jnp.isfinite(v.astype(jnp.float32))  # [page, Dv] (Mosaic tests f32 only)
       poison = _poison(seen, finite)  # [bq, Dv]: NaN where a row sees a non-finite value
       v = jnp.where(finite, v, 0).astype(v.dtype)  # 0 * NaN must not reach the other rows
@@ -110,8 +110,8 @@ def vmem_bytes(block_q: int, page_size: int, heads: int, kv_heads: int, head_dim
 def attend(spec: Spec, tile_seq: jax.Array, tile_len: jax.Array, table: jax.Array,
            q: jax.Array, pos: jax.Array, key: jax.Array, value: jax.Array,
            sinks: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """q [W, Hq, bq, D], pos [W, bq, 128] int32 (-1: no row), the pool key [P, page, Hkv, D] and
-  value [P, page, Hkv, Dv], tile_seq / tile_len [W] (each tile's sequence and its length after
+  """q [W, Hq, bq, D], pos [W, bq, 128] int32 (-1: no row), the pool key [P, Hkv, page, D] and
+  value [P, Hkv, page, Dv], tile_seq / tile_len [W] (each tile's sequence and its length after
   the write; 0: no tile), table [max_seqs, K], sinks [8, Hq] -> out [W, Hq, bq, Dv], lse
   [W, Hq, bq, 128]."""
   tiles, heads, bq, d = q.shape
@@ -120,8 +120,8 @@ def attend(spec: Spec, tile_seq: jax.Array, tile_len: jax.Array, table: jax.Arra
   tile = lambda t, j, *_: (t, 0, 0, 0)
   in_specs = [pl.BlockSpec((None, heads, bq, d), tile),
               pl.BlockSpec((None, bq, LANES), lambda t, j, *_: (t, 0, 0)),
-              pl.BlockSpec((None, spec.page_size, spec.num_kv_heads, d), page),
-              pl.BlockSpec((None, spec.page_size, spec.num_kv_heads, dv), page),
+              pl.BlockSpec((None, spec.num_kv_heads, spec.page_size, d), page),
+              pl.BlockSpec((None, spec.num_kv_heads, spec.page_size, dv), page),
               pl.BlockSpec((SUBLANES, heads), lambda *_: (0, 0), memory_space=pltpu.SMEM)]
   out_specs = [pl.BlockSpec((None, heads, bq, dv), tile),
                pl.BlockSpec((None, heads, bq, LANES), tile)]

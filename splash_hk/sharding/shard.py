@@ -95,7 +95,7 @@ def shard_paged(
   specs: PagedCall[PartitionSpec] = PagedCall(
       query=at_heads(1, 3), key=jax.tree.map(lambda a: at_heads(1, 3), call.key),
       value=jax.tree.map(lambda a: at_heads(1, 3), call.value),
-      cache=jax.tree.map(lambda a: at_heads(2, 4), call.cache),
+      cache=jax.tree.map(lambda a: at_heads(1, a.ndim), call.cache),  # [P, Hkv, ...]
       batch=jax.tree.map(lambda a: whole, call.batch),
       rule=None if call.rule is None else call.rule.map_arrays(lambda side, a: whole),
       bias=None if call.bias is None else call.bias.map_arrays(by_side),
@@ -103,7 +103,7 @@ def shard_paged(
   n, num_heads, head_dim = facts.query_shape
   local = dataclasses.replace(
       facts, query_shape=(n, num_heads // shards, head_dim),
-      cache_shape=(*facts.cache_shape[:2], facts.num_kv_heads // shards, facts.cache_shape[3]))
+      cache_shape=(facts.cache_shape[0], facts.num_kv_heads // shards, *facts.cache_shape[2:]))
   return _jitted(jax.shard_map(lambda c: step(c, local), mesh=mesh, in_specs=(specs,),
                                out_specs=(at_heads(1, 3), specs.cache, at_heads(1, 2)),
                                check_vma=False))(call)

@@ -1,0 +1,111 @@
+"""paged_attention's tiles (the xla backend's gathered-tile kernel) against the float64 oracle:
+steps whose sequences have enough rows to fill tiles of every width, and what a tile's rows
+must not share."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import harness
+import paged_cases
+import splash_hk as sh
+from splash_hk.backends import xla_paged as xla_paged_tiles
+from splash_hk.backends import xla_paged_items
+
+PAGE = paged_cases.PAGE
+# Rows per sequence cross every tile width (256, 32, 4, 1): 300 = 256 + 32 + 3 x 4, 45 = 32 +
+# 3 x 4 + 1, 9 = 2 x 4 + 1; lengths start mid-page and end mid-page.
+TILED = dict(kv_lens=(5, 0, 12, 3, 41), q_lens=(1, 45, 9, 300, 2), max_seqs=6, pad_rows=3,
+             pages_per_seq=80, num_pages=160)
+
+
+def _tiled(seed, **kwargs):
+  return paged_cases.step(seed, **{**TILED, **kwargs})
+
+
+def _run(step, config, **kwargs):
+  config = dataclasses.replace(config, platform="xla", allow_fallback=False)
+  return jax.jit(lambda *a: sh.paged_attention(*a, config=config, **kwargs))(
+      step.q, step.k, step.v, step.cache, step.batch)
+
+
+def test_the_steps_rows_fill_tiles_of_every_width():
+  widths = [w for w, _ in xla_paged_tiles.bounds(sum(TILED["q_lens"]) + 3, TILED["max_seqs"])]
+  assert widths == list(xla_paged_tiles.WIDTHS)
+  assert all(widths[0] % w == 0 for w in widths)
+
+
+@pytest.mark.parametrize("rule", list(paged_cases.RULES))
+def test_tiles_of_every_width_match_the_oracle(rule):
+  config, rules = paged_cases.RULES[rule]
+  step = _tiled(seed=31)
+  out, _ = _run(step, config)
+  np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())
+
+
+def test_tiles_with_sinks_gqa_value_size_bias_and_soft_cap():
+  step = _tiled(seed=32, value_dim=24, hq=8)
+  sinks = np.random.default_rng(3).normal(size=(8, 2)).astype(np.float32)
+  params, dense = harness.score_case("t5_uni", np.arange(400)[None], np.arange(400)[None], 8)
+  bias = lambda ql, s: np.asarray(dense(params))[:, :, s - ql:s, :s]
+  config = sh.AttentionConfig(logits_soft_cap=3.0, sliding_window=(50, 0))
+  out, _ = _run(step, config, softmax_aux=sinks, bias=harness.score_object("t5_uni", params))
+  want = paged_cases.attend(step, sinks=sinks, bias=bias, soft_cap=3.0, window=(50, 0))
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
+
+
+def test_a_nan_value_reaches_only_the_rows_of_a_tile_that_see_it():
+  # Sequence 3 (300 rows after 3 cached tokens, one tile of 256 first) gets a NaN in value
+  # column 0 of its new token at position 70: under the causal rule rows before it are finite.
+  step = _tiled(seed=33)
+  first = sum(TILED["q_lens"][:3])
+  step.v[first + 70 - 3, 0, 0] = np.nan
+  step.history_v[3][70, 0, 0] = np.nan
+  out = np.asarray(_run(step, sh.AttentionConfig())[0])
+  want = paged_cases.attend(step)
+  rows = np.arange(300) + first
+  before, after = rows[:70 - 3], rows[70 - 3:]
+  assert np.isfinite(out[before]).all()
+  assert np.isnan(out[after][:, :2, 0]).all() and np.isfinite(out[after][:, :, 1:]).all()
+  assert np.isfinite(out[after][:, 2:]).all()  # the other kv head's query heads
+  np.testing.assert_allclose(out, want, **harness.tol())
+
+
+def test_the_same_step_gives_the_same_bits_every_run():
+  step = _tiled(seed=34, hq=8)
+  config = sh.AttentionConfig(sliding_window=(60, 0))
+  first, second = _run(step, config)[0], _run(step, config)[0]
+  np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+
+
+def test_a_quantized_pool_in_tiles_matches_the_oracle():
+  step = _tiled(seed=35)
+  quantize = lambda a: sh.quantize(jnp.nan_to_num(jnp.asarray(a)), jnp.int8)
+  pool = sh.PagedKVCache(quantize(step.cache.key), quantize(step.cache.value))
+  stored = lambda h: np.asarray(sh.quantize(jnp.asarray(h), jnp.int8).dequantize(), np.float64)
+  step.history_k = [stored(h) for h in step.history_k]
+  step.history_v = [stored(h) for h in step.history_v]
+  step.cache = pool  # the new tokens are quantized as they are written
+  out, _ = _run(step, sh.AttentionConfig())
+  np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step), **harness.tol())
+
+
+@pytest.mark.parametrize("rule", ["causal", "chunk"])
+def test_more_tiles_than_a_loop_step_takes(rule):
+  # 1300 rows: ten tiles of 128, more than one loop step's window of tiles.
+  step = paged_cases.step(seed=36, kv_lens=(20, 7), q_lens=(1300, 1), max_seqs=3, pad_rows=1,
+                          pages_per_seq=340, num_pages=350, hq=8)
+  width = xla_paged_tiles.WIDTHS[0]
+  run = xla_paged_items.run_length(width, PAGE)
+  assert 1300 // width > xla_paged_items.per_step(width, run, _facts(step))
+  config, rules = paged_cases.RULES[rule]
+  out, _ = _run(step, config)
+  np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())
+
+
+def _facts(step):
+  return sh.paged.paged_facts(step.q, step.k, step.v, step.cache, step.batch,
+                              config=sh.AttentionConfig(), mask=None, bias=None, softmax_aux=None)

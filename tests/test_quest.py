@@ -1,0 +1,175 @@
+"""Pages chosen by data (Quest): page summaries kept as tokens are written, `top_k_pages`
+against a NumPy loop oracle of its rule, and a paged step over the chosen pages against the
+float64 oracle (each row sees only its sequence's chosen pages, per kv head)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import harness
+import oracle
+import splash_hk as sh
+
+HQ, HKV, D, PAGE, PAGES_PER_SEQ, NUM_PAGES = 4, 2, 16, 4, 24, 80
+LENS = (37, 5, 60)  # cached tokens of each sequence (mid-page ends)
+
+
+def _prefilled(seed, dtype=jnp.float32):
+  """A pool with page summaries holding each sequence's history, written by one paged prefill
+  step over shuffled pages (a page reused from a dead sequence first: its summary resets)."""
+  rng = np.random.default_rng(seed)
+  free = list(rng.permutation(NUM_PAGES))
+  table = np.full((len(LENS) + 1, PAGES_PER_SEQ), -1, np.int32)
+  for s, n in enumerate(LENS):
+    table[s, :-(-(n + 3) // PAGE)] = [free.pop() for _ in range(-(-(n + 3) // PAGE))]
+  hist = [rng.normal(size=(n, HKV, D)).astype(np.float32) for n in LENS]
+  pool = sh.PagedKVCache.zeros(NUM_PAGES, PAGE, HKV, D, dtype=dtype, page_summaries=True)
+  stale = sh.RaggedBatch(np.array([0, 8, 8, 8, 8], np.int32), np.zeros(4, np.int32), table,
+                         np.int32(1))  # a dead sequence's 8 tokens in sequence 0's first pages
+  k = (100 * rng.normal(size=(8, HKV, D))).astype(np.float32)
+  _, pool = sh.paged_attention(np.zeros((8, HQ, D), np.float32), k, k, pool, stale)
+  cu = np.concatenate([[0], np.cumsum(LENS), [sum(LENS)]]).astype(np.int32)
+  batch = sh.RaggedBatch(cu, np.zeros(4, np.int32), table, np.int32(len(LENS)))
+  new = np.concatenate(hist)
+  _, pool = sh.paged_attention(np.zeros((len(new), HQ, D), np.float32), new, new, pool, batch)
+  return pool, table, hist, rng
+
+
+def test_page_summaries_are_the_bounds_of_each_pages_written_keys():
+  pool, table, hist, _ = _prefilled(1)
+  key_min, key_max = np.asarray(pool.key_min), np.asarray(pool.key_max)
+  for s, h in enumerate(hist):
+    for p in range(-(-len(h) // PAGE)):
+      tokens = h[p * PAGE:(p + 1) * PAGE]  # [<=page, Hkv, D]: a reused page holds only these
+      np.testing.assert_array_equal(key_min[table[s, p]], tokens.min(axis=0))
+      np.testing.assert_array_equal(key_max[table[s, p]], tokens.max(axis=0))
+
+
+def test_page_summaries_of_a_quantized_pool_bound_the_stored_keys():
+  pool, table, hist, _ = _prefilled(2, dtype=jnp.int8)
+  stored, _ = pool.token_major()
+  stored = np.asarray(stored.dequantize())  # [P, page, Hkv, D]
+  for s, h in enumerate(hist):
+    for p in range(-(-len(h) // PAGE)):
+      tokens = stored[table[s, p], :min(PAGE, len(h) - p * PAGE)]
+      np.testing.assert_array_equal(np.asarray(pool.key_min)[table[s, p]], tokens.min(axis=0))
+
+
+def _decode_step(rng, table, q_lens=(1, 2, 1)):
+  """A step of `q_lens` new rows per sequence after LENS cached tokens."""
+  n = sum(q_lens)
+  cu = np.concatenate([[0], np.cumsum(q_lens), [n]]).astype(np.int32)
+  batch = sh.RaggedBatch(cu, np.array([*LENS, 0], np.int32), table, np.int32(len(LENS)))
+  q = rng.normal(size=(n, HQ, D)).astype(np.float32)
+  k = rng.normal(size=(n, HKV, D)).astype(np.float32)
+  v = rng.normal(size=(n, HKV, D)).astype(np.float32)
+  return q, k, v, batch, q_lens
+
+
+def _choice(q, hist, q_lens, top_k, local):
+  """NumPy loop oracle of DESIGN's rule: per sequence and kv head, the `local` last pages after
+  the step, then the top_k cached other pages by max over rows and group heads of sum_d
+  max(q_d * min_d, q_d * max_d), ties to the lower index."""
+  out, start = [], 0
+  for s, h in enumerate(hist):
+    rows = q[start:start + q_lens[s]].reshape(q_lens[s], HKV, HQ // HKV, D)
+    start += q_lens[s]
+    after = -(-(len(h) + q_lens[s]) // PAGE)
+    own = [p for p in range(after - local, after) if p >= 0]
+    heads = []
+    for kv in range(HKV):
+      scored = []
+      for p in range(-(-len(h) // PAGE)):
+        if p in own:
+          continue
+        lo, hi = h[p * PAGE:(p + 1) * PAGE, kv].min(0), h[p * PAGE:(p + 1) * PAGE, kv].max(0)
+        bound = np.max(np.maximum(rows[:, kv] * lo, rows[:, kv] * hi).sum(-1))
+        scored.append((-bound, p))
+      heads.append(set(own) | {p for _, p in sorted(scored)[:top_k]})
+    out.append(heads)
+  return out
+
+
+@pytest.mark.parametrize("top_k,local", [(3, 1), (2, 3), (40, 1)])
+def test_top_k_pages_chooses_as_the_rule_says(top_k, local):
+  pool, table, hist, rng = _prefilled(3)
+  q, _, _, batch, q_lens = _decode_step(rng, table)
+  chosen = jax.jit(lambda *a: sh.sparse.top_k_pages(*a, top_k=top_k, local=local))(q, pool, batch)
+  assert chosen.pages.shape == (4, HKV, min(top_k, PAGES_PER_SEQ) + local)
+  pages, counts = np.asarray(chosen.pages), np.asarray(chosen.counts)
+  for s, heads in enumerate(_choice(q, hist, q_lens, top_k, local)):
+    for kv, want in enumerate(heads):
+      assert counts[s, kv] == len(want)
+      assert set(pages[s, kv, :counts[s, kv]].tolist()) == want
+  assert (counts[3] == 0).all()  # a padding sequence chooses nothing
+
+
+def _oracle(q, k, v, hist_k, hist_v, q_lens, chosen, **rules):
+  """[N, Hq, D] float64: each sequence's rows against its history and new tokens, a key seen
+  only if its page is chosen for the row's kv head (and the rule)."""
+  outs, start = [], 0
+  for s, (hk, hv) in enumerate(zip(hist_k, hist_v)):
+    ql = q_lens[s]
+    keys = np.concatenate([hk, k[start:start + ql]])[None]
+    values = np.concatenate([hv, v[start:start + ql]])[None]
+    page_of = np.arange(keys.shape[1]) // PAGE
+    mask = np.stack([np.isin(page_of, sorted(chosen[s][kv])) for kv in range(HKV)])  # [Hkv, S]
+    mask = np.repeat(mask, HQ // HKV, 0)[None, :, None, :]  # [1, Hq, 1, S]
+    out, _ = oracle.attention(q[start:start + ql][None], keys, values, mask=mask, **rules)
+    outs.append(out[0])
+    start += ql
+  return np.concatenate(outs)
+
+
+@pytest.mark.parametrize("platform", ["xla", "reference"])
+def test_a_step_over_the_chosen_pages_matches_the_oracle(platform):
+  pool, table, hist, rng = _prefilled(4)
+  q, k, v, batch, q_lens = _decode_step(rng, table)
+  config = sh.AttentionConfig(platform=platform, allow_fallback=False, logits_soft_cap=5.0)
+
+  @jax.jit
+  def step(q, k, v, pool, batch):
+    chosen = sh.sparse.top_k_pages(q, pool, batch, top_k=2)
+    return sh.paged_attention(q, k, v, pool, dataclasses.replace(batch, selection=chosen),
+                              config=config), chosen
+
+  (out, _), chosen = step(q, k, v, pool, batch)
+  pages, counts = np.asarray(chosen.pages), np.asarray(chosen.counts)
+  sets = [[set(pages[s, kv, :counts[s, kv]].tolist()) for kv in range(HKV)]
+          for s in range(len(LENS))]
+  assert any(len(h) < -(-(n + 1) // PAGE) for h, n in zip(sets[2], LENS[2:]))  # it skips pages
+  want = _oracle(q, k, v, hist, hist, q_lens, sets, soft_cap=5.0)  # values written = keys
+  np.testing.assert_allclose(np.asarray(out)[:sum(q_lens)], want, **harness.tol())
+
+
+def test_a_bad_selection_is_the_misuse_rule():
+  pool, table, hist, rng = _prefilled(5)
+  q, k, v, batch, q_lens = _decode_step(rng, table)
+  pages = np.zeros((4, HKV, 3), np.int32)
+  pages[:, :, 0], pages[:, :, 1] = 0, 1
+  counts = np.full((4, HKV), 2, np.int32)
+  twice = pages.copy()
+  twice[1, 0, 1] = 0  # sequence 1 lists page 0 twice for kv head 0
+  bad = dataclasses.replace(batch, selection=sh.PageSelection(twice, counts))
+  with pytest.raises(ValueError, match="batch.selection.*sequences \\[1\\]"):
+    sh.paged_attention(q, k, v, pool, bad)
+  out, written = jax.jit(sh.paged_attention)(q, k, v, pool, bad)
+  rows = np.asarray(out)
+  assert np.isnan(rows[1:3]).all() and np.isfinite(rows[[0, 3]]).all()
+  good = dataclasses.replace(batch, selection=sh.PageSelection(pages, counts))
+  want, _ = sh.paged_attention(q, k, v, pool, good)
+  np.testing.assert_array_equal(rows[[0, 3]], np.asarray(want)[[0, 3]])
+  key, _ = written.token_major()
+  before, _ = pool.token_major()
+  np.testing.assert_array_equal(np.asarray(key)[table[1]], np.asarray(before)[table[1]])
+
+
+def test_top_k_pages_refuses_a_pool_without_summaries():
+  pool = sh.PagedKVCache.zeros(8, PAGE, HKV, D)
+  batch = sh.RaggedBatch(np.array([0, 1], np.int32), np.array([3], np.int32),
+                         np.zeros((1, 2), np.int32), np.int32(1))
+  with pytest.raises(ValueError, match="`cache`.*page_summaries=True"):
+    sh.sparse.top_k_pages(np.zeros((1, HQ, D), np.float32), pool, batch, top_k=2)
