@@ -29,13 +29,6 @@ from benchmarks import timing
 HKV, G, D, PAGE, ROWS, SLOTS = 2, 4, 64, 16, 16, 8192
 
 
-def read_bandwidth(gib: float, repeats: int) -> float:
-  """Bytes per second of a jitted sum over a `gib` GiB float32 array."""
-  big = jnp.ones((int(gib * 2**28),), jnp.float32)
-  seconds = timing.median_seconds(jax.jit(jnp.sum), big, repeats=repeats)
-  return big.nbytes / seconds
-
-
 def _gathers(pool: jax.Array, pages: jax.Array) -> dict[str, Callable[[], jax.Array]]:
   """The ways a jitted program can read the pool's pages in `pages`' order, each summed."""
   def sliced(a, i):
@@ -81,7 +74,7 @@ def _decodes(q: jax.Array, head_major: tuple[jax.Array, jax.Array],
 
 def report(repeats: int, gib: float) -> dict[str, float]:
   """Prints and returns each figure as a fraction of the read bandwidth."""
-  bandwidth = read_bandwidth(gib, repeats)
+  bandwidth = timing.read_bandwidth(gib, repeats)
   rng = np.random.default_rng(0)
   num_pages = ROWS * SLOTS // PAGE // 2  # the 65 MiB of keys a 64..8192-token batch holds
   pool = jnp.asarray(rng.normal(size=(num_pages, HKV, PAGE, D)), jnp.float32)

@@ -31,8 +31,8 @@ HQ, HKV, PAGE, ROWS = bench_paged.HQ, bench_paged.HKV, bench_paged.PAGE, 16
 
 
 def _paged(lens, q_lens, dim: int, dtype: Any) -> tuple[Callable[[], Any], Any]:
-  """A compiled paged step over such sequences as a thunk, and the step lowered with the pool
-  donated (as a server runs it: written in place)."""
+  """A compiled paged step over such sequences as a thunk (the pool donated, as a server runs
+  it: written in place), and the step lowered so."""
   cache, batch = bench_paged.pool_for(lens, q_lens, max(-(-(n + q) // PAGE) for n, q in
                                                         zip(lens, q_lens)), dim=dim, dtype=dtype)
   rng = np.random.default_rng(1)
@@ -40,9 +40,8 @@ def _paged(lens, q_lens, dim: int, dtype: Any) -> tuple[Callable[[], Any], Any]:
   q = jnp.asarray(rng.normal(size=(n, HQ, dim)), jnp.float32)
   k = jnp.asarray(rng.normal(size=(n, HKV, dim)), jnp.float32)
   call = lambda q, k, c, b: sh.paged_attention(q, k, k, c, b)
-  step = jax.jit(lambda *a: call(*a)[0])
-  return (lambda: step(q, k, cache, batch)), jax.jit(call, donate_argnums=(2,)).lower(
-      q, k, cache, batch)
+  return (bench_paged.donated_step(q, k, cache, batch),
+          jax.jit(call, donate_argnums=(2,)).lower(q, k, cache, batch))
 
 
 def pool_tokens_ratio(dim: int, dtype: Any = jnp.int8) -> float:

@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -19,6 +20,14 @@ def timed_call(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
   start = time.perf_counter()
   result = jax.block_until_ready(fn(*args))
   return time.perf_counter() - start, result
+
+
+def read_bandwidth(gib: float, repeats: int) -> float:
+  """Bytes per second of a jitted sum over a `gib` GiB float32 array: the machine's read
+  bandwidth, in the same run as the figures it divides."""
+  big = jnp.ones((int(gib * 2**28),), jnp.float32)
+  seconds = median_seconds(jax.jit(jnp.sum), big, repeats=repeats)
+  return big.nbytes / seconds
 
 
 def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int) -> float:

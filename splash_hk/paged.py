@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from splash_hk import inputs
 from splash_hk import kernel
+from splash_hk import lists
 from splash_hk import lowering
 from splash_hk import owners
 from splash_hk import platforms
@@ -29,6 +30,7 @@ from splash_hk.masks import _rules
 from splash_hk.nodes import Static, skeleton
 from splash_hk import ragged
 from splash_hk.pages import Layout, PagedCall, PagedFacts, PagedInputs, PagedKVCache, RaggedBatch
+from splash_hk.pages import StepLists
 from splash_hk.pages import PageSelection, SharedPrefix
 from splash_hk.scores import Score
 from splash_hk.types import Array, Decision, Shaped, as_score
@@ -123,13 +125,12 @@ def paged_attention(
   if isinstance(host, Decision):
     selector.log_fallback(host)
   choice = tuple(decisions.items())
-  layout = None  # computed once here when the batch is known now, else in the step
-  if not traced(batch):  # concrete, even as a constant a jitted function captured: check it now
-    with jax.ensure_compile_time_eval():
-      layout = ragged.layout(batch, facts.num_tokens, facts.num_pages, facts.page_size)
+  with jax.ensure_compile_time_eval():  # a concrete batch (a captured constant too): now
+    layout, step_lists = _plan(batch, Static(facts))  # the batch read once, for every backend
+  if not traced(layout.misuse):  # known now: check it now
     ragged.raise_misuse(layout.misuse, n=facts.num_tokens, max_seqs=facts.max_seqs,
-                       capacity=facts.pages_per_seq * facts.page_size,
-                       num_pages=facts.num_pages)
+                        capacity=facts.pages_per_seq * facts.page_size,
+                        num_pages=facts.num_pages)
   query, key, value, softmax_aux, bias = _not_differentiated(
       (query, key, value, softmax_aux, bias))
   query = quant.checked(query, "query")
@@ -143,15 +144,15 @@ def paged_attention(
       query=query,  # [N, Hq, D]
       key=new(key, "key"),  # [N, Hkv, D] (quantized ones are written dequantized)
       value=new(value, "value"),  # [N, Hkv, Dv]
-      cache=cache, batch=batch,
+      cache=cache, layout=layout, lists=step_lists,
       rule=None if rule is None else rule.map_arrays(lambda side, a: jnp.asarray(a)),
       bias=None if score is None else score.map_arrays(lambda side, a, **_: jnp.asarray(a)),
       sinks=inputs.sinks(softmax_aux, facts.num_heads),  # [Hq, n] or None
       heads=jnp.arange(facts.num_heads, dtype=jnp.int32))  # [Hq]
   if mesh is None and staged(call):
-    out, written, lse = _step(call, facts, choice, layout)
+    out, written, lse = _step(call, facts, choice)
   elif mesh is None:
-    out, written, lse = _whole(call, Static(facts), choice, layout)
+    out, written, lse = _whole(call, Static(facts), choice)
   else:
     out, written, lse = sharding.shard_paged(lambda c, f: _step(c, f, choice), call,
                                              facts, mesh=mesh, axes=axes)
@@ -177,23 +178,28 @@ def _not_differentiated_jvp(primals, tangents):  # JAX calls it only when someth
 Choice = tuple[tuple[str, Decision | str], ...]  # (hardware, its decision, or why it has none)
 
 
+@functools.partial(jax.jit, static_argnums=(1,))
+def _plan(batch: RaggedBatch, facts: Static) -> tuple[Layout, StepLists]:
+  """`lists.plan` of a batch, jitted (one dispatch for an eager call, checked or not)."""
+  f = facts.value
+  return lists.plan(batch, f.num_tokens, f.num_pages, f.page_size, f.static_rules)
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _whole(call: PagedCall, facts: Static, choice: Choice,
-           layout: Layout | None) -> tuple[jax.Array, PagedKVCache, jax.Array]:
+def _whole(call: PagedCall, facts: Static,
+           choice: Choice) -> tuple[jax.Array, PagedKVCache, jax.Array]:
   """`_step` on all heads of an eager call, jitted: one compile (cached per facts) instead of
   one per operation."""
-  return _step(call, facts.value, choice, layout)
+  return _step(call, facts.value, choice)
 
 
-def _step(call: PagedCall, facts: PagedFacts, choice: Choice,
-          layout: Layout | None = None) -> tuple[jax.Array, PagedKVCache, jax.Array]:
+def _step(call: PagedCall, facts: PagedFacts,
+          choice: Choice) -> tuple[jax.Array, PagedKVCache, jax.Array]:
   """Write, then attend (on one shard of heads, or all): (out [N, Hq, Dv], cache, lse [N, Hq]).
-  `choice`: each hardware's backend (the kernel lowered per platform where they differ);
-  `layout`: the batch's, when already computed."""
-  if layout is None:
-    layout = ragged.layout(call.batch, facts.num_tokens, facts.num_pages, facts.page_size)
-  cache = ragged.write(call.cache, call.key, call.value, call.batch, layout)
-  x = PagedInputs(query=call.query, cache=cache, batch=call.batch, layout=layout, rule=call.rule,
+  `choice`: each hardware's backend (the kernel lowered per platform where they differ)."""
+  layout = call.layout
+  cache = ragged.write(call.cache, call.key, call.value, layout)
+  x = PagedInputs(query=call.query, cache=cache, layout=layout, lists=call.lists, rule=call.rule,
                   bias=call.bias, sinks=call.sinks, heads=call.heads)
   out, lse = _run(choice, x, facts)  # [N, Hq, Dv], [N, Hq]
   out = jnp.where(layout.row_bad[:, None, None], jnp.nan, out)

@@ -179,7 +179,64 @@ class Layout(NamedTuple):
   row_live: jax.Array  # [N] bool: ... and that sequence is valid (it writes and attends)
   row_bad: jax.Array  # [N] bool: ... and that sequence misuses the cache (outputs NaN)
   kv_len_after: jax.Array  # [max_seqs] int32: each sequence's length after the call
+  page: jax.Array  # [N] int32: the physical page a live row is written to (others: P, none)
+  slot: jax.Array  # [N] int32: its slot there
   misuse: Misuse
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("blocks", "first_key", "count", "order", "offset", "rows", "lo",
+                                "hi"),
+                   meta_fields=("positional",))
+@dataclasses.dataclass(frozen=True)
+class BlockLists:
+  """Each owner's list of pages and the rows that read it (a pytree).
+
+  Attributes:
+    blocks: [O, Hl, K] int32, the physical page of each entry (inside the pool).
+    first_key: [O, Hl, K] int32, the position of the entry's first key (slot 0).
+    count: [O, Hl] int32, the entries in use (those past it are never read).
+    order: [N] int32, the step's rows sorted by owner (rows no list serves: last).
+    offset: [O] int32, where owner o's rows start in `order`.
+    rows: [O] int32, how many rows owner o has (0 for owners nothing reads).
+    lo: [N] int32, the first key position each row may see through these lists.
+    hi: [N] int32, the last one (below `lo`: the row sees nothing here).
+    positional: entry e of every list holds keys [e * page_size, (e + 1) * page_size) (a page
+      table, a prefix): a tile's entries are a range its rows' bounds cut, and a run of entries
+      inside every row's bounds is visible whole. Else (a selection) any order.
+  """
+
+  blocks: jax.Array
+  first_key: jax.Array
+  count: jax.Array
+  order: jax.Array
+  offset: jax.Array
+  rows: jax.Array
+  lo: jax.Array
+  hi: jax.Array
+  positional: bool = True
+
+  @property
+  def list_heads(self) -> int:
+    return self.blocks.shape[1]
+
+  @property
+  def num_owners(self) -> int:
+    return self.blocks.shape[0]
+
+
+class StepLists(NamedTuple):
+  """A step's lists of pages, built once (`splash_hk.lists.plan`) and read by every backend."""
+
+  table: BlockLists  # each sequence's page-table row (every kv head), read by its live rows
+  chosen: BlockLists | None  # each sequence's chosen pages per kv head (a selection), or None
+  prefix: BlockLists | None  # each cascade group's prefix, read by its members' rows, or None
+  prefix_len: jax.Array  # [N] int32: the prefix tokens a row reads through `prefix` (0: none)
+
+  @property
+  def own(self) -> BlockLists:
+    """The lists each sequence's rows read (after a cascade's prefix): chosen, or the table."""
+    return self.table if self.chosen is None else self.chosen
 
 
 class PagedCall(NamedTuple, Generic[Leaf]):
@@ -190,7 +247,8 @@ class PagedCall(NamedTuple, Generic[Leaf]):
   key: Leaf  # [N, Hkv, D]
   value: Leaf  # [N, Hkv, Dv]
   cache: PagedKVCache
-  batch: RaggedBatch
+  layout: Layout  # the batch read as rows (`lists.plan`)
+  lists: StepLists  # and as lists of pages
   rule: _objects.Mask | None
   bias: Score | None
   sinks: Leaf | None  # [Hq, n] float32
@@ -202,8 +260,8 @@ class PagedInputs(NamedTuple):
 
   query: jax.Array  # [N, Hq, D]
   cache: PagedKVCache  # key [P, Hkv, page, D], value [P, Hkv, page, Dv]
-  batch: RaggedBatch
   layout: Layout
+  lists: StepLists
   rule: _objects.Mask | None  # over positions; no per-token arrays
   bias: Score | None  # a position object; no per-token arrays
   sinks: jax.Array | None  # [Hq, n] float32

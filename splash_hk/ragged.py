@@ -37,17 +37,6 @@ def _shared_writes(batch: RaggedBatch, listed: jax.Array, written: jax.Array,
   return jnp.any(listed & inside & conflict[jnp.clip(table, 0, num_pages - 1)], axis=1)
 
 
-def prefix_of(batch: RaggedBatch, seq: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(group [..] int32, -1 for none; prefix tokens [..] int32, 0 for none) of sequences `seq`."""
-  if batch.prefix is None:
-    return jnp.full(seq.shape, -1, jnp.int32), jnp.zeros(seq.shape, jnp.int32)
-  p = batch.prefix
-  group = p.group.astype(jnp.int32)[seq]
-  inside = (group >= 0) & (group < p.num_groups)
-  lens = jnp.where(inside, p.lens.astype(jnp.int32)[jnp.clip(group, 0, p.num_groups - 1)], 0)
-  return jnp.where(inside, group, -1), lens
-
-
 def _prefix_misuse(batch: RaggedBatch, page_size: int) -> jax.Array:
   """[max_seqs] bool: members whose group is out of range, whose prefix is not whole cached
   pages, or whose page table does not start with the group's pages."""
@@ -119,17 +108,18 @@ def layout(batch: RaggedBatch, num_tokens: int, num_pages: int, page_size: int) 
   seq = jnp.clip(jnp.searchsorted(ends, rows, side="right"), 0, max_seqs - 1).astype(jnp.int32)
   row_in = (rows >= cu[0]) & (rows < cu[count])
   row_bad = (row_in & bad[seq]) | bad_count
-  return Layout(seq=seq, pos=kv[seq] + rows - start[seq], row_in=row_in,
-                row_live=row_in & ~row_bad, row_bad=row_bad, kv_len_after=after, misuse=misuse)
+  pos = kv[seq] + rows - start[seq]  # [N]
+  live = row_in & ~row_bad
+  page = table[seq, jnp.clip(pos // page_size, 0, pages_per_seq - 1)]  # [N]
+  return Layout(seq=seq, pos=pos, row_in=row_in, row_live=live, row_bad=row_bad,
+                kv_len_after=after, page=jnp.where(live, page, num_pages), slot=pos % page_size,
+                misuse=misuse)
 
 
-def write(cache: PagedKVCache, key: Any, value: Any, batch: RaggedBatch,
-          layout: Layout) -> PagedKVCache:
+def write(cache: PagedKVCache, key: Any, value: Any, layout: Layout) -> PagedKVCache:
   """Each live row's key [N, Hkv, D] / value at its position in its sequence's pages; others
   write nothing (`pool.write`)."""
-  logical = jnp.clip(layout.pos // cache.page_size, 0, batch.pages_per_seq - 1)  # [N]
-  page = jnp.where(layout.row_live, batch.page_table[layout.seq, logical], cache.num_pages)
-  return pool.write(cache, key, value, page, layout.pos % cache.page_size)
+  return pool.write(cache, key, value, layout.page, layout.slot)
 
 
 MISUSE_WORDS = {  # Misuse field -> (argument, what is wrong, what to pass instead)

@@ -142,16 +142,20 @@ def test_visible_interval_is_exactly_the_visible_keys(rules, query_len, kv_len):
 
 
 def test_paged_bench_prints_its_ratios_and_bytes(capsys):
-  figures = bench_paged.report(repeats=1, max_len=256)
+  figures = bench_paged.report(repeats=1, max_len=256, head_dims=(64,), prompts=(256,),
+                               quest_len=512)
   out = capsys.readouterr().out
-  assert "pages_per_seq for 2048 / for 256 tokens" in out and "paged / KVCache(max_len=256)" in out
-  assert all(figures[k] > 0 for k in ("decode_wide_over_narrow", "decode_paged_over_kv_cache",
-                                      "mixed_over_apart", "decode_undonated_over_donated"))
-  assert "not donated / donated" in out
+  assert "one prompt of 256 tokens in one step, paged / attention" in out
+  assert "pages_per_seq for 2048 / for 256 tokens" in out and "KVCache(max_len=256)" in out
+  assert "1/16 of the pages chosen" in out and "not donated / donated" in out
+  names = ("prefill_256_paged_over_attention", "chunk_paged_over_kv_cache", "mixed_over_apart",
+           "decode_paged_over_kv_cache", "decode_read_fraction", "decode_wide_over_narrow",
+           "decode_undonated_over_donated", "quest_every_page_over_chosen")
+  assert all(figures[f"{k}_d64"] > 0 for k in names), figures
   # 16 sequences of 64..255 tokens (+1 new each) in pages of 16, against 16 rows of 256 slots.
   used = sum(-(-(n + 1) // 16) for n in np.linspace(64, 255, 16).astype(int)) * 16
-  assert figures["paged_mib"] == pytest.approx(used * 2 * 64 * 4 * 2 / 2**20)
-  assert figures["kv_cache_mib"] == pytest.approx(16 * 256 * 2 * 64 * 4 * 2 / 2**20)
+  assert figures["paged_mib_d64"] == pytest.approx(used * 2 * 64 * 4 * 2 / 2**20)
+  assert figures["kv_cache_mib_d64"] == pytest.approx(16 * 256 * 2 * 64 * 4 * 2 / 2**20)
 
 
 def test_quant_bench_prints_its_figures(capsys):

@@ -114,13 +114,13 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
 def _with_selection(x: pages.PagedInputs, facts: pages.PagedFacts) -> Mask | None:
   """The call's rule, ANDed with a page selection's element rule (a key is visible only if its
   logical page is chosen for the row's sequence and kv head) as a dense [N, Hq, 1, S] mask."""
-  chosen = x.batch.selection
+  chosen = x.lists.chosen
   if chosen is None:
     return x.rule
-  counts = chosen.counts.astype(jnp.int32)[..., None]  # [max_seqs, Hkv, 1]
-  listed = jnp.arange(chosen.most)[None, None, :] < counts
+  counts = chosen.count[..., None]  # [max_seqs, Hkv, 1]
+  listed = jnp.arange(chosen.blocks.shape[2])[None, None, :] < counts
   seqs, heads = (jnp.arange(n)[:, None, None] for n in counts.shape[:2])
-  page = jnp.where(listed, chosen.pages.astype(jnp.int32), facts.pages_per_seq)
+  page = jnp.where(listed, chosen.first_key // facts.page_size, facts.pages_per_seq)
   table = jnp.zeros((*counts.shape[:2], facts.pages_per_seq), jnp.bool_).at[
       seqs, heads.reshape(1, -1, 1), page].set(True, mode="drop")  # [max_seqs, Hkv, pages]
   keys = jnp.repeat(table, facts.page_size, axis=2)[x.layout.seq]  # [N, Hkv, S]
@@ -133,7 +133,7 @@ def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Arr
   `attend` (keys past the sequence's length are padding). out [N, Hq, Dv], lse [N, Hq]."""
   layout, page_size = x.layout, facts.page_size
   num_tokens, kv_len = facts.num_tokens, facts.pages_per_seq * page_size
-  table = jnp.clip(x.batch.page_table, 0, facts.num_pages - 1)[layout.seq]  # [N, pages_per_seq]
+  table = x.lists.table.blocks[layout.seq, 0]  # [N, pages_per_seq], inside the pool
   gather = lambda pool: quant.cut(pool, 0, lambda t: jnp.swapaxes(t[table], 2, 3).reshape(
       num_tokens, kv_len, t.shape[1], t.shape[3]))  # [N, pages, Hkv, page, .] -> [N, S, Hkv, .]
   kv_positions = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (num_tokens, kv_len))

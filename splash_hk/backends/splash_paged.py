@@ -50,19 +50,18 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
 
 def _tiles(x: pages.PagedInputs, bq: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """tile_seq [W], tile_len [W] (0: no tile) and rows [W, bq] (N: no row)."""
-  layout, batch = x.layout, x.batch
-  n, max_seqs = x.query.shape[0], batch.max_seqs
-  cu = batch.cu_q_lens[:max_seqs + 1].astype(jnp.int32)  # [max_seqs + 1]
-  live = (jnp.arange(max_seqs) < jnp.reshape(batch.num_seqs, (-1,))[0]) & ~layout.misuse.any()
-  q_len = jnp.where(live, jnp.clip(cu[1:] - cu[:-1], 0, n), 0)  # [max_seqs]
+  layout, table = x.layout, x.lists.table  # each sequence's rows and its page-table row
+  n, max_seqs = x.query.shape[0], table.num_owners
+  first_row, q_len = table.offset, table.rows  # [max_seqs]: live rows only
   count = -(-q_len // bq)  # [max_seqs] tiles per sequence
   ends = jnp.cumsum(count)  # [max_seqs]
   tau = jnp.arange(-(-n // bq) + max_seqs, dtype=jnp.int32)  # [W]
   seq = jnp.clip(jnp.searchsorted(ends, tau, side="right"), 0, max_seqs - 1).astype(jnp.int32)
   used = tau < ends[-1]  # [W]
-  first = cu[seq] + (tau - (ends[seq] - count[seq])) * bq  # [W]
+  first = first_row[seq] + (tau - (ends[seq] - count[seq])) * bq  # [W]
   rows = first[:, None] + jnp.arange(bq, dtype=jnp.int32)  # [W, bq]
-  ok = used[:, None] & (rows < cu[seq + 1][:, None]) & (rows >= 0) & (rows < n)
+  ok = (used[:, None] & (rows < (first_row + q_len)[seq][:, None]) & (rows >= 0)
+        & (rows < n))
   tile_len = jnp.where(used, layout.kv_len_after[seq], 0).astype(jnp.int32)
   return seq, tile_len, jnp.where(ok, rows, n)
 
@@ -85,7 +84,7 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, ja
                         facts.scale, facts.config.logits_soft_cap, facts.rule,
                         facts.config.interpret)
   out, lse = tpu_paged.attend(
-      spec, tile_seq, tile_len, x.batch.page_table.astype(jnp.int32),
+      spec, tile_seq, tile_len, x.lists.table.blocks[:, 0],
       jnp.swapaxes(q, 1, 2), pos, x.cache.key, x.cache.value,
       jnp.broadcast_to(sinks[None], (tpu_lists.SUBLANES, heads)))  # [W, Hq, bq, Dv|128]
   flat = rows.reshape(-1)  # [W * bq]

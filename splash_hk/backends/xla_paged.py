@@ -24,7 +24,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from splash_hk import lists as lists_lib
 from splash_hk import pages
 from splash_hk.backends import xla_paged_items as items_lib
 from splash_hk.backends.xla_paged_items import Tiles
@@ -47,7 +46,7 @@ def bounds(num_rows: int, max_owners: int) -> tuple[tuple[int, int], ...]:
   return tuple(out)
 
 
-def tiles(bl: lists_lib.BlockLists, width: int, count: int, done: jax.Array, page_size: int,
+def tiles(bl: pages.BlockLists, width: int, count: int, done: jax.Array, page_size: int,
           run: int, exact: bool) -> tuple[Tiles, jax.Array]:
   """The tiles of `width` rows (at most `count`) after each owner's first `done` [O] rows, and
   the rows done after them. `exact`: the rows' bounds are their whole rule (config rules)."""
@@ -99,7 +98,7 @@ def _empty(n: int, kv_heads: int, groups: int, value_dim: int) -> State:
   return State(jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros((*shape, value_dim)))
 
 
-def _pass(x: pages.PagedInputs, facts: pages.PagedFacts, bl: lists_lib.BlockLists,
+def _pass(x: pages.PagedInputs, facts: pages.PagedFacts, bl: pages.BlockLists,
           state: State) -> State:
   """The rows' states after reading their lists `bl`, from `state`."""
   exact = facts.static_rules is not None
@@ -135,10 +134,8 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, ja
   (base's convention)."""
   n, heads, kv_heads = facts.num_tokens, facts.num_heads, facts.num_kv_heads
   groups = heads // kv_heads
-  prefix, own = lists_lib.step_lists(x.batch, x.layout, facts.static_rules, facts.num_pages,
-                                     facts.page_size)
   state = _empty(n, kv_heads, groups, facts.value_dim)
-  for bl in (prefix, own):
+  for bl in (x.lists.prefix, x.lists.own):  # a cascade's prefixes first
     if bl is not None:
       state = _pass(x, facts, bl, state)
   sinks = None if x.sinks is None else x.sinks.reshape(kv_heads, groups, -1)

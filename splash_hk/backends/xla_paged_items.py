@@ -23,7 +23,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from splash_hk import lists as lists_lib
 from splash_hk import pages
 from splash_hk import quant
 from splash_hk.backends import base
@@ -95,7 +94,7 @@ class Item(NamedTuple):
 
 
 def _item(number, total, order, ends, counts, first_runs, seg: Segments, t: Tiles,
-          bl: lists_lib.BlockLists, run: int, page_size: int, start) -> Item:
+          bl: pages.BlockLists, run: int, page_size: int, start) -> Item:
   """Items `number` [I] of a loop (past `total`: nothing)."""
   n = bl.order.shape[0]
   c = jnp.clip(jnp.searchsorted(ends, number, side="right"), 0, ends.shape[0] - 1)  # compacted
@@ -216,7 +215,7 @@ def _fold(state, it: Item, q: jax.Array, x: pages.PagedInputs, facts: pages.Page
   return new_m, l, acc * alpha[..., None] + jnp.zeros_like(acc).at[it.tile].add(pv)
 
 
-def _loop(state, x: pages.PagedInputs, facts: pages.PagedFacts, bl: lists_lib.BlockLists,
+def _loop(state, x: pages.PagedInputs, facts: pages.PagedFacts, bl: pages.BlockLists,
           t: Tiles, q: jax.Array, run: int, full: bool):
   """The tiles' states (m, l [T, Hkv, G, w], acc) after one loop's items."""
   seg = segments(t, full)
@@ -244,7 +243,7 @@ def _loop(state, x: pages.PagedInputs, facts: pages.PagedFacts, bl: lists_lib.Bl
   return tuple(a.at[order].set(b) for a, b in zip(state, packed))
 
 
-def attend_tiles(x: pages.PagedInputs, facts: pages.PagedFacts, bl: lists_lib.BlockLists,
+def attend_tiles(x: pages.PagedInputs, facts: pages.PagedFacts, bl: pages.BlockLists,
                  t: Tiles, run: int, state):
   """The tiles' states after their lists: the whole runs without a mask, then the rest."""
   count, width = t.rows.shape

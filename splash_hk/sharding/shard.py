@@ -96,7 +96,8 @@ def shard_paged(
       query=at_heads(1, 3), key=jax.tree.map(lambda a: at_heads(1, 3), call.key),
       value=jax.tree.map(lambda a: at_heads(1, 3), call.value),
       cache=jax.tree.map(lambda a: at_heads(1, a.ndim), call.cache),  # [P, Hkv, ...]
-      batch=jax.tree.map(lambda a: whole, call.batch),
+      layout=jax.tree.map(lambda a: whole, call.layout),
+      lists=jax.tree.map(lambda a: whole, call.lists),
       rule=None if call.rule is None else call.rule.map_arrays(lambda side, a: whole),
       bias=None if call.bias is None else call.bias.map_arrays(by_side),
       sinks=None if call.sinks is None else at_heads(0, 2), heads=at_heads(0, 1))
