@@ -143,4 +143,5 @@ def prefix_lists(batch: pages.RaggedBatch, group: jax.Array, plen: jax.Array, lo
   table = prefix.pages[:, None, :]
   return pages.BlockLists(_clip_pages(table, num_pages),
                           jnp.broadcast_to(first_key, table.shape), count, order, offset, rows,
-                          jnp.where(member, lo, 0), jnp.where(member, jnp.minimum(hi, plen - 1), -1))
+                          jnp.where(member, lo, 0),
+                          jnp.where(member, jnp.minimum(hi, plen - 1), -1))

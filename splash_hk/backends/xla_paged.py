@@ -55,7 +55,8 @@ def tiles(bl: pages.BlockLists, width: int, count: int, done: jax.Array, page_si
   per_owner = left // width  # [O] tiles
   ends = jnp.cumsum(per_owner)  # [O]
   tau = jnp.arange(count, dtype=jnp.int32)  # [T]
-  owner = jnp.clip(jnp.searchsorted(ends, tau, side="right"), 0, bl.num_owners - 1)
+  owner = jnp.clip(jnp.searchsorted(ends, tau, side="right", method="compare_all"), 0,
+                   bl.num_owners - 1)
   used = tau < ends[-1]  # [T]
   slot = bl.offset[owner] + done[owner] + (tau - (ends[owner] - per_owner[owner])) * width
   slots = jnp.clip(slot[:, None] + jnp.arange(width, dtype=jnp.int32), 0, n - 1)  # [T, w]
@@ -74,13 +75,14 @@ def tiles(bl: pages.BlockLists, width: int, count: int, done: jax.Array, page_si
   stop = jnp.where(jnp.any(seen, axis=1)[:, None], stop, 0)
   start = jnp.minimum(start, jnp.min(stop, axis=1))
   full_start, full_stop = start, start
-  if bl.positional and exact:  # entries inside every row's bounds
+  if bl.positional and exact and width >= items_lib.FULL_RUNS_FROM:  # inside every row's bounds
     inner_lo, inner_hi = jnp.max(lo, axis=1), jnp.min(hi, axis=1)  # [T]
     all_seen = jnp.all(seen | ~used[:, None], axis=1) & used
     first = jnp.clip(-(-inner_lo // page_size), start, stop[:, 0])
     most = jnp.clip((inner_hi + 1) // page_size, first, stop[:, 0])
     whole = jnp.where(all_seen, (most - first) // run * run, 0)
-    full_start, full_stop = jnp.where(all_seen, first, start), jnp.where(all_seen, first, start) + whole
+    full_start = jnp.where(all_seen, first, start)
+    full_stop = full_start + whole
   return (Tiles(rows=rows, owner=owner.astype(jnp.int32), lo=lo, hi=hi, start=start, stop=stop,
                 full_start=full_start, full_stop=full_stop), done + per_owner * width)
 

@@ -31,6 +31,7 @@ KEYS_PER_RUN = (256, 512)  # keys a run reads at most: tiles of 32 rows or more,
 LOGITS_PER_STEP = 2**20  # logits a loop step computes at most
 GATHERED_PER_STEP = 2**21  # key and value elements a loop step gathers at most
 MAX_ITEMS = 64
+FULL_RUNS_FROM = 32  # tiles of this many rows or more run their runs visible whole unmasked
 
 
 class Tiles(NamedTuple):
@@ -93,25 +94,38 @@ class Item(NamedTuple):
   blocks: jax.Array  # [I, Hl, C] int32: the pages it reads
 
 
-def _item(number, total, order, ends, counts, first_runs, seg: Segments, t: Tiles,
-          bl: pages.BlockLists, run: int, page_size: int, start) -> Item:
-  """Items `number` [I] of a loop (past `total`: nothing)."""
-  n = bl.order.shape[0]
-  c = jnp.clip(jnp.searchsorted(ends, number, side="right"), 0, ends.shape[0] - 1)  # compacted
-  k = number - (ends[c] - counts[c])  # the item's run within its tile
-  tile = order[c]
-  in_first = k < first_runs[tile]
-  e0 = jnp.where(in_first, seg.start1[tile] + k * run, seg.start2[tile] + (k - first_runs[tile]) * run)
-  e_end = jnp.where(in_first[:, None], seg.stop1[tile][:, None], seg.stop2[tile])  # [I, Hl]
+class Window(NamedTuple):
+  """A loop's tiles in its order (tiles with items first), what its items read of them."""
+
+  info: jax.Array  # [T, 5] int32: owner, first segment's runs, start1, stop1, start2
+  stop2: jax.Array  # [T, Hl] int32
+  bounds: jax.Array  # [T, 3, w] int32: rows (clipped), lo, hi
+  ends: jax.Array  # [T] int32: the running sum of their items
+  counts: jax.Array  # [T] int32: their items
+
+
+def _item(number: jax.Array, w: Window, entries: jax.Array, run: int, page_size: int,
+          start) -> Item:
+  """Items `number` [I] of a loop (past its last: nothing); `entries` [O, Hl, K, 2]: each
+  list entry's page and first key position."""
+  total = w.ends[-1]
+  c = jnp.clip(jnp.searchsorted(w.ends, number, side="right", method="compare_all"), 0,
+               w.ends.shape[0] - 1)  # the item's tile, in the loop's order
+  k = number - (w.ends[c] - w.counts[c])  # the item's run within its tile
+  owner, first_runs, start1, stop1, start2 = (w.info[c, i] for i in range(5))
+  in_first = k < first_runs
+  e0 = jnp.where(in_first, start1 + k * run, start2 + (k - first_runs) * run)  # [I]
+  e_end = jnp.where(in_first[:, None], stop1[:, None], w.stop2[c])  # [I, Hl]
   entry = e0[:, None] + jnp.arange(run, dtype=jnp.int32)  # [I, C]
   ok = (number < total)[:, None, None] & (entry[:, None, :] < e_end[:, :, None])  # [I, Hl, C]
-  at = (t.owner[tile][:, None, None], jnp.arange(bl.list_heads)[None, :, None],
-        jnp.clip(entry, 0, bl.blocks.shape[2] - 1)[:, None, :])
-  kv_pos = bl.first_key[at][..., None] + jnp.arange(page_size, dtype=jnp.int32)  # [I, Hl, C, page]
+  got = entries[owner[:, None, None], jnp.arange(entries.shape[1])[None, :, None],
+                jnp.clip(entry, 0, entries.shape[2] - 1)[:, None, :]]  # [I, Hl, C, 2]
+  kv_pos = got[..., 1:] + jnp.arange(page_size, dtype=jnp.int32)  # [I, Hl, C, page]
   flat = lambda a: a.reshape(*a.shape[:2], -1)
-  return Item(tile=c - start, rows=jnp.clip(t.rows[tile], 0, n - 1), lo=t.lo[tile], hi=t.hi[tile],
+  bounds = w.bounds[c]  # [I, 3, w]
+  return Item(tile=c - start, rows=bounds[:, 0], lo=bounds[:, 1], hi=bounds[:, 2],
               kv_pos=flat(kv_pos), ok=flat(jnp.broadcast_to(ok[..., None], kv_pos.shape)),
-              blocks=bl.blocks[at])
+              blocks=got[..., 0])
 
 
 def gather(pool, blocks: jax.Array, kv_heads: int) -> tuple[jax.Array, jax.Array | None]:
@@ -215,14 +229,21 @@ def _fold(state, it: Item, q: jax.Array, x: pages.PagedInputs, facts: pages.Page
   return new_m, l, acc * alpha[..., None] + jnp.zeros_like(acc).at[it.tile].add(pv)
 
 
-def _loop(state, x: pages.PagedInputs, facts: pages.PagedFacts, bl: pages.BlockLists,
-          t: Tiles, q: jax.Array, run: int, full: bool):
-  """The tiles' states (m, l [T, Hkv, G, w], acc) after one loop's items."""
-  seg = segments(t, full)
+def _window(t: Tiles, seg: Segments, run: int, num_rows: int) -> tuple[Window, jax.Array]:
+  """The loop's tiles in its order, and that order [T] (tiles with items first)."""
   first_runs, counts = seg.runs(run)  # [T]
-  order = jnp.argsort(counts == 0, stable=True).astype(jnp.int32)  # tiles with items first
-  counts_c = counts[order]
-  ends = jnp.cumsum(counts_c).astype(jnp.int32)
+  order = jnp.argsort(counts == 0, stable=True).astype(jnp.int32)
+  info = jnp.stack([t.owner, first_runs, seg.start1, seg.stop1, seg.start2], axis=1)
+  bounds = jnp.stack([jnp.clip(t.rows, 0, num_rows - 1), t.lo, t.hi], axis=1)  # [T, 3, w]
+  counts = counts[order]
+  return Window(info[order], seg.stop2[order], bounds[order],
+                jnp.cumsum(counts).astype(jnp.int32), counts), order
+
+
+def _loop(state, x: pages.PagedInputs, facts: pages.PagedFacts, entries: jax.Array, t: Tiles,
+          q: jax.Array, run: int, full: bool):
+  """The tiles' states (m, l [T, Hkv, G, w], acc) after one loop's items."""
+  w, order = _window(t, segments(t, full), run, facts.num_tokens)
   size = per_step(t.rows.shape[1], run, facts)
   num_tiles = t.rows.shape[0]
   packed = tuple(a[order] for a in state)
@@ -231,15 +252,15 @@ def _loop(state, x: pages.PagedInputs, facts: pages.PagedFacts, bl: pages.BlockL
   def body(carry):
     step, packed = carry
     number = step * size + jnp.arange(size, dtype=jnp.int32)
-    start = jnp.clip(jnp.searchsorted(ends, number[0], side="right"), 0, num_tiles - size)
-    it = _item(number, ends[-1], order, ends, counts_c, first_runs, seg, t, bl, run,
-               facts.page_size, start)
+    start = jnp.clip(jnp.searchsorted(w.ends, number[0], side="right", method="compare_all"),
+                     0, num_tiles - size)
+    it = _item(number, w, entries, run, facts.page_size, start)
     window = lambda a: jax.lax.dynamic_slice_in_dim(a, start, size)
     new = _fold(tuple(window(a) for a in packed), it, window(q_c), x, facts, not full)
     put = lambda a, part: jax.lax.dynamic_update_slice_in_dim(a, part, start, 0)
     return step + 1, tuple(put(a, b) for a, b in zip(packed, new))
 
-  _, packed = jax.lax.while_loop(lambda c: c[0] * size < ends[-1], body, (0, packed))
+  _, packed = jax.lax.while_loop(lambda c: c[0] * size < w.ends[-1], body, (0, packed))
   return tuple(a.at[order].set(b) for a, b in zip(state, packed))
 
 
@@ -252,6 +273,7 @@ def attend_tiles(x: pages.PagedInputs, facts: pages.PagedFacts, bl: pages.BlockL
   q = q.reshape(count, width, kv_heads, groups, facts.head_dim).transpose(0, 2, 3, 1, 4)
   q = q.reshape(count, kv_heads, groups * width, facts.head_dim) * jnp.asarray(
       facts.scale, q.dtype)  # [T, Hkv, G * w, D]
-  for full in (True, False):
-    state = _loop(state, x, facts, bl, t, q, run, full)
+  entries = jnp.stack([bl.blocks, bl.first_key], axis=-1)  # [O, Hl, K, 2]
+  for full in ((True, False) if width >= FULL_RUNS_FROM else (False,)):
+    state = _loop(state, x, facts, entries, t, q, run, full)
   return state
