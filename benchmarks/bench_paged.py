@@ -150,7 +150,7 @@ def prefill_rows(dim: int, prompts: Sequence[int], max_len: int,
       [paged_call([max_len], [CHUNK], -(-(max_len + CHUNK) // PAGE), dim)],
       [fixed_call([max_len], max_len + CHUNK, dim, q_len=CHUNK)], repeats)
   lens = np.linspace(64, max_len - 1, 16).astype(np.int32)
-  pages = -(-(max_len + CHUNK) // PAGE)
+  pages = -(-max(max_len + CHUNK, 2 * CHUNK) // PAGE)
   mixed = paged_call([CHUNK, CHUNK] + list(lens[:14]), [CHUNK, CHUNK] + [1] * 14, pages, dim)
   apart = [paged_call([CHUNK, CHUNK], [CHUNK, CHUNK], pages, dim),
            paged_call(lens[:14], [1] * 14, pages, dim)]

@@ -196,7 +196,7 @@ def _page_scores(q: jax.Array, cache: PagedKVCache, batch: RaggedBatch,
   and each kv head's group (-inf: no row). `ROWS_PER_STEP` rows a loop step."""
   n, num_heads, dim = q.shape
   kv_heads = cache.num_kv_heads
-  size = ROWS_PER_STEP
+  size = min(ROWS_PER_STEP, n)
   steps = -(-n // size)
   pad = lambda a, fill: jnp.pad(a, [(0, steps * size - n)] + [(0, 0)] * (a.ndim - 1),
                                 constant_values=fill)
@@ -209,11 +209,12 @@ def _page_scores(q: jax.Array, cache: PagedKVCache, batch: RaggedBatch,
     rows = jax.lax.dynamic_slice_in_dim(grouped, i * size, size)  # [R, Hkv, G, D]
     seqs = jax.lax.dynamic_slice_in_dim(seq, i * size, size)  # [R]
     lo, hi = cache.key_min[table[seqs]], cache.key_max[table[seqs]]  # [R, pps, Hkv, D]
-    bound = (jnp.einsum("rkgd,rpkd->rkgp", jnp.maximum(rows, 0), hi)
-             + jnp.einsum("rkgd,rpkd->rkgp", jnp.minimum(rows, 0), lo))  # [R, Hkv, G, pps]
+    rows = rows[:, None]  # [R, 1, Hkv, G, D]: a multiply and a sum (no transposed copies)
+    bound = jnp.sum(jnp.maximum(rows * hi[:, :, :, None], rows * lo[:, :, :, None]), axis=-1)
     ok = jax.lax.dynamic_slice_in_dim(live, i * size, size)
     at = jnp.where(ok, seqs, batch.max_seqs)  # dead rows: dropped
-    return best.at[at].max(jnp.max(bound, axis=2), mode="drop")
+    best_rows = jnp.swapaxes(jnp.max(bound, axis=3), 1, 2)  # [R, Hkv, pps]
+    return best.at[at].max(best_rows, mode="drop")
 
   return jax.lax.fori_loop(0, steps, step, best)
 

@@ -16,10 +16,11 @@ from splash_hk.backends import xla_paged as xla_paged_tiles
 from splash_hk.backends import xla_paged_items
 
 PAGE = paged_cases.PAGE
-# Rows per sequence cross every tile width (256, 32, 4, 1): 300 = 256 + 32 + 3 x 4, 45 = 32 +
-# 3 x 4 + 1, 9 = 2 x 4 + 1; lengths start mid-page and end mid-page.
-TILED = dict(kv_lens=(5, 0, 12, 3, 41), q_lens=(1, 45, 9, 300, 2), max_seqs=6, pad_rows=3,
-             pages_per_seq=80, num_pages=160)
+# A step of 530 rows (every width tiled) whose sequences' rows cross every tile width (256, 16,
+# 1) and partial tiles: 470 = 256 + 214 (a partial 256), 45 = 16 + 16 + 13 (a partial 16), 9
+# and 2 (partial 16s), 1 (a tile of one); lengths start mid-page and end mid-page.
+TILED = dict(kv_lens=(5, 0, 12, 3, 41), q_lens=(1, 45, 9, 470, 2), max_seqs=6, pad_rows=3,
+             pages_per_seq=120, num_pages=170)
 
 
 def _tiled(seed, **kwargs):
@@ -33,7 +34,8 @@ def _run(step, config, **kwargs):
 
 
 def test_the_steps_rows_fill_tiles_of_every_width():
-  widths = [w for w, _ in xla_paged_tiles.bounds(sum(TILED["q_lens"]) + 3, TILED["max_seqs"])]
+  widths = [w for w, _, _ in xla_paged_tiles.bounds(sum(TILED["q_lens"]) + 3,
+                                                     TILED["max_seqs"])]
   assert widths == list(xla_paged_tiles.WIDTHS)
   assert all(widths[0] % w == 0 for w in widths)
 
@@ -49,7 +51,7 @@ def test_tiles_of_every_width_match_the_oracle(rule):
 def test_tiles_with_sinks_gqa_value_size_bias_and_soft_cap():
   step = _tiled(seed=32, value_dim=24, hq=8)
   sinks = np.random.default_rng(3).normal(size=(8, 2)).astype(np.float32)
-  params, dense = harness.score_case("t5_uni", np.arange(400)[None], np.arange(400)[None], 8)
+  params, dense = harness.score_case("t5_uni", np.arange(500)[None], np.arange(500)[None], 8)
   bias = lambda ql, s: np.asarray(dense(params))[:, :, s - ql:s, :s]
   config = sh.AttentionConfig(logits_soft_cap=3.0, sliding_window=(50, 0))
   out, _ = _run(step, config, softmax_aux=sinks, bias=harness.score_object("t5_uni", params))
@@ -58,7 +60,7 @@ def test_tiles_with_sinks_gqa_value_size_bias_and_soft_cap():
 
 
 def test_a_nan_value_reaches_only_the_rows_of_a_tile_that_see_it():
-  # Sequence 3 (300 rows after 3 cached tokens, one tile of 256 first) gets a NaN in value
+  # Sequence 3 (470 rows after 3 cached tokens, a tile of 256 first) gets a NaN in value
   # column 0 of its new token at position 70: under the causal rule rows before it are finite.
   step = _tiled(seed=33)
   first = sum(TILED["q_lens"][:3])
@@ -66,7 +68,7 @@ def test_a_nan_value_reaches_only_the_rows_of_a_tile_that_see_it():
   step.history_v[3][70, 0, 0] = np.nan
   out = np.asarray(_run(step, sh.AttentionConfig())[0])
   want = paged_cases.attend(step)
-  rows = np.arange(300) + first
+  rows = np.arange(470) + first
   before, after = rows[:70 - 3], rows[70 - 3:]
   assert np.isfinite(out[before]).all()
   assert np.isnan(out[after][:, :2, 0]).all() and np.isfinite(out[after][:, :, 1:]).all()
@@ -95,12 +97,12 @@ def test_a_quantized_pool_in_tiles_matches_the_oracle():
 
 @pytest.mark.parametrize("rule", ["causal", "chunk"])
 def test_more_tiles_than_a_loop_step_takes(rule):
-  # 1300 rows: ten tiles of 128, more than one loop step's window of tiles.
+  # 1300 rows: five tiles of 256, more than one loop step's window of tiles.
   step = paged_cases.step(seed=36, kv_lens=(20, 7), q_lens=(1300, 1), max_seqs=3, pad_rows=1,
                           pages_per_seq=340, num_pages=350, hq=8)
   width = xla_paged_tiles.WIDTHS[0]
-  run = xla_paged_items.run_length(width, PAGE)
-  assert 1300 // width > xla_paged_items.per_step(width, run, _facts(step))
+  run = xla_paged_items.run_length(width, PAGE, 340)
+  assert 1300 // width > xla_paged_items.per_step(width, run, _facts(step), 1300)
   config, rules = paged_cases.RULES[rule]
   out, _ = _run(step, config)
   np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())

@@ -2,8 +2,9 @@
 
 A step's lists (`splash_hk.lists`: each sequence's page-table row or chosen pages, each cascade
 group's prefix) are read in tiles: an owner's rows are cut into tiles of `WIDTHS[0]` rows, what
-is left into tiles of the next width, down to single rows, so a prefill's rows share every page
-read and a decode row is a tile of one. A work item is (a tile, a run of up to C entries of its
+is left into tiles of the next width (a partial last tile where enough rows are left for it),
+down to single rows, so a prefill's rows share every page read and a decode row is a tile of
+one. A work item is (a tile, a run of up to C entries of its
 list): its pages are gathered once for every kv head and attended by the tile's rows and each kv
 head's group of query heads as one dense block, folded into the tile's online softmax. Items are
 numbered by a running sum over the tiles, so the work follows each sequence's length (never
@@ -28,42 +29,62 @@ from splash_hk import pages
 from splash_hk.backends import xla_paged_items as items_lib
 from splash_hk.backends.xla_paged_items import Tiles
 
-WIDTHS = (256, 32, 4, 1)  # tile rows, widest first; each a multiple of the next
+# Tile rows, widest first, and the fewest rows a partial tile of each width takes: an owner's
+# rows left over after its whole tiles go into one partial tile when there are at least that
+# many (a page read once for all of them), else to the next width. A lone row is a tile of one.
+# A width is tiled only in steps of at least `PASS_FROM` rows (each width is a loop to compile
+# and run; a smaller step's rows go to narrower tiles).
+WIDTHS = (256, 16, 1)
+PARTIAL_FROM = (128, 2, 1)
+PASS_FROM = (512, 32, 1)
 
 
-def bounds(num_rows: int, max_owners: int) -> tuple[tuple[int, int], ...]:
-  """(width, static bound on its tiles) per pass: a width's tiles take what the wider ones
-  leave, under a wider tile's worth of rows per owner."""
-  out, wider = [], None
-  for width in WIDTHS:
-    if width > num_rows:
+def bounds(num_rows: int, max_owners: int) -> tuple[tuple[int, int, int], ...]:
+  """(width, fewest rows of a partial tile, static bound on its tiles) per pass: its whole
+  tiles and one partial tile an owner, of the fewer than the wider width's partial tile's rows
+  an owner has left for it."""
+  out, left = [], None  # the most rows an owner has left for a width
+  for width, partial, least in zip(WIDTHS, PARTIAL_FROM, PASS_FROM):
+    if num_rows < least:
       continue
-    most = num_rows // width
-    if wider is not None:
-      most = min(most, max_owners * (wider // width - 1))
-    out.append((width, max(most, 1)))
-    wider = width
+    if partial <= num_rows:
+      most = num_rows // width + min(max_owners, num_rows // partial)
+      if left is not None:
+        most = min(most, max_owners * -(-left // width))
+      out.append((width, partial, max(min(most, num_rows), 1)))
+    left = partial - 1
   return tuple(out)
 
 
-def tiles(bl: pages.BlockLists, width: int, count: int, done: jax.Array, page_size: int,
-          run: int, exact: bool) -> tuple[Tiles, jax.Array]:
-  """The tiles of `width` rows (at most `count`) after each owner's first `done` [O] rows, and
-  the rows done after them. `exact`: the rows' bounds are their whole rule (config rules)."""
+def tiles(bl: pages.BlockLists, width: int, partial: int, count: int, done: jax.Array,
+          page_size: int, run: int, exact: bool) -> tuple[Tiles, jax.Array]:
+  """The tiles of `width` rows (at most `count`; the last of an owner partial when at least
+  `partial` rows are left for it) after each owner's first `done` [O] rows, and the rows done
+  after them. `exact`: the rows' bounds are their whole rule (config rules)."""
   n = bl.order.shape[0]
   left = bl.rows - done  # [O]
-  per_owner = left // width  # [O] tiles
+  taken = jnp.where(left % width >= partial, left, left // width * width)  # [O] rows
+  per_owner = -(-taken // width)  # [O] tiles
   ends = jnp.cumsum(per_owner)  # [O]
   tau = jnp.arange(count, dtype=jnp.int32)  # [T]
   owner = jnp.clip(jnp.searchsorted(ends, tau, side="right", method="compare_all"), 0,
                    bl.num_owners - 1)
-  used = tau < ends[-1]  # [T]
-  slot = bl.offset[owner] + done[owner] + (tau - (ends[owner] - per_owner[owner])) * width
-  slots = jnp.clip(slot[:, None] + jnp.arange(width, dtype=jnp.int32), 0, n - 1)  # [T, w]
-  rows = jnp.where(used[:, None], bl.order[slots], n)
+  first = (tau - (ends[owner] - per_owner[owner])) * width  # [T]: its first row in the owner's
+  row = first[:, None] + jnp.arange(width, dtype=jnp.int32)  # [T, w]
+  used = (tau < ends[-1])[:, None] & (row < taken[owner][:, None])  # [T, w]
+  slots = jnp.clip(bl.offset[owner][:, None] + done[owner][:, None] + row, 0, n - 1)
+  rows = jnp.where(used, bl.order[slots], n)
   at = jnp.clip(rows, 0, n - 1)
-  lo = jnp.where(used[:, None], bl.lo[at], 0)  # [T, w]
-  hi = jnp.where(used[:, None], bl.hi[at], -1)
+  lo = jnp.where(used, bl.lo[at], 0)  # [T, w]
+  hi = jnp.where(used, bl.hi[at], -1)
+  return _entries(bl, rows, owner.astype(jnp.int32), lo, hi, used, page_size, run,
+                  exact and width >= items_lib.FULL_RUNS_FROM), done + taken
+
+
+def _entries(bl: pages.BlockLists, rows: jax.Array, owner: jax.Array, lo: jax.Array,
+             hi: jax.Array, used: jax.Array, page_size: int, run: int, exact: bool) -> Tiles:
+  """The tiles' entries: the range their rows' bounds cut from a positional list (else the
+  whole list), and within it the whole runs every used row sees whole (with `exact`)."""
   count_h = bl.count[owner]  # [T, Hl]
   seen = hi >= lo  # [T, w]
   if bl.positional:
@@ -71,20 +92,22 @@ def tiles(bl: pages.BlockLists, width: int, count: int, done: jax.Array, page_si
     last = jnp.max(jnp.where(seen, hi, -1), axis=1) // page_size  # [T]
     stop = jnp.minimum(last + 1, count_h[:, 0])[:, None]  # [T, 1]
   else:
-    start, stop = jnp.zeros((count,), jnp.int32), count_h
+    start, stop = jnp.zeros(owner.shape, jnp.int32), count_h
   stop = jnp.where(jnp.any(seen, axis=1)[:, None], stop, 0)
   start = jnp.minimum(start, jnp.min(stop, axis=1))
   full_start, full_stop = start, start
-  if bl.positional and exact and width >= items_lib.FULL_RUNS_FROM:  # inside every row's bounds
-    inner_lo, inner_hi = jnp.max(lo, axis=1), jnp.min(hi, axis=1)  # [T]
-    all_seen = jnp.all(seen | ~used[:, None], axis=1) & used
+  if bl.positional and exact:  # entries inside every used row's bounds
+    big = jnp.iinfo(jnp.int32).max
+    inner_lo = jnp.max(jnp.where(used, lo, 0), axis=1)  # [T]
+    inner_hi = jnp.min(jnp.where(used, hi, big), axis=1)
+    all_seen = jnp.all(seen | ~used, axis=1) & jnp.any(used, axis=1)
     first = jnp.clip(-(-inner_lo // page_size), start, stop[:, 0])
     most = jnp.clip((inner_hi + 1) // page_size, first, stop[:, 0])
     whole = jnp.where(all_seen, (most - first) // run * run, 0)
     full_start = jnp.where(all_seen, first, start)
     full_stop = full_start + whole
-  return (Tiles(rows=rows, owner=owner.astype(jnp.int32), lo=lo, hi=hi, start=start, stop=stop,
-                full_start=full_start, full_stop=full_stop), done + per_owner * width)
+  return Tiles(rows=rows, owner=owner, lo=lo, hi=hi, start=start, stop=stop,
+               full_start=full_start, full_stop=full_stop)
 
 
 class State(NamedTuple):
@@ -102,19 +125,31 @@ def _empty(n: int, kv_heads: int, groups: int, value_dim: int) -> State:
 
 def _pass(x: pages.PagedInputs, facts: pages.PagedFacts, bl: pages.BlockLists,
           state: State) -> State:
-  """The rows' states after reading their lists `bl`, from `state`."""
-  exact = facts.static_rules is not None
+  """The rows' states after reading their lists `bl`, from `state`: a width's tiles, then the
+  next's (a width no owner has rows for costs a branch, not its tiles)."""
   done = jnp.zeros((bl.num_owners,), jnp.int32)  # each owner's rows in tiles so far
-  for width, count in bounds(facts.num_tokens, bl.num_owners):
-    run = items_lib.run_length(width, facts.page_size)
-    count = max(count, items_lib.per_step(width, run, facts))
-    t, done = tiles(bl, width, count, done, facts.page_size, run, exact)
-    tile_state = tuple(jnp.moveaxis(a[t.rows], 1, 3) for a in state)  # [T, Hkv, G, w, ...]
-    tile_state = items_lib.attend_tiles(x, facts, bl, t, run, tile_state)
-    back = jnp.where(t.rows < facts.num_tokens, t.rows, facts.num_tokens + 1)  # none: dropped
-    state = State(*(a.at[back].set(jnp.moveaxis(b, 3, 1), mode="drop")
-                    for a, b in zip(state, tile_state)))
+  for width, partial, count in bounds(facts.num_tokens, bl.num_owners):
+    left = bl.rows - done  # [O]
+    taken = jnp.where(left % width >= partial, left, left // width * width)  # [O] rows
+    state = _width(x, facts, bl, state, done, width, partial, count)
+    done = done + taken
   return state
+
+
+def _width(x: pages.PagedInputs, facts: pages.PagedFacts, bl: pages.BlockLists, state: State,
+           done: jax.Array, width: int, partial: int, count: int) -> State:
+  """The rows' states after the tiles of `width` rows (`tiles`' arguments)."""
+  entries = bl.blocks.shape[2]
+  run = items_lib.run_length(width, facts.page_size, entries)
+  size = items_lib.per_step(width, run, facts, count * -(-entries // run))
+  count = max(count, size)  # a step's window of tiles
+  t, _ = tiles(bl, width, partial, count, done, facts.page_size, run,
+               facts.static_rules is not None)
+  tile_state = tuple(jnp.moveaxis(a[t.rows], 1, 3) for a in state)  # [T, Hkv, G, w, ...]
+  tile_state = items_lib.attend_tiles(x, facts, bl, t, run, size, tile_state)
+  back = jnp.where(t.rows < facts.num_tokens, t.rows, facts.num_tokens + 1)  # none: dropped
+  return State(*(a.at[back].set(jnp.moveaxis(b, 3, 1), mode="drop")
+                 for a, b in zip(state, tile_state)))
 
 
 def _finish(state: State, sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:

@@ -27,10 +27,10 @@ from splash_hk import pages
 from splash_hk import quant
 from splash_hk.backends import base
 
-KEYS_PER_RUN = (256, 512)  # keys a run reads at most: tiles of 32 rows or more, narrower ones
-LOGITS_PER_STEP = 2**20  # logits a loop step computes at most
-GATHERED_PER_STEP = 2**21  # key and value elements a loop step gathers at most
-MAX_ITEMS = 64
+KEYS_PER_RUN = (256, 128)  # keys a run reads at most: tiles of 32 rows or more, narrower ones
+LOGITS_PER_STEP = (2**20, 2**17)  # logits a loop step computes at most: wide tiles, narrow
+GATHERED_PER_STEP = 2**20  # key and value elements a loop step gathers at most
+MAX_ITEMS = 32
 FULL_RUNS_FROM = 32  # tiles of this many rows or more run their runs visible whole unmasked
 
 
@@ -47,17 +47,18 @@ class Tiles(NamedTuple):
   full_stop: jax.Array  # [T] int32: one past their last (whole runs)
 
 
-def run_length(width: int, page_size: int) -> int:
-  """Entries (pages) a run of a tile of `width` rows reads."""
-  return max(1, KEYS_PER_RUN[width < 32] // page_size)
+def run_length(width: int, page_size: int, entries: int) -> int:
+  """Entries (pages) a run of a tile of `width` rows reads, of lists of `entries`."""
+  return max(1, min(KEYS_PER_RUN[width < 32] // page_size, entries))
 
 
-def per_step(width: int, run: int, facts: pages.PagedFacts) -> int:
-  """Items a loop step takes: its logits and gathered keys and values within the budgets."""
+def per_step(width: int, run: int, facts: pages.PagedFacts, most: int) -> int:
+  """Items a loop step takes: its logits and gathered keys and values within the budgets, and
+  no more than the `most` items the loop can have (a small step computes no empty items)."""
   keys = run * facts.page_size
-  by_logits = LOGITS_PER_STEP // (keys * width * facts.num_heads)
+  by_logits = LOGITS_PER_STEP[width < 32] // (keys * width * facts.num_heads)
   by_gather = GATHERED_PER_STEP // (keys * facts.num_kv_heads * (facts.head_dim + facts.value_dim))
-  return max(1, min(by_logits, by_gather, MAX_ITEMS))
+  return max(1, min(by_logits, by_gather, MAX_ITEMS, most))
 
 
 class Segments(NamedTuple):
@@ -241,10 +242,9 @@ def _window(t: Tiles, seg: Segments, run: int, num_rows: int) -> tuple[Window, j
 
 
 def _loop(state, x: pages.PagedInputs, facts: pages.PagedFacts, entries: jax.Array, t: Tiles,
-          q: jax.Array, run: int, full: bool):
-  """The tiles' states (m, l [T, Hkv, G, w], acc) after one loop's items."""
+          q: jax.Array, run: int, size: int, full: bool):
+  """The tiles' states (m, l [T, Hkv, G, w], acc) after one loop's items, `size` a step."""
   w, order = _window(t, segments(t, full), run, facts.num_tokens)
-  size = per_step(t.rows.shape[1], run, facts)
   num_tiles = t.rows.shape[0]
   packed = tuple(a[order] for a in state)
   q_c = q[order]  # [T, Hkv, G * w, D]
@@ -265,8 +265,9 @@ def _loop(state, x: pages.PagedInputs, facts: pages.PagedFacts, entries: jax.Arr
 
 
 def attend_tiles(x: pages.PagedInputs, facts: pages.PagedFacts, bl: pages.BlockLists,
-                 t: Tiles, run: int, state):
-  """The tiles' states after their lists: the whole runs without a mask, then the rest."""
+                 t: Tiles, run: int, size: int, state):
+  """The tiles' states after their lists (runs of `run` entries, `size` items a loop step):
+  the whole runs without a mask, then the rest."""
   count, width = t.rows.shape
   kv_heads, groups = facts.num_kv_heads, facts.num_heads // facts.num_kv_heads
   q = x.query[jnp.clip(t.rows, 0, facts.num_tokens - 1)]  # [T, w, Hq, D]
@@ -275,5 +276,5 @@ def attend_tiles(x: pages.PagedInputs, facts: pages.PagedFacts, bl: pages.BlockL
       facts.scale, q.dtype)  # [T, Hkv, G * w, D]
   entries = jnp.stack([bl.blocks, bl.first_key], axis=-1)  # [O, Hl, K, 2]
   for full in ((True, False) if width >= FULL_RUNS_FROM else (False,)):
-    state = _loop(state, x, facts, entries, t, q, run, full)
+    state = _loop(state, x, facts, entries, t, q, run, size, full)
   return state
