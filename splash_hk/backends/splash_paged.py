@@ -1,8 +1,9 @@
 """The TPU backend's paged calls: the block-list kernel over the pool (`tpu_paged`).
 
 A step's rows are cut into tiles of `block_q` rows of one sequence (a static bound of them:
-ceil(N / bq) + max_seqs); each tile's list of blocks is its sequence's page-table row, its count
-the sequence's length after the write. Rows the batch does not make live (padding, a misusing
+ceil(N / bq) + max_seqs); each tile's list of blocks is its sequence's page-table row (its count
+the pages covering the sequence's length after the write), or with a selection its chosen
+pages per kv head. Rows the batch does not make live (padding, a misusing
 sequence) are no tile's rows; `paged._step` gives them their 0 or NaN.
 """
 
@@ -35,8 +36,6 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
     return "the pool is quantized, and the paged block-list kernel reads floating pools only"
   if facts.cascade:
     return "the batch has a shared prefix (a cascade), which the paged block-list kernel lacks"
-  if facts.selected:
-    return "the batch has a page selection, which the paged block-list kernel lacks"
   if facts.config.dropout_rate > 0:
     return base.DROPOUT_REFUSAL
   need = tpu_paged.vmem_bytes(block_q(facts), facts.page_size, facts.num_heads,
@@ -80,11 +79,12 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, ja
   pos = jnp.broadcast_to(pos[..., None], (*pos.shape, tpu_lists.LANES))  # [W, bq, 128]
   sinks = (jnp.full((heads,), -jnp.inf, jnp.float32) if x.sinks is None
            else base.sink_logsumexp(x.sinks))  # [Hq]
+  lists = x.lists.table if x.lists.chosen is None else x.lists.chosen  # [max_seqs, Hl, K]
   spec = tpu_paged.Spec(bq, facts.page_size, facts.num_pages, kv_heads, heads // kv_heads,
-                        facts.scale, facts.config.logits_soft_cap, facts.rule,
-                        facts.config.interpret)
+                        lists.list_heads, lists.blocks.shape[2], facts.scale,
+                        facts.config.logits_soft_cap, facts.rule, facts.config.interpret)
   out, lse = tpu_paged.attend(
-      spec, tile_seq, tile_len, x.lists.table.blocks[:, 0],
+      spec, tile_seq, tile_len, lists.blocks, lists.first_key, lists.count,
       jnp.swapaxes(q, 1, 2), pos, x.cache.key, x.cache.value,
       jnp.broadcast_to(sinks[None], (tpu_lists.SUBLANES, heads)))  # [W, Hq, bq, Dv|128]
   flat = rows.reshape(-1)  # [W * bq]
