@@ -66,12 +66,11 @@ class PagedKVCache:
     """A pool of zeroed pages (a quantized `dtype` stores `Quantized`, as `KVCache.zeros`;
     `owner` as there); `page_summaries`: also keep each page's key bounds (Quest)."""
     shape = (num_pages, num_kv_heads, page_size)
-    bounds = None
-    if page_summaries:
-      bounds = jnp.zeros((num_pages, num_kv_heads, key_size), jnp.float32)
+    bounds = lambda: (jnp.zeros((num_pages, num_kv_heads, key_size), jnp.float32)
+                      if page_summaries else None)  # a buffer each: both may be donated
     return cls(key=quant.zeros((*shape, key_size), dtype),
                value=quant.zeros((*shape, value_size or key_size), dtype),
-               key_min=bounds, key_max=bounds, owner=owners.checked(owner))
+               key_min=bounds(), key_max=bounds(), owner=owners.checked(owner))
 
   @classmethod
   def from_token_major(cls, key: Any, value: Any, owner: str | None = None) -> PagedKVCache:

@@ -4,6 +4,7 @@ float64 oracle (each row sees only its sequence's chosen pages, per kv head)."""
 
 import dataclasses
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,11 +125,12 @@ def _oracle(q, k, v, hist_k, hist_v, q_lens, chosen, **rules):
   return np.concatenate(outs)
 
 
-@pytest.mark.parametrize("platform", ["xla", "reference"])
+@pytest.mark.parametrize("platform", ["xla", "reference", "splash"])
 def test_a_step_over_the_chosen_pages_matches_the_oracle(platform):
   pool, table, hist, rng = _prefilled(4)
   q, k, v, batch, q_lens = _decode_step(rng, table)
-  config = sh.AttentionConfig(platform=platform, allow_fallback=False, logits_soft_cap=5.0)
+  config = sh.AttentionConfig(platform=platform, allow_fallback=False, logits_soft_cap=5.0,
+                              interpret=True)  # splash: the TPU kernel, interpreted
 
   @jax.jit
   def step(q, k, v, pool, batch):
@@ -167,9 +169,96 @@ def test_a_bad_selection_is_the_misuse_rule():
   np.testing.assert_array_equal(np.asarray(key)[table[1]], np.asarray(before)[table[1]])
 
 
+def test_a_new_pool_with_summaries_can_be_donated():
+  pool = sh.PagedKVCache.zeros(8, PAGE, HKV, D, page_summaries=True)
+  batch = sh.RaggedBatch(np.array([0, 3], np.int32), np.array([0], np.int32),
+                         np.arange(2, dtype=np.int32)[None], np.int32(1))
+  x = np.ones((3, HKV, D), np.float32)
+  step = jax.jit(sh.paged_attention, donate_argnums=3)
+  _, pool = step(np.ones((3, HQ, D), np.float32), x, x, pool, batch)  # each leaf its own buffer
+  np.testing.assert_array_equal(np.asarray(pool.key_max)[0], 1.0)
+
+
 def test_top_k_pages_refuses_a_pool_without_summaries():
   pool = sh.PagedKVCache.zeros(8, PAGE, HKV, D)
   batch = sh.RaggedBatch(np.array([0, 1], np.int32), np.array([3], np.int32),
                          np.zeros((1, 2), np.int32), np.int32(1))
   with pytest.raises(ValueError, match="`cache`.*page_summaries=True"):
     sh.sparse.top_k_pages(np.zeros((1, HQ, D), np.float32), pool, batch, top_k=2)
+
+
+def test_a_chosen_step_exported_for_tpu_holds_the_paged_kernel():
+  pool = sh.PagedKVCache.zeros(64, 16, 2, 128, dtype=jnp.bfloat16, page_summaries=True)
+  batch = sh.RaggedBatch(jnp.asarray([0, 1, 2, 3], jnp.int32), jnp.asarray([300, 900, 40]),
+                         jnp.zeros((3, 64), jnp.int32), jnp.asarray(3, jnp.int32))
+  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+  q = jax.ShapeDtypeStruct((3, 8, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((3, 2, 128), jnp.bfloat16)
+  selection = sh.PageSelection(jax.ShapeDtypeStruct((3, 2, 5), jnp.int32),
+                               jax.ShapeDtypeStruct((3, 2), jnp.int32))
+  chosen = dataclasses.replace(batch, selection=selection)
+  args = (q, kv, kv, jax.tree.map(spec, pool), jax.tree.map(spec, chosen))
+  assert sh.explain_paged(*args, for_platform="tpu").backend == "splash"
+
+  def step(q, k, v, pool, batch):
+    picked = sh.sparse.top_k_pages(q, pool, batch, top_k=4)
+    return sh.paged_attention(q, k, v, pool, dataclasses.replace(batch, selection=picked),
+                              config=sh.AttentionConfig(allow_fallback=False))
+
+  args = (q, kv, kv, jax.tree.map(spec, pool), jax.tree.map(spec, batch))
+  exported = jax.export.export(jax.jit(step), platforms=["tpu"])(*args)
+  assert exported.mlir_module().count("tpu_custom_call") == 1
+
+
+def _quest_mask(params, x, top_k, local, heads=HQ, kv_heads=HKV, size=8):
+  """[1, Hq, T, T] bool: the last row of x [T, in] sees the keys of its `local` last pages and
+  the `top_k` other pages its projected query bounds highest (per kv head); other rows: all."""
+  p = {k: {n: np.asarray(a, np.float64) for n, a in v.items()} for k, v in params.items()}
+  lin = lambda m: x @ p[f"multi_head_attention/{m}"]["w"] + p[f"multi_head_attention/{m}"]["b"]
+  t = len(x)
+  q = lin("query").reshape(t, kv_heads, heads // kv_heads, size)[-1]  # [Hkv, G, D]
+  k = lin("key").reshape(t, kv_heads, size)[:-1]  # the cached keys
+  pages = -(-t // PAGE)
+  own = set(range(max(pages - local, 0), pages))
+  mask = np.ones((1, heads, t, t), bool)
+  for kv in range(kv_heads):
+    bounds = []
+    for page in sorted(set(range(-(-(t - 1) // PAGE))) - own):
+      lo, hi = k[page * PAGE:(page + 1) * PAGE, kv].min(0), k[page * PAGE:(page + 1) * PAGE, kv].max(0)
+      bounds.append((-np.max(np.maximum(q[kv] * lo, q[kv] * hi).sum(-1)), page))
+    chosen = own | {page for _, page in sorted(bounds)[:top_k]}
+    seen = np.isin(np.arange(t) // PAGE, sorted(chosen))
+    mask[0, kv * (heads // kv_heads):(kv + 1) * (heads // kv_heads), -1] = seen
+  return mask
+
+
+def test_the_haiku_module_reads_the_pages_its_queries_choose():
+  mha = lambda: sh.MultiHeadAttention(HQ, 8, num_kv_heads=HKV,
+                                      w_init=hk.initializers.VarianceScaling(1.0),
+                                      b_init=hk.initializers.RandomNormal(0.5))
+  f = hk.without_apply_rng(hk.transform(
+      lambda x, c, b: mha()(x, kv_cache=c, batch=b, page_top_k=2)))
+  rng = np.random.default_rng(6)
+  xs = [rng.normal(size=(n, 16)).astype(np.float32) for n in (38, 23)]
+  table = np.arange(24, dtype=np.int32).reshape(2, 12)[:, ::-1].copy()  # pages in reverse
+  prefill = sh.RaggedBatch(np.array([0, 37, 59], np.int32), np.zeros(2, np.int32), table,
+                           np.int32(2))
+  decode = sh.RaggedBatch(np.array([0, 1, 2], np.int32), np.array([37, 22], np.int32), table,
+                          np.int32(2))
+  pool = sh.PagedKVCache.zeros(24, PAGE, HKV, 8, page_summaries=True)
+  params = f.init(jax.random.PRNGKey(0), np.concatenate([xs[0][:37], xs[1][:22]]), pool, prefill)
+  step = jax.jit(f.apply)
+  out, pool = step(params, np.concatenate([xs[0][:37], xs[1][:22]]), pool, prefill)
+  start = 0
+  for x, n in zip(xs, (37, 22)):  # a prefill step's rows see their whole chunk: no choice
+    want = oracle.mha(params, x[None, :n], num_heads=HQ, num_kv_heads=HKV, key_size=8,
+                      value_size=8)[0]
+    np.testing.assert_allclose(np.asarray(out[start:start + n]), want, **harness.tol())
+    start += n
+  out, _ = step(params, np.stack([xs[0][37], xs[1][22]]), pool, decode)
+  for s, x in enumerate(xs):  # each decode row: its last 2 pages and the 2 it bounds highest
+    mask = _quest_mask(params, x, top_k=2, local=2)
+    assert not mask.all()
+    want = oracle.mha(params, x[None], num_heads=HQ, num_kv_heads=HKV, key_size=8,
+                      value_size=8, mask=mask)[0, -1]
+    np.testing.assert_allclose(np.asarray(out[s]), want, **harness.tol())

@@ -235,6 +235,20 @@ def test_the_binary_serves_int8_pools_and_prints_their_agreement():
   assert found, proc.stdout
 
 
+def test_the_binary_serves_chosen_pages_and_prints_their_agreement():
+  env = processes.env()
+  proc = subprocess.run(
+      [sys.executable, "-m", "examples.serve", "--steps=30", "--log_every=30", "--num_layers=1",
+       "--num_requests=6", "--prompt_lens=60,120", "--new_tokens=2,6", "--max_seqs=4",
+       "--step_tokens=64", "--page_top_k=1", "--nocompare_static", "--recall_fraction=0"],
+      capture_output=True, text=True, env=env, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  found = re.search(r"^--page_top_k=1 against every page: (\d+)/6 requests identical, "
+                    r"[\d.]+% of tokens equal; the every-page run's recall answers: 0/0 right; "
+                    r"\d+ / \d+ tokens/s = [\d.]+x$", proc.stdout, re.M)
+  assert found, proc.stdout
+
+
 def test_the_binary_refuses_a_workload_past_learned_positions():
   env = processes.env()
   proc = subprocess.run(
