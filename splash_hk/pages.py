@@ -235,7 +235,8 @@ class StepLists(NamedTuple):
 
   @property
   def own(self) -> BlockLists:
-    """The lists each sequence's rows read (after a cascade's prefix): chosen, or the table."""
+    """Each sequence's own lists, read after a cascade's prefix (the chosen ones, else the
+    table)."""
     return self.table if self.chosen is None else self.chosen
 
 

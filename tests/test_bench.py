@@ -8,10 +8,12 @@ import subprocess
 import sys
 import warnings
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from benchmarks import bench
+from benchmarks import bench_layout
 from benchmarks import bench_paged
 from benchmarks import bench_blocks
 from benchmarks import bench_quant
@@ -156,6 +158,21 @@ def test_paged_bench_prints_its_ratios_and_bytes(capsys):
   used = sum(-(-(n + 1) // 16) for n in np.linspace(64, 255, 16).astype(int)) * 16
   assert figures["paged_mib_d64"] == pytest.approx(used * 2 * 64 * 4 * 2 / 2**20)
   assert figures["kv_cache_mib_d64"] == pytest.approx(16 * 256 * 2 * 64 * 4 * 2 / 2**20)
+
+
+def test_layout_bench_times_the_same_attention_in_both_layouts(capsys):
+  figures = bench_layout.report(repeats=1, max_len=128, head_dims=(64,))
+  assert "pool token-major / head-major" in capsys.readouterr().out
+  assert set(figures) == {"pool_token_over_head_major_d64", "kv_cache_head_over_token_major_d64"}
+  assert all(v > 0 for v in figures.values()), figures
+  rng = np.random.default_rng(0)
+  pages, seqs, num_pages = bench_layout._items(np.array([40, 200]), rng)
+  q = rng.normal(size=(2, 2, 4, 8)).astype(np.float32)
+  kv = rng.normal(size=(2, num_pages, 16, 2, 8)).astype(np.float32)  # token-major
+  pages, seqs, q = jnp.asarray(pages, jnp.int32), jnp.asarray(seqs, jnp.int32), jnp.asarray(q)
+  token = bench_layout.pool_decode(False, pages, seqs, q, *jnp.asarray(kv))
+  head = bench_layout.pool_decode(True, pages, seqs, q, *jnp.swapaxes(kv, 2, 3))
+  np.testing.assert_allclose(head, token, rtol=1e-5, atol=1e-5)
 
 
 def test_quant_bench_prints_its_figures(capsys):

@@ -126,7 +126,7 @@ def _empty(n: int, kv_heads: int, groups: int, value_dim: int) -> State:
 def _pass(x: pages.PagedInputs, facts: pages.PagedFacts, bl: pages.BlockLists,
           state: State) -> State:
   """The rows' states after reading their lists `bl`, from `state`: a width's tiles, then the
-  next's (a width no owner has rows for costs a branch, not its tiles)."""
+  next's (a width no owner has rows for runs no item: its loops end at once)."""
   done = jnp.zeros((bl.num_owners,), jnp.int32)  # each owner's rows in tiles so far
   for width, partial, count in bounds(facts.num_tokens, bl.num_owners):
     left = bl.rows - done  # [O]
