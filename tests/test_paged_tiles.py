@@ -40,6 +40,34 @@ def test_the_steps_rows_fill_tiles_of_every_width():
   assert all(widths[0] % w == 0 for w in widths)
 
 
+def _tile_counts(rows_per_owner):
+  """{width: tiles} of the tiling rule (whole tiles, one partial tile of at least the width's
+  partial rows, the rest to the next width), simulated in Python."""
+  left, out = list(rows_per_owner), {}
+  n = sum(rows_per_owner)
+  for width, partial, least in zip(xla_paged_tiles.WIDTHS, xla_paged_tiles.PARTIAL_FROM,
+                                   xla_paged_tiles.PASS_FROM):
+    if n < least:
+      continue
+    taken = [r if r % width >= partial else r // width * width for r in left]
+    out[width] = sum(-(-t // width) for t in taken)
+    left = [r - t for r, t in zip(left, taken)]
+  assert not any(left)
+  return out
+
+
+def test_the_static_tile_bounds_hold_for_every_split_of_the_rows():
+  rng = np.random.default_rng(0)
+  for n, owners in [(1038, 16), (1024, 2), (4096, 1), (600, 5), (40, 3), (14, 14), (700, 16)]:
+    bound = {w: c for w, _, c in xla_paged_tiles.bounds(n, owners)}
+    splits = [rng.multinomial(n, rng.dirichlet(np.ones(owners))) for _ in range(300)]
+    splits += [[n // owners + (i < n % owners) for i in range(owners)],  # even
+               [n - owners + 1] + [1] * (owners - 1)]
+    for split in splits:
+      for width, count in _tile_counts(split).items():
+        assert count <= bound[width], (n, owners, list(split), width, count, bound)
+
+
 @pytest.mark.parametrize("rule", list(paged_cases.RULES))
 def test_tiles_of_every_width_match_the_oracle(rule):
   config, rules = paged_cases.RULES[rule]

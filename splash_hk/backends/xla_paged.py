@@ -40,15 +40,16 @@ PASS_FROM = (512, 32, 1)
 
 
 def bounds(num_rows: int, max_owners: int) -> tuple[tuple[int, int, int], ...]:
-  """(width, fewest rows of a partial tile, static bound on its tiles) per pass: its whole
-  tiles and one partial tile an owner, of the fewer than the wider width's partial tile's rows
-  an owner has left for it."""
+  """(width, fewest rows of a partial tile, static bound on its tiles) per pass: at most one
+  partial tile an owner (of `partial` rows or more) and whole tiles of the rows left, and no
+  more than the fewer than the wider width's partial tile's rows an owner has left for it."""
   out, left = [], None  # the most rows an owner has left for a width
   for width, partial, least in zip(WIDTHS, PARTIAL_FROM, PASS_FROM):
     if num_rows < least:
       continue
     if partial <= num_rows:
-      most = num_rows // width + min(max_owners, num_rows // partial)
+      partials = min(max_owners, num_rows // partial)  # each of at least `partial` rows
+      most = partials + (num_rows - partials * partial) // width
       if left is not None:
         most = min(most, max_owners * -(-left // width))
       out.append((width, partial, max(min(most, num_rows), 1)))
