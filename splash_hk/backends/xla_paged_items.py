@@ -243,25 +243,24 @@ def _window(t: Tiles, seg: Segments, run: int, num_rows: int) -> tuple[Window, j
 
 def _loop(state, x: pages.PagedInputs, facts: pages.PagedFacts, entries: jax.Array, t: Tiles,
           q: jax.Array, run: int, size: int, full: bool):
-  """The tiles' states (m, l [T, Hkv, G, w], acc) after one loop's items, `size` a step."""
+  """The tiles' states (m, l [T, Hkv, G, w], acc) after one loop's items, `size` a step: a
+  step reads its window of tiles through the loop's order and writes them back (no copy of the
+  other tiles' states)."""
   w, order = _window(t, segments(t, full), run, facts.num_tokens)
   num_tiles = t.rows.shape[0]
-  packed = tuple(a[order] for a in state)
-  q_c = q[order]  # [T, Hkv, G * w, D]
 
   def body(carry):
-    step, packed = carry
+    step, state = carry
     number = step * size + jnp.arange(size, dtype=jnp.int32)
     start = jnp.clip(jnp.searchsorted(w.ends, number[0], side="right", method="compare_all"),
                      0, num_tiles - size)
     it = _item(number, w, entries, run, facts.page_size, start)
-    window = lambda a: jax.lax.dynamic_slice_in_dim(a, start, size)
-    new = _fold(tuple(window(a) for a in packed), it, window(q_c), x, facts, not full)
-    put = lambda a, part: jax.lax.dynamic_update_slice_in_dim(a, part, start, 0)
-    return step + 1, tuple(put(a, b) for a, b in zip(packed, new))
+    at = jax.lax.dynamic_slice_in_dim(order, start, size)  # [size]: the window's tiles
+    new = _fold(tuple(a[at] for a in state), it, q[at], x, facts, not full)
+    return step + 1, tuple(a.at[at].set(b, unique_indices=True) for a, b in zip(state, new))
 
-  _, packed = jax.lax.while_loop(lambda c: c[0] * size < w.ends[-1], body, (0, packed))
-  return tuple(a.at[order].set(b) for a, b in zip(state, packed))
+  _, state = jax.lax.while_loop(lambda c: c[0] * size < w.ends[-1], body, (0, tuple(state)))
+  return state
 
 
 def attend_tiles(x: pages.PagedInputs, facts: pages.PagedFacts, bl: pages.BlockLists,
