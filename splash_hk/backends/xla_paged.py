@@ -127,12 +127,16 @@ def _empty(n: int, kv_heads: int, groups: int, value_dim: int) -> State:
 def _pass(x: pages.PagedInputs, facts: pages.PagedFacts, bl: pages.BlockLists,
           state: State) -> State:
   """The rows' states after reading their lists `bl`, from `state`: a width's tiles, then the
-  next's (a width no owner has rows for runs no item: its loops end at once)."""
+  next's. A width no owner has rows for is skipped at run time (its static bound of tiles is
+  sized for every split of the rows: a step of 16 sequences' chunks and decodes, D 128, took
+  75 ms with its empty width's tiles gathered and scattered, 56 ms skipping them)."""
   done = jnp.zeros((bl.num_owners,), jnp.int32)  # each owner's rows in tiles so far
   for width, partial, count in bounds(facts.num_tokens, bl.num_owners):
     left = bl.rows - done  # [O]
     taken = jnp.where(left % width >= partial, left, left // width * width)  # [O] rows
-    state = _width(x, facts, bl, state, done, width, partial, count)
+    state = jax.lax.cond(jnp.any(taken > 0),
+                         lambda s: _width(x, facts, bl, State(*s), done, width, partial, count),
+                         lambda s: State(*s), state)
     done = done + taken
   return state
 
