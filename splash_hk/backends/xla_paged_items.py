@@ -27,8 +27,8 @@ from splash_hk import pages
 from splash_hk import quant
 from splash_hk.backends import base
 
-KEYS_PER_RUN = (256, 128)  # keys a run reads at most: tiles of 32 rows or more, narrower ones
-LOGITS_PER_STEP = (2**20, 2**17)  # logits a loop step computes at most: wide tiles, narrow
+KEYS_PER_RUN = (512, 128)  # keys a run reads at most: tiles of 32 rows or more, narrower ones
+LOGITS_PER_STEP = (2**21, 2**17)  # logits a loop step computes at most: wide tiles, narrow
 GATHERED_PER_STEP = 2**20  # key and value elements a loop step gathers at most
 MAX_ITEMS = 32
 FULL_RUNS_FROM = 32  # tiles of this many rows or more run their runs visible whole unmasked
