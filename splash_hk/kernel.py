@@ -14,6 +14,7 @@ from typing import Mapping
 import jax
 
 from splash_hk.backends import base
+from splash_hk.backends import native
 from splash_hk.backends import reference
 from splash_hk import platforms
 from splash_hk.backends import splash
@@ -24,7 +25,7 @@ from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 __all__ = ("backend", "backends", "run", "run_paged")
 
-for _backend in (splash.BACKEND, triton.BACKEND, xla.BACKEND, reference.BACKEND):
+for _backend in (splash.BACKEND, triton.BACKEND, native.BACKEND, xla.BACKEND, reference.BACKEND):
   platforms.register(_backend)
 
 

@@ -49,6 +49,7 @@ def paged_facts(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: An
                     max_seqs=batch.kv_lens.shape[0], pages_per_seq=batch.page_table.shape[1],
                     rule=skeleton(rule), bias=skeleton(as_score(bias)),
                     quantized=any(quant.is_quantized(a) for a in (cache.key, cache.value)),
+                    storage=(quant.storage(cache.key), quant.storage(cache.value)),
                     cascade=batch.prefix is not None, selected=batch.selection is not None)
 
 

@@ -116,6 +116,7 @@ class PagedFacts:
   rule: _objects.Mask | None = None  # the position rule's skeleton
   bias: Score | None = None  # the bias's skeleton
   quantized: bool = False  # the pool's keys or values are quantized
+  storage: tuple[str, ...] = ()  # how the pool's keys and values are stored (`quant.storage`)
   cascade: bool = False  # the batch has a shared prefix (`RaggedBatch.prefix`)
   selected: bool = False  # the batch has a page selection (`RaggedBatch.selection`)
 

@@ -154,6 +154,17 @@ def expanded(scale: jax.Array, channels: int) -> jax.Array:
   return scale if tiles in (1, channels) else jnp.repeat(scale, channels // tiles, axis=-1)
 
 
+def storage(x: Any) -> str:
+  """How `x` is stored, in words a kernel's limits read: its dtype ("float32"), or for a
+  quantized one its values' dtype and what its scale covers ("int8/token": one scale per
+  slice of the last axis or coarser; "int8/channel": a scale along the last axis)."""
+  if not is_quantized(x):
+    return str(jnp.dtype(x.dtype))
+  values, scale = (x.values, x.scale) if isinstance(x, Quantized) else (x.qvalue, x.scale)
+  covers = "token" if not scale.shape or scale.shape[-1] == 1 else "channel"
+  return f"{jnp.dtype(values.dtype)}/{covers}"
+
+
 def checked(x: Any, name: str) -> Any:
   """A call's argument as a kernel takes it: `as_quantized`, its codes held constant
   (`codes_constant`; anything not quantized unchanged)."""

@@ -161,6 +161,7 @@ class Facts:
   bias: Score | None = None  # the bias's skeleton (None: no bias): static, hashable
   explicit_dropout: bool = False  # a dense dropout_mask was given (not the hash)
   quantized: tuple[str, ...] = ()  # the arguments given quantized ("query", "key", "value")
+  storage: tuple[str, ...] = ()  # how key and value are stored (`quant.storage`); () unknown
   dropped_axes: tuple[str, ...] = ()  # names of `axes` the mesh lacks (dropped, said by explain)
 
   @classmethod

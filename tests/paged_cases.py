@@ -30,29 +30,29 @@ class Step:
 
 def step(seed, kv_lens=(5, 0, 12, 3), q_lens=(1, 7, 3, 1), max_seqs=5, pad_rows=2,
           pages_per_seq=6, num_pages=40, value_dim=D, shared_prefix=True, dtype=np.float32,
-          hq=HQ, hkv=HKV):
+          hq=HQ, hkv=HKV, page=PAGE, d=D):
   """Sequences at different stages (a decode, a prefill, a chunked prefill, ...), pages shuffled
   through the pool, NaN in every slot no sequence holds; sequences 0 and 2 share their first
   page (their histories agree there) when it lies below both their lengths."""
   rng = np.random.default_rng(seed)
   n_seqs, n = len(kv_lens), sum(q_lens) + pad_rows
-  key = np.full((num_pages, PAGE, hkv, D), np.nan, dtype)
-  value = np.full((num_pages, PAGE, hkv, value_dim), np.nan, dtype)
+  key = np.full((num_pages, page, hkv, d), np.nan, dtype)
+  value = np.full((num_pages, page, hkv, value_dim), np.nan, dtype)
   free = list(rng.permutation(num_pages))
   table = np.full((max_seqs, pages_per_seq), -1, np.int32)
   history_k, history_v = [], []
   for s, (kv, ql) in enumerate(zip(kv_lens, q_lens)):
-    hk = rng.normal(size=(kv + ql, hkv, D)).astype(dtype)
+    hk = rng.normal(size=(kv + ql, hkv, d)).astype(dtype)
     hv = rng.normal(size=(kv + ql, hkv, value_dim)).astype(dtype)
-    for p in range(-(-(kv + ql) // PAGE)):
-      if shared_prefix and s == 2 and p == 0 and min(kv_lens[0], kv_lens[2]) >= PAGE:
+    for p in range(-(-(kv + ql) // page)):
+      if shared_prefix and s == 2 and p == 0 and min(kv_lens[0], kv_lens[2]) >= page:
         table[s, p] = table[0, 0]  # the page below both lengths: the same tokens
-        hk[:PAGE], hv[:PAGE] = history_k[0][:PAGE], history_v[0][:PAGE]
+        hk[:page], hv[:page] = history_k[0][:page], history_v[0][:page]
         continue
       table[s, p] = free.pop()
     for t in range(kv):
-      key[table[s, t // PAGE], t % PAGE] = hk[t]
-      value[table[s, t // PAGE], t % PAGE] = hv[t]
+      key[table[s, t // page], t % page] = hk[t]
+      value[table[s, t // page], t % page] = hv[t]
     history_k.append(hk)
     history_v.append(hv)
   cu = np.zeros(max_seqs + 1, np.int32)
@@ -62,7 +62,7 @@ def step(seed, kv_lens=(5, 0, 12, 3), q_lens=(1, 7, 3, 1), max_seqs=5, pad_rows=
   lens[:n_seqs] = kv_lens
   new = lambda h: np.concatenate([hh[kv:] for hh, kv in zip(h, kv_lens)] +
                                  [np.full((pad_rows, *h[0].shape[1:]), np.nan, dtype)])
-  q = rng.normal(size=(n, hq, D)).astype(dtype)
+  q = rng.normal(size=(n, hq, d)).astype(dtype)
   q[sum(q_lens):] = np.nan
   batch = sh.RaggedBatch(jnp.asarray(cu), jnp.asarray(lens), jnp.asarray(table),
                          jnp.asarray(n_seqs, jnp.int32))

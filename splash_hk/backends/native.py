@@ -1,0 +1,207 @@
+"""The native backend: a C++ kernel for decode and short query runs on CPU, through the XLA FFI.
+
+Reads a paged pool's pages (head-major: each kv head's page one contiguous block) or a fixed
+cache's rows once per step, for every query head of the kv head's group and every row of the
+item, with AVX2/FMA chosen at run time and the next block prefetched while one is read; keys
+and values in float32, bfloat16, float16, int8 or fp8 (scales per token applied in the kernel,
+never a dequantized copy). The C++ is `native/` (`kernel.h`: the arithmetic; `handlers.cc`: the
+two FFI handlers), built by `native_build`.
+
+It serves what a decode step is: at most `SHORT_ROWS` rows a sequence (on average, for a paged
+step), the config's rules (causal, window, chunk), sinks, soft cap, ALiBi (`sh.scores.Alibi`),
+GQA of up to `MAX_GROUP` query heads a kv head, the log-sum-exp. A differentiated `attention` call runs xla's kernel (its
+forward and backward: `jax.custom_vjp`), as does everything it refuses, with the reason.
+
+Threads: `SPLASH_HK_NATIVE_THREADS` (read when a call is traced), default every core.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from splash_hk import pages
+from splash_hk import quant
+from splash_hk.backends import base
+from splash_hk.backends import native_build
+from splash_hk.backends import xla
+from splash_hk.masks import _objects
+from splash_hk.scores import Alibi
+from splash_hk.types import Facts, KernelInputs, KernelOutput
+
+SHORT_ROWS = 8  # query rows a sequence (a decode step's, a verification's): more run on xla
+MAX_GROUP = 16  # query heads per kv head in one item (kernel.h's kMaxGroup)
+STORAGE = ("float32", "bfloat16", "float16", "int8/token", "float8_e4m3fn/token",
+           "float8_e5m2/token")
+THREADS_ENV = "SPLASH_HK_NATIVE_THREADS"
+
+
+def threads() -> int:
+  """Threads a call runs on: `SPLASH_HK_NATIVE_THREADS`, else every core of the machine."""
+  said = os.environ.get(THREADS_ENV, "")
+  if said:
+    if not said.isdigit() or int(said) < 1:
+      raise ValueError(f"`{THREADS_ENV}` must be a positive thread count, got {said!r}.")
+    return int(said)
+  return os.cpu_count() or 1
+
+
+def _common_refusal(hardware: str, storage: tuple[str, ...], heads: int, kv_heads: int,
+                    rule: _objects.Mask | None, bias) -> str | None:
+  """Why the kernel cannot serve a call, whichever its kind (paged or a cache), or None."""
+  if hardware != "cpu":
+    return "the native kernel runs on CPU only"
+  if native_build.unavailable():
+    return f"the native kernel is unavailable: {native_build.unavailable()}"
+  bad = [s for s in storage if s not in STORAGE]
+  if bad:
+    return (f"keys/values stored as {' and '.join(sorted(set(bad)))} (it reads "
+            f"{', '.join(STORAGE)})")
+  if heads // kv_heads > MAX_GROUP:
+    return f"{heads // kv_heads} query heads per kv head (it serves up to {MAX_GROUP})"
+  if bias is not None and not isinstance(bias, Alibi):
+    return "a `bias` other than sh.scores.Alibi was given (the one score it adds)"
+  if rule is not None and _objects.as_rules(rule) is None:
+    return ("the mask is not the config's rules (causal, window, chunk): it builds those "
+            "alone")
+  return None
+
+
+def why_not(facts: Facts, hardware: str) -> str | None:
+  """Why the native kernel cannot serve an `attention` call, or None."""
+  if facts.query_len > SHORT_ROWS:
+    return (f"query_len {facts.query_len} is more than the {SHORT_ROWS} rows of a decode or "
+            "a short run it serves")
+  if facts.return_weights:
+    return base.WEIGHTS_REFUSAL
+  if facts.config.dropout_rate > 0:
+    return base.DROPOUT_REFUSAL
+  if "query" in facts.quantized:
+    return "the query is quantized (it takes floating queries)"
+  if facts.sequence_shards > 1:
+    return "the query sequence is sharded (it reads whole rows of keys)"
+  return _common_refusal(hardware, facts.storage, facts.num_heads, facts.key_shape[2],
+                         facts.rule, facts.bias)
+
+
+def paged_why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
+  """Why the native kernel cannot serve a paged call, or None."""
+  if facts.num_tokens > SHORT_ROWS * facts.max_seqs:
+    return (f"{facts.num_tokens} rows for {facts.max_seqs} sequences is more than the "
+            f"{SHORT_ROWS} rows a sequence of a decode step it serves")
+  if facts.cascade:
+    return "the batch has a shared prefix (a cascade reads it once per group on xla's tiles)"
+  return _common_refusal(hardware, facts.storage, facts.num_heads, facts.num_kv_heads,
+                         facts.rule, facts.bias)
+
+
+def _stored(a) -> tuple[jax.Array, jax.Array, bool]:
+  """(values, per-key scales [..keys] float32 or a dummy [1], quantized) of keys or values
+  [..., keys, X]: a coarser scale broadcast to one per key (small: 1/X of the values)."""
+  if not quant.is_quantized(a):
+    return a, jnp.zeros((1,), jnp.float32), False
+  a = quant.as_quantized(a, "cache")
+  scale = jnp.broadcast_to(a.scale.astype(jnp.float32), (*a.values.shape[:-1], 1))
+  return a.values, scale[..., 0], True
+
+
+def _sinks(sinks: jax.Array | None, heads: int) -> jax.Array:
+  """[Hq] float32: each head's sinks as one logit (their logsumexp), -inf without."""
+  if sinks is None:
+    return jnp.full((heads,), -jnp.inf, jnp.float32)
+  return base.sink_logsumexp(sinks.astype(jnp.float32))
+
+
+def _slopes(bias) -> jax.Array:
+  """[Hq] float32: an Alibi's slopes of this shard's query heads (they travel with their
+  heads), or a dummy [1] without one."""
+  if bias is None:
+    return jnp.zeros((1,), jnp.float32)
+  return jnp.asarray(bias.slopes, jnp.float32).reshape(-1)
+
+
+def _attrs(soft_cap: float | None, quantized: bool, bias) -> dict:
+  """The attributes both handlers take, typed as they declare them (float32 / int32)."""
+  return dict(soft_cap=np.float32(soft_cap or 0.0), threads=np.int32(threads()),
+              quantized=np.int32(quantized), alibi=np.int32(bias is not None))
+
+
+def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:
+  """(out [N, Hq, Dv], lse [N, Hq]) of a decode step over the pool's pages."""
+  n, hq, _ = x.query.shape
+  kv_heads = x.cache.num_kv_heads
+  lists = _local_heads(x.lists.own, x.heads, hq // kv_heads, kv_heads)
+  k, k_scale, quantized = _stored(x.cache.key)  # [P, Hkv, page, D], [P, Hkv, page]
+  v, v_scale, _ = _stored(x.cache.value)
+  q = x.query.astype(jnp.float32) * facts.scale  # [N, Hq, D]
+  shapes = (jax.ShapeDtypeStruct((n, hq, facts.value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((n, hq), jnp.float32))
+  ints = lambda *a: [b.astype(jnp.int32) for b in a]
+  call = jax.ffi.ffi_call("splash_hk_paged_decode", shapes, vmap_method="sequential")
+  return call(q, k, k_scale, v, v_scale,
+              *ints(lists.blocks, lists.first_key, lists.count, lists.order, lists.offset,
+                    lists.rows, lists.lo, lists.hi),
+              _sinks(x.sinks, hq), _slopes(x.bias), x.layout.pos.astype(jnp.int32),
+              **_attrs(facts.config.logits_soft_cap, quantized, x.bias))
+
+
+def _local_heads(lists: pages.BlockLists, heads: jax.Array, group: int,
+                 kv_heads: int) -> pages.BlockLists:
+  """Lists per kv head (a selection's) cut to this shard's kv heads (`heads`: its query heads'
+  global indices); lists every kv head shares unchanged."""
+  if lists.list_heads == 1 or lists.list_heads == kv_heads:
+    return lists
+  first = heads[0] // group
+  cut = lambda a: jax.lax.dynamic_slice_in_dim(a, first, kv_heads, axis=1)
+  return lists.__class__(cut(lists.blocks), cut(lists.first_key), cut(lists.count), lists.order,
+                         lists.offset, lists.rows, lists.lo, lists.hi, lists.positional)
+
+
+def _cache_call(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array]:
+  """(out [B, T, Hq, Dv] float32, lse [B, T, Hq]) of a short run over whole rows of keys."""
+  b, t, hq, _ = x.query.shape
+  k, k_scale, quantized = _stored(x.key)  # [B, S, Hkv, D], [B, S, Hkv]
+  v, v_scale, _ = _stored(x.value)
+  q_seg, kv_seg = base.segment_ids(x)  # [B, T], [B, S]
+  slots = jnp.arange(kv_seg.shape[1], dtype=jnp.int32)
+  extent = jnp.max(jnp.where(kv_seg >= 0, slots + 1, 0), axis=1)  # [B]: keys past it are padding
+  rules = _objects.as_rules(facts.rule) or {}
+  left, right = rules.get("window") or (-1, -1)
+  shapes = (jax.ShapeDtypeStruct((b, t, hq, facts.value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((b, t, hq), jnp.float32))
+  call = jax.ffi.ffi_call("splash_hk_cache_decode", shapes, vmap_method="sequential")
+  ints = lambda *a: [c.astype(jnp.int32) for c in a]
+  return call(x.query.astype(jnp.float32) * facts.scale, k, k_scale, v, v_scale,
+              *ints(x.q_positions, q_seg, x.kv_positions, kv_seg, extent),
+              _sinks(x.sinks, hq), _slopes(x.bias),
+              **_attrs(facts.config.logits_soft_cap, quantized, x.bias),
+              causal=np.int32(bool(rules.get("causal"))), left=np.int32(left),
+              right=np.int32(right), chunk=np.int32(rules.get("chunk_size") or 0))
+
+
+def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
+  """A short run over a cache on one shard: out [B, T, Hq, Dv] and lse [B, T, Hq]; when
+  differentiated, xla's forward and backward instead (the kernel has no backward)."""
+
+  @jax.custom_vjp
+  def run(y):
+    out, lse = _cache_call(y, facts)
+    return out.astype(y.query.dtype), lse
+
+  def run_fwd(y):
+    (out, lse), pullback = jax.vjp(lambda z: tuple(xla.attend(z, facts)[:2]), y)
+    return (out, lse), pullback
+
+  def run_bwd(pullback, cotangents):
+    return pullback(cotangents)
+
+  run.defvjp(run_fwd, run_bwd)
+  return KernelOutput(*run(x))
+
+
+BACKEND = base.Backend(
+    name="native", why_not=why_not, attend=attend, hardware=("cpu",), rank=0,
+    paged_why_not=paged_why_not, paged_attend=paged_attend)

@@ -1,0 +1,304 @@
+// The native decode kernel's XLA FFI handlers: `PagedDecode` over a paged pool's lists of pages
+// and `CacheDecode` over a fixed cache's rows. The Python side (splash_hk/backends/native.py)
+// owns shapes and checks; these read the buffers as it lays them out and split the work into
+// items (rows of one owner x one kv head) run on `threads` threads.
+#include <cstdint>
+#include <vector>
+
+#include "kernel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+namespace sn = splash_native;
+
+namespace {
+
+// What both handlers share: queries [rows, Hq, D] (pre-scaled f32), keys/values and per-key
+// scales (null: not quantized), sinks' log-sum-exp [Hq] and the outputs.
+struct Common {
+  const float* query;
+  const void* key;
+  const void* value;
+  const float* key_scale;
+  const float* value_scale;
+  const float* sinks;
+  const float* slopes;  // [Hq] ALiBi slopes, or null
+  const int32_t* q_pos;  // [rows] each query row's position (read with slopes)
+  float* out;
+  float* lse;
+  int hq, hkv, d, dv, threads;
+  float soft_cap;
+  int group() const { return hq / hkv; }
+  int rows_per_item() const { return std::max(1, std::min(sn::kMaxRows, sn::kMaxRG / group())); }
+};
+
+// Rows that see nothing: output 0, log-sum-exp of their sinks alone.
+void Clear(const Common& c, int64_t rows) {
+  for (int64_t n = 0; n < rows; ++n)
+    for (int h = 0; h < c.hq; ++h) {
+      std::fill(c.out + (n * c.hq + h) * c.dv, c.out + (n * c.hq + h + 1) * c.dv, 0.0f);
+      c.lse[n * c.hq + h] = c.sinks[h];
+    }
+}
+
+// One item: rows `rows[0..nrows)` (flat query rows) x kv head `h` over `nblocks` blocks, each
+// given by desc(e) with visibility vis(e, block, visible) -> whether any vector sees it.
+template <typename T, bool kAvx2, typename Desc, typename Vis>
+void Item(const Common& c, const int* rows, int nrows, int h, int nblocks, Desc desc, Vis vis) {
+  const int g = c.group(), rg = nrows * g;
+  std::vector<float> q(static_cast<size_t>(rg) * c.d);  // [RG, D]
+  float sinks[sn::kMaxRG], slopes[sn::kMaxRG];
+  int32_t q_pos[sn::kMaxRG];
+  for (int r = 0; r < nrows; ++r)
+    for (int i = 0; i < g; ++i) {
+      slopes[r * g + i] = c.slopes ? c.slopes[h * g + i] : 0.0f;
+      q_pos[r * g + i] = c.q_pos[rows[r]];
+      const float* src = c.query + (static_cast<int64_t>(rows[r]) * c.hq + h * g + i) * c.d;
+      std::copy(src, src + c.d, q.data() + static_cast<size_t>(r * g + i) * c.d);
+      sinks[r * g + i] = c.sinks[h * g + i];
+    }
+  const sn::ItemShape shape{q.data(), rg, c.d, c.dv, c.soft_cap, c.slopes ? slopes : nullptr,
+                            q_pos};
+  sn::State st;
+  st.Reset(rg, c.dv);
+  alignas(64) uint8_t visible[sn::kMaxRG * sn::kMaxSlots];
+  for (int e = 0; e < nblocks; ++e) {
+    const sn::Block<T> b = desc(e);
+    if (!vis(e, b, visible)) continue;
+    const sn::Block<T> next = e + 1 < nblocks ? desc(e + 1) : b;
+    sn::FoldBlock<T, kAvx2>(shape, b, visible, st, e + 1 < nblocks ? &next : nullptr);
+  }
+  auto out_at = [&](int i) {
+    return c.out + (static_cast<int64_t>(rows[i / g]) * c.hq + h * g + i % g) * c.dv;
+  };
+  auto lse_at = [&](int i) { return c.lse + static_cast<int64_t>(rows[i / g]) * c.hq + h * g + i % g; };
+  sn::Finish(st, rg, c.dv, sinks, out_at, lse_at);
+}
+
+// ---- the paged pool: key [P, Hkv, page, D], lists [O, Hl, K] ----
+struct Lists {
+  const int32_t *blocks, *first_key, *count, *order, *offset, *rows, *lo, *hi;
+  int owners, list_heads, entries, page;
+};
+
+template <typename T, bool kAvx2>
+void Paged(const Common& c, const Lists& l) {
+  const int per = c.rows_per_item(), parts = (l.page + sn::kMaxSlots - 1) / sn::kMaxSlots;
+  struct Work { int owner, head, first, nrows; };
+  std::vector<Work> work;
+  std::vector<int64_t> cost;
+  for (int o = 0; o < l.owners; ++o)
+    for (int h = 0; h < c.hkv; ++h) {
+      const int n = l.count[o * l.list_heads + (l.list_heads == 1 ? 0 : h)];
+      for (int r = 0; r < l.rows[o] && n > 0; r += per) {
+        work.push_back({o, h, r, std::min(per, l.rows[o] - r)});
+        cost.push_back(static_cast<int64_t>(n) * (work.back().nrows + 3));
+      }
+    }
+  const T* key = static_cast<const T*>(c.key);
+  const T* value = static_cast<const T*>(c.value);
+  sn::RunItems(cost, c.threads, [&](int w) {
+    const Work& it = work[w];
+    const int hl = l.list_heads == 1 ? 0 : it.head;
+    const int64_t at = (static_cast<int64_t>(it.owner) * l.list_heads + hl) * l.entries;
+    const int* rows = l.order + l.offset[it.owner] + it.first;
+    int lo = INT32_MAX, hi = INT32_MIN;  // the item's key range, to skip pages outside it
+    for (int r = 0; r < it.nrows; ++r) lo = std::min(lo, l.lo[rows[r]]), hi = std::max(hi, l.hi[rows[r]]);
+    auto desc = [&](int e) {
+      const int part = e % parts;
+      const int64_t slot0 = ((static_cast<int64_t>(l.blocks[at + e / parts]) * c.hkv + it.head) *
+                             l.page) + part * sn::kMaxSlots;
+      return sn::Block<T>{key + slot0 * c.d, value + slot0 * c.dv,
+                          c.key_scale ? c.key_scale + slot0 : nullptr,
+                          c.value_scale ? c.value_scale + slot0 : nullptr, c.d, c.dv, 1,
+                          std::min(sn::kMaxSlots, l.page - part * sn::kMaxSlots),
+                          l.first_key[at + e / parts] + part * sn::kMaxSlots, nullptr};
+    };
+    auto vis = [&](int e, const sn::Block<T>& b, uint8_t* visible) {
+      const int first = l.first_key[at + e / parts] + (e % parts) * sn::kMaxSlots;
+      if (first > hi || first + b.slots - 1 < lo) return false;
+      const int g = c.group();
+      for (int r = 0; r < it.nrows; ++r) {
+        const int rlo = l.lo[rows[r]], rhi = l.hi[rows[r]];
+        for (int j = 0; j < b.slots; ++j) {
+          const uint8_t v = first + j >= rlo && first + j <= rhi;
+          for (int i = 0; i < g; ++i) visible[(r * g + i) * sn::kMaxSlots + j] = v;
+        }
+      }
+      return true;
+    };
+    Item<T, kAvx2>(c, rows, it.nrows, it.head, l.count[at / l.entries] * parts, desc, vis);
+  });
+}
+
+// ---- the fixed cache: key [B, S, Hkv, D], positions and segments per row and slot ----
+struct Rows {
+  const int32_t *q_pos, *q_seg, *kv_pos, *kv_seg, *extent;
+  int batch, queries, slots, causal, left, right, chunk;  // left/right < 0: no window
+};
+
+inline int FloorDiv(int a, int b) { return a >= 0 ? a / b : -((b - 1 - a) / b); }
+
+inline bool Sees(const Rows& r, int qp, int kp) {
+  if (r.causal && kp > qp) return false;
+  if (r.left >= 0 && (kp < qp - r.left || kp > qp + r.right)) return false;
+  return !r.chunk || FloorDiv(qp, r.chunk) == FloorDiv(kp, r.chunk);
+}
+
+template <typename T, bool kAvx2>
+void Cache(const Common& c, const Rows& r) {
+  constexpr int kSlots = 16;
+  const int per = c.rows_per_item();
+  struct Work { int b, head, first, nrows; };
+  std::vector<Work> work;
+  std::vector<int64_t> cost;
+  for (int b = 0; b < r.batch; ++b)
+    for (int h = 0; h < c.hkv; ++h)
+      for (int t = 0; t < r.queries; t += per) {
+        work.push_back({b, h, t, std::min(per, r.queries - t)});
+        cost.push_back(static_cast<int64_t>(r.extent[b]) * (work.back().nrows + 3));
+      }
+  const T* key = static_cast<const T*>(c.key);
+  const T* value = static_cast<const T*>(c.value);
+  sn::RunItems(cost, c.threads, [&](int w) {
+    const Work& it = work[w];
+    int rows[sn::kMaxRows];
+    for (int i = 0; i < it.nrows; ++i) rows[i] = it.b * r.queries + it.first + i;
+    const int extent = std::min(r.extent[it.b], r.slots);
+    auto desc = [&](int e) {
+      const int64_t slot0 = (static_cast<int64_t>(it.b) * r.slots + e * kSlots) * c.hkv + it.head;
+      return sn::Block<T>{key + slot0 * c.d, value + slot0 * c.dv,
+                          c.key_scale ? c.key_scale + slot0 : nullptr,
+                          c.value_scale ? c.value_scale + slot0 : nullptr,
+                          static_cast<int64_t>(c.hkv) * c.d, static_cast<int64_t>(c.hkv) * c.dv,
+                          c.hkv, std::min(kSlots, extent - e * kSlots), 0,
+                          r.kv_pos + static_cast<int64_t>(it.b) * r.slots + e * kSlots};
+    };
+    auto vis = [&](int e, const sn::Block<T>& b, uint8_t* visible) {
+      const int g = c.group();
+      const int32_t* kp = r.kv_pos + static_cast<int64_t>(it.b) * r.slots + e * kSlots;
+      const int32_t* ks = r.kv_seg + static_cast<int64_t>(it.b) * r.slots + e * kSlots;
+      bool any = false;
+      for (int i = 0; i < it.nrows; ++i) {
+        const int qp = r.q_pos[rows[i]], qs = r.q_seg[rows[i]];
+        for (int j = 0; j < b.slots; ++j) {
+          const uint8_t v = qs >= 0 && ks[j] == qs && Sees(r, qp, kp[j]);
+          any |= v;
+          for (int x = 0; x < g; ++x) visible[(i * g + x) * sn::kMaxSlots + j] = v;
+        }
+      }
+      return any;
+    };
+    Item<T, kAvx2>(c, rows, it.nrows, it.head, (extent + kSlots - 1) / kSlots, desc, vis);
+  });
+}
+
+// The storage type of a buffer, and the kernel for it (AVX2 where the CPU has it).
+template <template <typename, bool> class Run, typename Args>
+ffi::Error Dispatch(ffi::DataType type, const Common& c, const Args& a) {
+  const bool avx2 = sn::HasAvx2();
+  switch (type) {
+    case ffi::DataType::F32: avx2 ? Run<float, true>()(c, a) : Run<float, false>()(c, a); break;
+    case ffi::DataType::BF16: avx2 ? Run<sn::Bf16, true>()(c, a) : Run<sn::Bf16, false>()(c, a); break;
+    case ffi::DataType::F16: avx2 ? Run<sn::F16, true>()(c, a) : Run<sn::F16, false>()(c, a); break;
+    case ffi::DataType::S8: avx2 ? Run<int8_t, true>()(c, a) : Run<int8_t, false>()(c, a); break;
+    case ffi::DataType::F8E4M3FN: avx2 ? Run<sn::E4m3, true>()(c, a) : Run<sn::E4m3, false>()(c, a); break;
+    case ffi::DataType::F8E5M2: avx2 ? Run<sn::E5m2, true>()(c, a) : Run<sn::E5m2, false>()(c, a); break;
+    default: return ffi::Error::InvalidArgument("splash_hk native: unsupported key/value dtype");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename T, bool kAvx2> struct RunPaged {
+  void operator()(const Common& c, const Lists& l) { Paged<T, kAvx2>(c, l); }
+};
+template <typename T, bool kAvx2> struct RunCache {
+  void operator()(const Common& c, const Rows& r) { Cache<T, kAvx2>(c, r); }
+};
+
+Common MakeCommon(ffi::Buffer<ffi::F32> query, ffi::AnyBuffer key, ffi::Buffer<ffi::F32> key_scale,
+                  ffi::AnyBuffer value, ffi::Buffer<ffi::F32> value_scale,
+                  ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> slopes,
+                  ffi::Buffer<ffi::S32> q_pos, ffi::ResultBuffer<ffi::F32> out,
+                  ffi::ResultBuffer<ffi::F32> lse, int hkv, int32_t quantized, int32_t threads,
+                  float soft_cap, int32_t alibi) {
+  const auto qd = query.dimensions();
+  const int rank = static_cast<int>(qd.size());
+  return Common{query.typed_data(), key.untyped_data(), value.untyped_data(),
+                quantized ? key_scale.typed_data() : nullptr,
+                quantized ? value_scale.typed_data() : nullptr, sinks.typed_data(),
+                alibi ? slopes.typed_data() : nullptr, q_pos.typed_data(), out->typed_data(),
+                lse->typed_data(), static_cast<int>(qd[rank - 2]), hkv,
+                static_cast<int>(qd[rank - 1]),
+                static_cast<int>(value.dimensions()[value.dimensions().size() - 1]),
+                std::max(1, static_cast<int>(threads)), soft_cap};
+}
+
+ffi::Error PagedImpl(ffi::Buffer<ffi::F32> query, ffi::AnyBuffer key, ffi::Buffer<ffi::F32> key_scale,
+                     ffi::AnyBuffer value, ffi::Buffer<ffi::F32> value_scale,
+                     ffi::Buffer<ffi::S32> blocks, ffi::Buffer<ffi::S32> first_key,
+                     ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::S32> order,
+                     ffi::Buffer<ffi::S32> offset, ffi::Buffer<ffi::S32> rows,
+                     ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
+                     ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> slopes,
+                     ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
+                     ffi::ResultBuffer<ffi::F32> lse, float soft_cap, int32_t threads,
+                     int32_t quantized, int32_t alibi) {
+  const auto kd = key.dimensions(), bd = blocks.dimensions();
+  const Common c = MakeCommon(query, key, key_scale, value, value_scale, sinks, slopes, pos, out,
+                              lse, static_cast<int>(kd[1]), quantized, threads, soft_cap, alibi);
+  Clear(c, query.dimensions()[0]);
+  const Lists l{blocks.typed_data(), first_key.typed_data(), count.typed_data(),
+                order.typed_data(), offset.typed_data(), rows.typed_data(), lo.typed_data(),
+                hi.typed_data(), static_cast<int>(bd[0]), static_cast<int>(bd[1]),
+                static_cast<int>(bd[2]), static_cast<int>(kd[2])};
+  return Dispatch<RunPaged>(key.element_type(), c, l);
+}
+
+ffi::Error CacheImpl(ffi::Buffer<ffi::F32> query, ffi::AnyBuffer key, ffi::Buffer<ffi::F32> key_scale,
+                     ffi::AnyBuffer value, ffi::Buffer<ffi::F32> value_scale,
+                     ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> q_seg,
+                     ffi::Buffer<ffi::S32> kv_pos, ffi::Buffer<ffi::S32> kv_seg,
+                     ffi::Buffer<ffi::S32> extent, ffi::Buffer<ffi::F32> sinks,
+                     ffi::Buffer<ffi::F32> slopes, ffi::ResultBuffer<ffi::F32> out,
+                     ffi::ResultBuffer<ffi::F32> lse, float soft_cap, int32_t threads,
+                     int32_t quantized, int32_t alibi, int32_t causal, int32_t left,
+                     int32_t right, int32_t chunk) {
+  const auto qd = query.dimensions(), kd = key.dimensions();
+  const Common c = MakeCommon(query, key, key_scale, value, value_scale, sinks, slopes, q_pos,
+                              out, lse, static_cast<int>(kd[2]), quantized, threads, soft_cap,
+                              alibi);
+  Clear(c, qd[0] * qd[1]);
+  const Rows r{q_pos.typed_data(), q_seg.typed_data(), kv_pos.typed_data(), kv_seg.typed_data(),
+               extent.typed_data(), static_cast<int>(qd[0]), static_cast<int>(qd[1]),
+               static_cast<int>(kd[1]), causal, left, right, chunk};
+  return Dispatch<RunCache>(key.element_type(), c, r);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    SplashPagedDecode, PagedImpl,
+    ffi::Ffi::Bind()
+        .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>()
+        .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
+        .Attr<float>("soft_cap").Attr<int32_t>("threads").Attr<int32_t>("quantized")
+        .Attr<int32_t>("alibi"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    SplashCacheDecode, CacheImpl,
+    ffi::Ffi::Bind()
+        .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+        .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
+        .Attr<float>("soft_cap").Attr<int32_t>("threads").Attr<int32_t>("quantized")
+        .Attr<int32_t>("alibi").Attr<int32_t>("causal").Attr<int32_t>("left").Attr<int32_t>("right")
+        .Attr<int32_t>("chunk"));

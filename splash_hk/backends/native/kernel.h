@@ -1,0 +1,331 @@
+// The native decode kernel's arithmetic: element loads (f32, bf16, int8, fp8), the group dot
+// and value update (AVX2/FMA chosen at run time, a portable path elsewhere) and the online
+// softmax of one work item: some query rows x one kv head's group of query heads over a
+// sequence of key blocks. The FFI handlers (handlers.cc) say which rows, blocks and keys.
+//
+// Glossary: RG = rows x group heads of an item (each a query vector), D key size, Dv value
+// size, a block = up to kMaxSlots consecutive keys of one kv head (a page, or a cache's run).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define SPLASH_X86 1
+#define SPLASH_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define SPLASH_X86 0
+#endif
+
+namespace splash_native {
+
+constexpr int kMaxSlots = 64;   // keys of a block (pages larger than this are read in parts)
+constexpr int kMaxRows = 8;     // query rows of one item
+constexpr int kMaxGroup = 16;   // query heads per kv head
+constexpr int kMaxRG = kMaxRows * kMaxGroup;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Storage types of keys and values, by the bits they hold.
+struct Bf16 { uint16_t bits; };
+struct F16 { uint16_t bits; };
+struct E4m3 { uint8_t bits; };
+struct E5m2 { uint8_t bits; };
+
+inline float Bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+inline float Fp8(uint8_t x, int mantissa_bits, int bias, bool fn) {
+  const int exp_bits = 7 - mantissa_bits;
+  const int e = (x >> mantissa_bits) & ((1 << exp_bits) - 1), m = x & ((1 << mantissa_bits) - 1);
+  const float sign = (x & 0x80) ? -1.0f : 1.0f;
+  if (fn ? (e == (1 << exp_bits) - 1 && m == (1 << mantissa_bits) - 1) : e == (1 << exp_bits) - 1)
+    return (!fn && m == 0) ? sign * INFINITY : NAN;
+  const float frac = static_cast<float>(m) / static_cast<float>(1 << mantissa_bits);
+  return e == 0 ? sign * std::ldexp(frac, 1 - bias) : sign * std::ldexp(1.0f + frac, e - bias);
+}
+
+inline float ToF32(float x) { return x; }
+inline float ToF32(Bf16 x) { return Bits(static_cast<uint32_t>(x.bits) << 16); }
+inline float ToF32(F16 x) {
+  const int e = (x.bits >> 10) & 0x1f, m = x.bits & 0x3ff;
+  const float sign = (x.bits & 0x8000) ? -1.0f : 1.0f;
+  if (e == 0x1f) return m ? NAN : sign * INFINITY;
+  return e == 0 ? sign * std::ldexp(static_cast<float>(m), -24)
+                : sign * std::ldexp(1.0f + static_cast<float>(m) / 1024.0f, e - 15);
+}
+inline float ToF32(int8_t x) { return static_cast<float>(x); }
+inline float ToF32(E4m3 x) { return Fp8(x.bits, 3, 7, true); }
+inline float ToF32(E5m2 x) { return Fp8(x.bits, 2, 15, false); }
+
+// ---- portable: one element at a time ----
+template <typename T>
+void DotGroupPortable(const float* q, int rg, const T* k, int d, float* out) {
+  for (int i = 0; i < rg; ++i) {
+    float s = 0.0f;
+    for (int c = 0; c < d; ++c) s += q[i * d + c] * ToF32(k[c]);
+    out[i] = s;
+  }
+}
+
+template <typename T>
+void AxpyGroupPortable(const float* coeff, const uint8_t* take, int rg, const T* v, int dv,
+                       float* acc) {
+  for (int i = 0; i < rg; ++i) {
+    if (!take[i]) continue;
+    for (int c = 0; c < dv; ++c) acc[i * dv + c] += coeff[i] * ToF32(v[c]);
+  }
+}
+
+#if SPLASH_X86
+// ---- AVX2/FMA: eight lanes; a tail (d % 8) element by element ----
+SPLASH_AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+SPLASH_AVX2 inline __m256 Load8(const Bf16* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+SPLASH_AVX2 inline __m256 Load8(const F16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+SPLASH_AVX2 inline __m256 Load8(const int8_t* p) {
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+SPLASH_AVX2 inline __m256 Load8(const E5m2* p) {  // e5m2 is the top byte of a float16
+  __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
+}
+SPLASH_AVX2 inline __m256 Load8(const E4m3* p) {  // as a float16 of exponent bias 15, x 2^8
+  __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+  __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                           _mm_slli_epi16(mag, 7));
+  __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f));  // e4m3fn's one NaN per sign
+  h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7e00)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+
+SPLASH_AVX2 inline float Sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// out[i] = q[i] . k over d, four query vectors per pass over k.
+template <typename T>
+SPLASH_AVX2 void DotGroupAvx2(const float* q, int rg, const T* k, int d, float* out) {
+  const int body = d & ~7;
+  int i = 0;
+  for (; i + 4 <= rg; i += 4) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const float* q0 = q + i * d;
+    for (int c = 0; c < body; c += 8) {
+      __m256 kv = Load8(k + c);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + c), kv, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + c), kv, a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * d + c), kv, a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * d + c), kv, a3);
+    }
+    out[i] = Sum8(a0); out[i + 1] = Sum8(a1); out[i + 2] = Sum8(a2); out[i + 3] = Sum8(a3);
+  }
+  for (; i < rg; ++i) {
+    __m256 a = _mm256_setzero_ps();
+    for (int c = 0; c < body; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + c),
+                                                          Load8(k + c), a);
+    out[i] = Sum8(a);
+  }
+  for (int c = body; c < d; ++c) {
+    const float kc = ToF32(k[c]);
+    for (int j = 0; j < rg; ++j) out[j] += q[j * d + c] * kc;
+  }
+}
+
+template <typename T>
+SPLASH_AVX2 void AxpyGroupAvx2(const float* coeff, const uint8_t* take, int rg, const T* v,
+                               int dv, float* acc) {
+  const int body = dv & ~7;
+  for (int c = 0; c < body; c += 8) {
+    const __m256 x = Load8(v + c);
+    for (int i = 0; i < rg; ++i) {
+      if (!take[i]) continue;
+      float* a = acc + i * dv + c;
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(coeff[i]), x, _mm256_loadu_ps(a)));
+    }
+  }
+  for (int c = body; c < dv; ++c) {
+    const float x = ToF32(v[c]);
+    for (int i = 0; i < rg; ++i) if (take[i]) acc[i * dv + c] += coeff[i] * x;
+  }
+}
+
+inline bool HasAvx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has;
+}
+#else
+inline bool HasAvx2() { return false; }
+#endif
+
+// One block of keys as the kernel reads it: `slots` keys from `key` (slot stride `key_stride`
+// elements), their values likewise, per-key scales (or null) and the visibility of each
+// (query vector, slot): visible[i * kMaxSlots + j].
+template <typename T>
+struct Block {
+  const T* key;
+  const T* value;
+  const float* key_scale;
+  const float* value_scale;
+  int64_t key_stride, value_stride, scale_stride;
+  int slots;
+  int first_pos;             // the position of slot 0 when `positions` is null
+  const int32_t* positions;  // each slot's position, or null: first_pos + slot
+  int Position(int j) const { return positions ? positions[j] : first_pos + j; }
+};
+
+// What stays fixed over an item: its query vectors (pre-scaled, f32) and sizes.
+struct ItemShape {
+  const float* q;  // [RG, D]
+  int rg, d, dv;
+  float soft_cap;  // 0: none
+  const float* slopes;   // [RG] ALiBi slopes (-slope * |q_pos - kv_pos| added), or null
+  const int32_t* q_pos;  // [RG] each vector's row position (read with slopes)
+};
+
+// The online softmax of an item: running max, denominator and weighted values per vector.
+struct State {
+  float m[kMaxRG], l[kMaxRG];
+  std::vector<float> acc;  // [RG, Dv]
+  void Reset(int rg, int dv) {
+    std::fill(m, m + rg, kNegInf);
+    std::fill(l, l + rg, 0.0f);
+    acc.assign(static_cast<size_t>(rg) * dv, 0.0f);
+  }
+};
+
+// Prefetches `bytes` from `p` into the cache (reads ahead of the block being folded).
+inline void Prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 0);
+}
+
+// Folds one block into `st`; the `next` block's keys and values (or none) are prefetched a
+// slot at a time while this one's are read.
+template <typename T, bool kAvx2>
+void FoldBlock(const ItemShape& it, const Block<T>& b, const uint8_t* visible, State& st,
+               const Block<T>* next) {
+  const int rg = it.rg;
+  float s[kMaxSlots * kMaxRG];  // [slots, RG]
+  uint8_t any[kMaxSlots];
+  for (int j = 0; j < b.slots; ++j) {
+    any[j] = 0;
+    for (int i = 0; i < rg; ++i) any[j] |= visible[i * kMaxSlots + j];
+    if (next && j < next->slots) Prefetch(next->key + j * next->key_stride, it.d * sizeof(T));
+    if (!any[j]) continue;
+    const T* k = b.key + j * b.key_stride;
+#if SPLASH_X86
+    if constexpr (kAvx2) DotGroupAvx2(it.q, rg, k, it.d, s + j * rg);
+    else DotGroupPortable(it.q, rg, k, it.d, s + j * rg);
+#else
+    DotGroupPortable(it.q, rg, k, it.d, s + j * rg);
+#endif
+    const float ks = b.key_scale ? b.key_scale[j * b.scale_stride] : 1.0f;
+    for (int i = 0; i < rg; ++i) {
+      float x = s[j * rg + i] * ks;
+      if (it.slopes) x -= it.slopes[i] * std::fabs(static_cast<float>(it.q_pos[i] - b.Position(j)));
+      if (it.soft_cap > 0) x = it.soft_cap * std::tanh(x / it.soft_cap);
+      s[j * rg + i] = visible[i * kMaxSlots + j] ? x : kNegInf;
+    }
+  }
+  float coeff[kMaxRG];
+  uint8_t take[kMaxRG];
+  for (int i = 0; i < rg; ++i) {  // the block's max, then the running state rescaled once
+    float mb = kNegInf;
+    for (int j = 0; j < b.slots && !std::isnan(mb); ++j) {  // a NaN logit stays NaN
+      const float x = s[j * rg + i];
+      if (any[j] && visible[i * kMaxSlots + j] && (x > mb || std::isnan(x))) mb = x;
+    }
+    if (!(mb > kNegInf) && !std::isnan(mb)) { coeff[i] = 0; continue; }
+    const float m_new = std::isnan(mb) ? mb : std::max(st.m[i], mb);
+    const float alpha = st.m[i] == kNegInf ? 0.0f : std::exp(st.m[i] - m_new);
+    if (alpha != 1.0f) {
+      st.l[i] *= alpha;
+      float* a = st.acc.data() + static_cast<size_t>(i) * it.dv;
+      for (int c = 0; c < it.dv; ++c) a[c] *= alpha;
+    }
+    st.m[i] = m_new;
+    float sum = 0.0f;
+    for (int j = 0; j < b.slots; ++j) {
+      if (!(any[j] && visible[i * kMaxSlots + j])) continue;
+      s[j * rg + i] = std::exp(s[j * rg + i] - m_new);
+      sum += s[j * rg + i];
+    }
+    st.l[i] += sum;
+    coeff[i] = 1;
+  }
+  for (int j = 0; j < b.slots; ++j) {
+    if (next && j < next->slots) Prefetch(next->value + j * next->value_stride, it.dv * sizeof(T));
+    if (!any[j]) continue;
+    const float vs = b.value_scale ? b.value_scale[j * b.scale_stride] : 1.0f;
+    float c[kMaxRG];
+    for (int i = 0; i < rg; ++i) {
+      take[i] = coeff[i] != 0 && visible[i * kMaxSlots + j];
+      c[i] = s[j * rg + i] * vs;
+    }
+    const T* v = b.value + j * b.value_stride;
+#if SPLASH_X86
+    if constexpr (kAvx2) AxpyGroupAvx2(c, take, rg, v, it.dv, st.acc.data());
+    else AxpyGroupPortable(c, take, rg, v, it.dv, st.acc.data());
+#else
+    AxpyGroupPortable(c, take, rg, v, it.dv, st.acc.data());
+#endif
+  }
+}
+
+// The item's results with its heads' sinks (log-sum-exp per vector, -inf: none): out [RG, Dv]
+// at `out` (vector i at out + out_row(i)), lse at lse_at(i).
+template <typename OutAt, typename LseAt>
+void Finish(const State& st, int rg, int dv, const float* sinks, OutAt out_at, LseAt lse_at) {
+  for (int i = 0; i < rg; ++i) {
+    const float m = st.m[i], sink = sinks[i];
+    const float top = std::isnan(m) ? m : std::max(m, sink);
+    float* out = out_at(i);
+    if (top == kNegInf) {
+      std::fill(out, out + dv, 0.0f);
+      *lse_at(i) = kNegInf;
+      continue;
+    }
+    const float keys = m == kNegInf ? 0.0f : st.l[i] * std::exp(m - top);
+    const float total = keys + (sink == kNegInf ? 0.0f : std::exp(sink - top));
+    const float w = m == kNegInf ? 0.0f : std::exp(m - top) / total;
+    const float* a = st.acc.data() + static_cast<size_t>(i) * dv;
+    for (int c = 0; c < dv; ++c) out[c] = a[c] * w;
+    *lse_at(i) = top + std::log(total);
+  }
+}
+
+// Runs run(item) for items [0, n) on `threads` threads (the caller's among them), largest
+// first by `cost`; returns when every item is done.
+template <typename Run>
+void RunItems(const std::vector<int64_t>& cost, int threads, Run run) {
+  const int n = static_cast<int>(cost.size());
+  std::vector<int> order(n);
+  for (int i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return cost[a] > cost[b]; });
+  std::atomic<int> next{0};
+  auto work = [&]() { for (int i; (i = next.fetch_add(1)) < n;) run(order[i]); };
+  const int extra = std::max(0, std::min(threads, n) - 1);
+  std::vector<std::thread> pool;
+  pool.reserve(extra);
+  for (int t = 0; t < extra; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+}
+
+}  // namespace splash_native
