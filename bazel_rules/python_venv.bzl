@@ -9,8 +9,21 @@ def _venv_python_impl(rctx):
     python = workspace.get_child(".venv").get_child("bin").get_child("python3")
     if not python.exists:
         fail("%s does not exist: run `make setup` (or `make bazel-test`) first." % python)
+    include = rctx.execute([python, "-c", "import jax; print(jax.ffi.include_dir())"])
+    if include.return_code != 0:
+        fail("jax.ffi.include_dir() failed in %s: %s" % (python, include.stderr))
+    rctx.symlink(include.stdout.strip(), "include")
     rctx.file("BUILD", """\
 load("@bazel_tools//tools/python:toolchain.bzl", "py_runtime_pair")
+
+# The XLA FFI headers of .venv's jaxlib (`jax.ffi.include_dir()`): the native kernel's one
+# C++ dependency.
+cc_library(
+    name = "jax_ffi",
+    hdrs = glob(["include/xla/ffi/api/*.h"]),
+    includes = ["include"],
+    visibility = ["//visibility:public"],
+)
 
 py_runtime(
     name = "python3",
@@ -33,5 +46,6 @@ toolchain(
 venv_python = repository_rule(
     implementation = _venv_python_impl,
     local = True,
-    doc = "Declares <workspace>/.venv/bin/python3 as the Python 3 toolchain.",
+    doc = "Declares <workspace>/.venv/bin/python3 as the Python 3 toolchain, and its jaxlib's " +
+          "XLA FFI headers as @venv_python//:jax_ffi.",
 )

@@ -65,15 +65,17 @@ def pool_for(lens: Sequence[int], q_lens: Sequence[int], pages_per_seq: int, see
 
 
 def donated_step(q: jax.Array, k: jax.Array, cache: sh.PagedKVCache, batch: sh.RaggedBatch,
-                 donate: bool = True, top_k: int | None = None) -> Callable[[], Any]:
+                 donate: bool = True, top_k: int | None = None,
+                 config: sh.AttentionConfig = sh.AttentionConfig()) -> Callable[[], Any]:
   """A thunk running one compiled paged step with the pool donated, as a server runs it (each
   call writes the step's tokens again, the same values at the same slots, into the pool the
   last call returned); `donate=False`: the pool copied each call, what not donating costs;
-  `top_k`: each sequence reads its last page and the `top_k` pages Quest's bound chooses."""
+  `top_k`: each sequence reads its last page and the `top_k` pages Quest's bound chooses;
+  `config`: the attention config (its platform)."""
   def step(q, k, c, b):
     if top_k is not None:
       b = dataclasses.replace(b, selection=sh.sparse.top_k_pages(q, c, b, top_k=top_k))
-    return sh.paged_attention(q, k, k, c, b)
+    return sh.paged_attention(q, k, k, c, b, config=config)
 
   compiled = jax.jit(step, donate_argnums=(2,) if donate else ())
   pool = [cache]

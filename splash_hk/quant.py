@@ -159,7 +159,8 @@ def storage(x: Any) -> str:
   quantized one its values' dtype and what its scale covers ("int8/token": one scale per
   slice of the last axis or coarser; "int8/channel": a scale along the last axis)."""
   if not is_quantized(x):
-    return str(jnp.dtype(x.dtype))
+    dtype = getattr(x, "dtype", None)  # not an array: validation names it
+    return type(x).__name__ if dtype is None else str(jnp.dtype(dtype))
   values, scale = (x.values, x.scale) if isinstance(x, Quantized) else (x.qvalue, x.scale)
   covers = "token" if not scale.shape or scale.shape[-1] == 1 else "channel"
   return f"{jnp.dtype(values.dtype)}/{covers}"

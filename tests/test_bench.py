@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks import bench
 from benchmarks import bench_layout
+from benchmarks import bench_native
 from benchmarks import bench_paged
 from benchmarks import bench_blocks
 from benchmarks import bench_quant
@@ -173,6 +174,15 @@ def test_layout_bench_times_the_same_attention_in_both_layouts(capsys):
   token = bench_layout.pool_decode(False, pages, seqs, q, *jnp.asarray(kv))
   head = bench_layout.pool_decode(True, pages, seqs, q, *jnp.swapaxes(kv, 2, 3))
   np.testing.assert_allclose(head, token, rtol=1e-5, atol=1e-5)
+
+
+def test_native_bench_prints_its_figures_per_thread_count(capsys):
+  figures = bench_native.report(max_len=256, repeats=1, threads=(1,))
+  names = ("read_fraction", "xla_over_native", "f32_over_int8", "module_read_fraction",
+           "module_xla_over_native")
+  assert set(figures) == {"bandwidth_gbs", *(f"{n}_t1" for n in names)}
+  assert all(v > 0 for v in figures.values()), figures
+  assert "1 thread(s): f32 pool" in capsys.readouterr().out
 
 
 def test_quant_bench_prints_its_figures(capsys):

@@ -20,7 +20,7 @@ from xml.etree import ElementTree
 import pytest
 
 ROOT = pathlib.Path(__file__).parent.parent
-RULES = ("py_library", "py_binary", "py_test")
+RULES = ("py_library", "py_binary", "py_test", "cc_binary")
 
 
 def _label_path(root: pathlib.Path, label: str) -> pathlib.Path | None:

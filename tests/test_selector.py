@@ -36,7 +36,7 @@ def test_detect_mode_rejects_empty():
     sh.detect_mode(0, 4)
 
 
-@pytest.mark.parametrize("hardware,expected", [("cpu", ("xla", "reference")),
+@pytest.mark.parametrize("hardware,expected", [("cpu", ("native", "xla", "reference")),
                                                ("tpu", ("splash", "xla", "reference")),
                                                ("gpu", ("triton", "xla", "reference"))])
 def test_auto_candidates_follow_hardware(hardware, expected):
@@ -59,7 +59,11 @@ def test_xla_serves_every_mask():
     d = sh.fallback.select_backend(sh.AttentionConfig(chunk_size=64), query_shape=(2, 1, 8, 64),
                                    key_shape=K, mask_shape=mask_shape, default_positions=False,
                                    hardware="cpu")
-    assert d.backend == "xla" and not d.fallback
+    # A decode on CPU: the native kernel where its rules say the mask (the config's), else
+    # xla, neither a fallback (native is an optional kernel: its refusal is said).
+    want = "native" if mask_shape is None else "xla"
+    assert d.backend == want and not d.fallback, d
+    assert mask_shape is None or "not native: the mask is not the config's rules" in d.reason
 
 
 def test_weights_need_reference():
@@ -91,7 +95,7 @@ def test_selection_is_made_at_trace_time_from_shapes():
     decisions.append(sh.explain(q, q, q))  # q is a tracer: only shapes are known
     return sh.attention(q, q, q).attention_outputs
 
-  q = jnp.ones((1, 4, 2, 8))
+  q = jnp.ones((1, 40, 2, 8))
   f(q)
   f(q + 1)  # cached: no retrace, no second decision
   assert [d.backend for d in decisions] == ["xla"]
@@ -128,15 +132,15 @@ def test_a_backend_is_one_file_and_one_line():
   toy = base.Backend(name="toy", why_not=why_not, attend=attend, hardware=("cpu",), rank=-1)
   platforms.register(toy)
   try:
-    assert selector.candidates("auto", "cpu") == ("toy", "xla", "reference")
+    assert selector.candidates("auto", "cpu") == ("toy", "native", "xla", "reference")
     q = np.random.default_rng(0).normal(size=(2, 16, 4, 8)).astype(np.float32)
     decision = sh.explain(q, q, q)
     assert decision == sh.Decision("toy", "toy is the first choice on cpu (train mode)")
     out = sh.attention(q, q, q).attention_outputs
     np.testing.assert_allclose(np.asarray(out), oracle.attention(q, q, q)[0], **harness.tol())
     assert calls == [(2, 16, 4, 8)]
-    decode = sh.explain(q[:, :1], q, q)
-    assert decode.backend == "xla" and decode.fallback
+    decode = sh.explain(q[:, :1], q, q)  # the next on cpu: the native decode kernel
+    assert decode.backend == "native" and decode.fallback
     assert "toy: the toy kernel does not decode" in decode.reason
     assert sh.AttentionConfig(platform="toy").platform == "toy"
     with pytest.raises(ValueError, match="toy: the toy kernel does not decode"):

@@ -18,6 +18,8 @@ The summary's last lines compare the same requests served as static batches with
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 
 from absl import app
@@ -81,6 +83,9 @@ _PAGE_TOP_K = flags.DEFINE_integer(
     "K pages its queries can score highest (per kv head, from each page's key bounds); 0: "
     "every page. The requests are also served reading every page, and the greedy agreement "
     "and both runs' tokens/s printed.")
+_COMPARE_NATIVE = flags.DEFINE_bool(
+    "compare_native", False, "Also serve the requests with the attention on xla (the native CPU "
+    "decode kernel off) and print tokens/s with / without it and whether the outputs agree.")
 _SERVE_SEED = flags.DEFINE_integer("serve_seed", 0, "Seed of the requests.")
 _LOG_EVERY_STEPS = flags.DEFINE_integer("log_every_steps", 25, "Steps between progress lines.")
 
@@ -188,6 +193,21 @@ def quest_agreement(served: engine_lib.Served, every: engine_lib.Served, request
         f"{rate(every):.0f} tokens/s = {rate(served) / rate(every):.2f}x")
 
 
+def native_agreement(served: engine_lib.Served, config, params, sched, num_pages: int, requests,
+                     cancels) -> None:
+  """The run against the same requests served with the attention on xla (no native kernel)."""
+  on_xla = dataclasses.replace(
+      config, attention_config=config.attention_config.replace(platform="xla"))
+  engine = engine_lib.PagedEngine(on_xla, params, sched, num_pages, KV_DTYPES[_KV_DTYPE.value])
+  engine.warm_up()
+  other = engine_lib.serve(engine, requests, prefix_sharing=sched.prefix_sharing, cancels=cancels)
+  rate = lambda s: s.tokens / s.seconds
+  agree = _agreeing(served, other, requests, "the xla run's")
+  print(f"native decode kernel on / off (platform={config.attention_config.platform} / xla): "
+        f"{rate(served):.0f} / {rate(other):.0f} tokens/s = {rate(served) / rate(other):.2f}x; "
+        f"{agree}")
+
+
 def run() -> None:
   axes = train.make_axes(None)
   task, config = train.make_task_and_model(axes)
@@ -246,6 +266,8 @@ def run() -> None:
     full.warm_up()
     agreement(served, engine_lib.serve(full, requests, prefix_sharing=sched.prefix_sharing,
                                        cancels=cancels), requests)
+  if _COMPARE_NATIVE.value:
+    native_agreement(served, config, params, sched, num_pages, requests, cancels)
   static = None
   if _COMPARE_STATIC.value:
     static_engine = engine_lib.StaticEngine(config, params, sched.max_seqs)

@@ -114,6 +114,9 @@ class Backend:
       for the hardware, and among the portable ones.
     traces_off_host: whether its call can be traced on a host of other hardware (to lower it
       for its own, as `jax.export` does); False where the kernel exists only on its hardware.
+    optional: a kernel for some calls only (the native decode kernel), tried first on its
+      hardware where it serves: on "auto" its refusal is said beside the next backend's choice,
+      not a fallback (that backend is its hardware's first choice for the call).
     paged_why_not, paged_attend: the same two for a paged call (`splash_hk.pages`:
       (PagedFacts, hardware) -> reason or None; (PagedInputs, PagedFacts) -> (out
       [N, Hq, Dv], lse [N, Hq]) over the cache with the call's tokens written); `paged_attend`
@@ -130,6 +133,7 @@ class Backend:
   count_pairs: Callable[..., int] | None = None
   plan: Callable[[KernelInputs, Facts], Any] | None = None
   traces_off_host: bool = True
+  optional: bool = False
   paged_why_not: Callable[[pages.PagedFacts, str], str | None] | None = None
   paged_attend: Callable[[pages.PagedInputs, pages.PagedFacts],
                          tuple[jax.Array, jax.Array]] | None = None

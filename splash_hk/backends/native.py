@@ -4,7 +4,7 @@ Reads a paged pool's pages (head-major: each kv head's page one contiguous block
 cache's rows once per step, for every query head of the kv head's group and every row of the
 item, with AVX2/FMA chosen at run time and the next block prefetched while one is read; keys
 and values in float32, bfloat16, float16, int8 or fp8 (scales per token applied in the kernel,
-never a dequantized copy). The C++ is `native/` (`kernel.h`: the arithmetic; `handlers.cc`: the
+never a dequantized copy). The C++ is `native/` (`native/kernel.h`: the arithmetic; `native/handlers.cc`: the
 two FFI handlers), built by `native_build`.
 
 It serves what a decode step is: at most `SHORT_ROWS` rows a sequence (on average, for a paged
@@ -141,11 +141,12 @@ def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Arr
             jax.ShapeDtypeStruct((n, hq), jnp.float32))
   ints = lambda *a: [b.astype(jnp.int32) for b in a]
   call = jax.ffi.ffi_call("splash_hk_paged_decode", shapes, vmap_method="sequential")
-  return call(q, k, k_scale, v, v_scale,
+  out, lse = call(q, k, k_scale, v, v_scale,
               *ints(lists.blocks, lists.first_key, lists.count, lists.order, lists.offset,
                     lists.rows, lists.lo, lists.hi),
               _sinks(x.sinks, hq), _slopes(x.bias), x.layout.pos.astype(jnp.int32),
               **_attrs(facts.config.logits_soft_cap, quantized, x.bias))
+  return out.astype(x.query.dtype), lse
 
 
 def _local_heads(lists: pages.BlockLists, heads: jax.Array, group: int,
@@ -203,5 +204,5 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
 
 
 BACKEND = base.Backend(
-    name="native", why_not=why_not, attend=attend, hardware=("cpu",), rank=0,
+    name="native", why_not=why_not, attend=attend, hardware=("cpu",), rank=0, optional=True,
     paged_why_not=paged_why_not, paged_attend=paged_attend)

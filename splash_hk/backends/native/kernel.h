@@ -215,44 +215,96 @@ inline void Prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 0);
 }
 
+// row[j] = exp(row[j] - m) for j < n (0 where row[j] is -inf: an invisible key); returns their
+// sum. `m` is finite or +inf here (a NaN row takes the scalar path).
+inline float ExpRowPortable(float* row, int n, float m) {
+  float sum = 0.0f;
+  for (int j = 0; j < n; ++j) {
+    row[j] = row[j] == kNegInf ? 0.0f : std::exp(row[j] - m);
+    sum += row[j];
+  }
+  return sum;
+}
+
+#if SPLASH_X86
+// exp of eight lanes (Cephes' expf: a degree-5 polynomial after 2^n; within 2 ulp).
+SPLASH_AVX2 inline __m256 Exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)),
+                    _mm256_set1_ps(88.3762626647949f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                             _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// ExpRowPortable eight lanes at a time; `row` holds -inf from n up to the next multiple of 8.
+SPLASH_AVX2 inline float ExpRowAvx2(float* row, int n, float m) {
+  __m256 sum = _mm256_setzero_ps();
+  const __m256 mv = _mm256_set1_ps(m), none = _mm256_set1_ps(kNegInf);
+  for (int j = 0; j < n; j += 8) {
+    const __m256 x = _mm256_loadu_ps(row + j);
+    const __m256 p = _mm256_and_ps(Exp8(_mm256_sub_ps(x, mv)), _mm256_cmp_ps(x, none, _CMP_NEQ_OQ));
+    _mm256_storeu_ps(row + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  return Sum8(sum);
+}
+#endif
+
 // Folds one block into `st`; the `next` block's keys and values (or none) are prefetched a
-// slot at a time while this one's are read.
+// slot at a time while this one's are read. Logits are held per vector ([RG, kMaxSlots]), so
+// each vector's max and exponentials run over its slots in lanes.
 template <typename T, bool kAvx2>
 void FoldBlock(const ItemShape& it, const Block<T>& b, const uint8_t* visible, State& st,
                const Block<T>* next) {
-  const int rg = it.rg;
-  float s[kMaxSlots * kMaxRG];  // [slots, RG]
+  const int rg = it.rg, n = b.slots, padded = (n + 7) & ~7;
+  alignas(32) float s[kMaxRG * kMaxSlots];  // [RG, slots]
+  float dots[kMaxRG];
   uint8_t any[kMaxSlots];
-  for (int j = 0; j < b.slots; ++j) {
+  for (int j = 0; j < padded; ++j) {
     any[j] = 0;
-    for (int i = 0; i < rg; ++i) any[j] |= visible[i * kMaxSlots + j];
+    if (j < n) for (int i = 0; i < rg; ++i) any[j] |= visible[i * kMaxSlots + j];
     if (next && j < next->slots) Prefetch(next->key + j * next->key_stride, it.d * sizeof(T));
-    if (!any[j]) continue;
+    if (!any[j]) {
+      for (int i = 0; i < rg; ++i) s[i * kMaxSlots + j] = kNegInf;
+      continue;
+    }
     const T* k = b.key + j * b.key_stride;
 #if SPLASH_X86
-    if constexpr (kAvx2) DotGroupAvx2(it.q, rg, k, it.d, s + j * rg);
-    else DotGroupPortable(it.q, rg, k, it.d, s + j * rg);
+    if constexpr (kAvx2) DotGroupAvx2(it.q, rg, k, it.d, dots);
+    else DotGroupPortable(it.q, rg, k, it.d, dots);
 #else
-    DotGroupPortable(it.q, rg, k, it.d, s + j * rg);
+    DotGroupPortable(it.q, rg, k, it.d, dots);
 #endif
     const float ks = b.key_scale ? b.key_scale[j * b.scale_stride] : 1.0f;
     for (int i = 0; i < rg; ++i) {
-      float x = s[j * rg + i] * ks;
+      float x = dots[i] * ks;
       if (it.slopes) x -= it.slopes[i] * std::fabs(static_cast<float>(it.q_pos[i] - b.Position(j)));
       if (it.soft_cap > 0) x = it.soft_cap * std::tanh(x / it.soft_cap);
-      s[j * rg + i] = visible[i * kMaxSlots + j] ? x : kNegInf;
+      s[i * kMaxSlots + j] = visible[i * kMaxSlots + j] ? x : kNegInf;
     }
   }
   float coeff[kMaxRG];
-  uint8_t take[kMaxRG];
   for (int i = 0; i < rg; ++i) {  // the block's max, then the running state rescaled once
+    float* row = s + i * kMaxSlots;
     float mb = kNegInf;
-    for (int j = 0; j < b.slots && !std::isnan(mb); ++j) {  // a NaN logit stays NaN
-      const float x = s[j * rg + i];
-      if (any[j] && visible[i * kMaxSlots + j] && (x > mb || std::isnan(x))) mb = x;
+    bool nan = false;
+    for (int j = 0; j < n; ++j) {
+      nan |= std::isnan(row[j]);
+      mb = row[j] > mb ? row[j] : mb;
     }
-    if (!(mb > kNegInf) && !std::isnan(mb)) { coeff[i] = 0; continue; }
-    const float m_new = std::isnan(mb) ? mb : std::max(st.m[i], mb);
+    if (nan) mb = NAN;  // a NaN logit the vector sees: its result is NaN
+    else if (mb == kNegInf) { coeff[i] = 0; continue; }
+    const float m_new = std::isnan(st.m[i]) || nan ? NAN : std::max(st.m[i], mb);
     const float alpha = st.m[i] == kNegInf ? 0.0f : std::exp(st.m[i] - m_new);
     if (alpha != 1.0f) {
       st.l[i] *= alpha;
@@ -260,23 +312,24 @@ void FoldBlock(const ItemShape& it, const Block<T>& b, const uint8_t* visible, S
       for (int c = 0; c < it.dv; ++c) a[c] *= alpha;
     }
     st.m[i] = m_new;
-    float sum = 0.0f;
-    for (int j = 0; j < b.slots; ++j) {
-      if (!(any[j] && visible[i * kMaxSlots + j])) continue;
-      s[j * rg + i] = std::exp(s[j * rg + i] - m_new);
-      sum += s[j * rg + i];
-    }
-    st.l[i] += sum;
+#if SPLASH_X86
+    if constexpr (kAvx2) st.l[i] += std::isnan(m_new) ? ExpRowPortable(row, n, m_new)
+                                                     : ExpRowAvx2(row, padded, m_new);
+    else st.l[i] += ExpRowPortable(row, n, m_new);
+#else
+    st.l[i] += ExpRowPortable(row, n, m_new);
+#endif
     coeff[i] = 1;
   }
-  for (int j = 0; j < b.slots; ++j) {
+  float c[kMaxRG];
+  uint8_t take[kMaxRG];
+  for (int j = 0; j < n; ++j) {
     if (next && j < next->slots) Prefetch(next->value + j * next->value_stride, it.dv * sizeof(T));
     if (!any[j]) continue;
     const float vs = b.value_scale ? b.value_scale[j * b.scale_stride] : 1.0f;
-    float c[kMaxRG];
     for (int i = 0; i < rg; ++i) {
       take[i] = coeff[i] != 0 && visible[i * kMaxSlots + j];
-      c[i] = s[j * rg + i] * vs;
+      c[i] = s[i * kMaxSlots + j] * vs;
     }
     const T* v = b.value + j * b.value_stride;
 #if SPLASH_X86
