@@ -47,6 +47,21 @@ def test_a_paged_decode_at_real_lengths_matches_the_oracle(rule):
   np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())
 
 
+def test_a_value_one_row_sees_reaches_that_row_alone():
+  # The 3-row run of sequence 3 (positions 2047..2049) under a window of (3, 0): the value at
+  # 2044 is seen by its first row only; a NaN there is that row's (in its column), no other's.
+  step = paged_cases.step(seed=3, **REAL)
+  page, slot = int(step.batch.page_table[3, 2044 // 16]), 2044 % 16
+  step.cache = step.cache.replace(value=step.cache.value.at[page, 0, slot, 5].set(jnp.nan))
+  step.history_v[3][2044, 0, 5] = np.nan
+  config, rules = paged_cases.RULES["window"]
+  out = np.asarray(_run(step, _native(config))[0])
+  want = paged_cases.attend(step, **rules)
+  np.testing.assert_allclose(out, want, **harness.tol())  # NaN where the oracle has NaN only
+  rows = np.cumsum([0, *step.q_lens])[3]
+  assert np.isnan(out[rows, :4, 5]).all() and not np.isnan(out[rows + 1:rows + 3]).any()
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_a_narrow_float_pool_matches_the_oracle(dtype):
   step = paged_cases.step(seed=4, dtype=dtype, **REAL)
