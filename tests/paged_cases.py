@@ -1,10 +1,12 @@
-"""A ragged paged step for the tests (test_paged, test_quant): sequences at different stages over
-shuffled, shared pages with NaN in every slot no sequence holds, and the float64 oracle over each
-sequence's whole history."""
+"""A ragged paged step for the tests (test_paged, test_quant, test_native): sequences at different
+stages over shuffled, shared pages with NaN in every slot no sequence holds, the float64 oracle
+over each sequence's whole history, and the same step over a quantized pool (DESIGN's rule in
+NumPy)."""
 
 import dataclasses
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 import oracle
@@ -92,3 +94,37 @@ RULES = {
     "bidirectional": (sh.AttentionConfig(causal=False), dict(causal=False)),
     "soft_cap": (sh.AttentionConfig(logits_soft_cap=2.0), dict(soft_cap=2.0)),
 }
+
+
+FORMATS = {"int8": (np.int8, 127), "int4": (ml_dtypes.int4, 7),
+           "fp8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "fp8_e5m2": (ml_dtypes.float8_e5m2,
+                                                                      57344.0)}
+
+
+def np_quantize(x, kind, axis=-1, scale=None):
+  """DESIGN's rule in NumPy: (values, scale) with scale = absmax / largest (1 for all-zero), or
+  the values for a given `scale` (XLA divides by a constant as a product with its reciprocal:
+  the library's scales may differ from these in the last bit)."""
+  dtype, largest = FORMATS[kind]
+  x = np.asarray(x, np.float32)
+  absmax = np.max(np.abs(x), axis=axis, keepdims=True)
+  if scale is None:
+    scale = np.where(absmax == 0, np.float32(1), absmax / np.float32(largest)).astype(np.float32)
+  scaled = x / scale
+  if kind.startswith("int"):
+    scaled = np.clip(np.round(scaled), -largest, largest)  # np.round: half to even
+  with np.errstate(invalid="ignore"):  # NaN slots (garbage pages) cast to anything
+    return scaled.astype(dtype), scale
+
+
+def quantized_step(kind, seed, **kwargs):
+  """`step`'s mixed step over a quantized pool of `kind`; the oracle's histories as stored."""
+  case = step(seed=seed, **kwargs)
+  dtype = getattr(jnp, np.dtype(FORMATS[kind][0]).name)
+  pool = lambda a: sh.Quantized(*(jnp.asarray(t) for t in np_quantize(a, kind)))
+  case.cache = sh.PagedKVCache(pool(case.cache.key), pool(case.cache.value))
+  as_stored = lambda h: np.asarray(np_quantize(h, kind)[0], np.float64) * np_quantize(h, kind)[1]
+  case.history_k = [as_stored(h) for h in case.history_k]
+  case.history_v = [as_stored(h) for h in case.history_v]
+  assert case.cache.key.values.dtype == dtype
+  return case

@@ -20,7 +20,6 @@ import paged_cases
 import processes
 import splash_hk as sh
 from splash_hk import layer
-from test_quant import _quantized_step
 
 NATIVE = sh.AttentionConfig(platform="native", allow_fallback=False)
 # Five sequences at page edges and real lengths (pages of 16): a short one, one ending a page,
@@ -73,7 +72,7 @@ def test_a_narrow_float_pool_matches_the_oracle(dtype):
 
 @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_a_quantized_pool_matches_the_oracle_of_its_stored_values(kind):
-  step = _quantized_step(kind, 5, **REAL)
+  step = paged_cases.quantized_step(kind, 5, **REAL)
   config, rules = paged_cases.RULES["window" if kind == "int8" else "causal"]
   out, _ = _run(step, _native(config))
   np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())

@@ -7,7 +7,6 @@ import dataclasses
 import haiku as hk
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -15,29 +14,9 @@ import harness
 import oracle
 import splash_hk as sh
 import paged_cases
+from paged_cases import FORMATS, np_quantize as _np_quantize, quantized_step as _quantized_step
 
 B, T, HQ, HKV, D = 2, 300, 4, 2, 64  # T crosses a block boundary at the default tiles
-FORMATS = {"int8": (np.int8, 127), "int4": (ml_dtypes.int4, 7),
-           "fp8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0), "fp8_e5m2": (ml_dtypes.float8_e5m2,
-                                                                      57344.0)}
-
-
-def _np_quantize(x, kind, axis=-1, scale=None):
-  """DESIGN's rule in NumPy: (values, scale) with scale = absmax / largest (1 for all-zero), or
-  the values for a given `scale` (XLA divides by a constant as a product with its reciprocal:
-  the library's scales may differ from these in the last bit)."""
-  dtype, largest = FORMATS[kind]
-  x = np.asarray(x, np.float32)
-  absmax = np.max(np.abs(x), axis=axis, keepdims=True)
-  if scale is None:
-    scale = np.where(absmax == 0, np.float32(1), absmax / np.float32(largest)).astype(np.float32)
-  scaled = x / scale
-  if kind.startswith("int"):
-    scaled = np.clip(np.round(scaled), -largest, largest)  # np.round: half to even
-  with np.errstate(invalid="ignore"):  # NaN slots (garbage pages) cast to anything
-    return scaled.astype(dtype), scale
-
-
 def _full_scale(q):
   """A Quantized's scale [..., 1 | tiles | D] over its channels (a tile's scale on each of its)."""
   scale, channels = np.asarray(q.scale, np.float64), np.shape(q.values)[-1]
@@ -306,19 +285,6 @@ def test_a_quantized_cache_in_the_haiku_module_decodes_as_the_oracle_attends(kin
   attended, _ = oracle.attention(q, stored, _dequantized(cache.value)[:, :n])
   want = lin(attended.reshape(batch, n, -1), "linear")
   np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
-
-
-def _quantized_step(kind, seed, **kwargs):
-  """paged_cases' mixed step over a quantized pool; the oracle's histories dequantized."""
-  step = paged_cases.step(seed=seed, **kwargs)
-  dtype = getattr(jnp, np.dtype(FORMATS[kind][0]).name)
-  pool = lambda a: sh.Quantized(*(jnp.asarray(t) for t in _np_quantize(a, kind)))
-  step.cache = sh.PagedKVCache(pool(step.cache.key), pool(step.cache.value))
-  as_stored = lambda h: np.asarray(_np_quantize(h, kind)[0], np.float64) * _np_quantize(h, kind)[1]
-  step.history_k = [as_stored(h) for h in step.history_k]
-  step.history_v = [as_stored(h) for h in step.history_v]
-  assert step.cache.key.values.dtype == dtype
-  return step
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "fp8_e5m2"])

@@ -142,10 +142,10 @@ def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Arr
   ints = lambda *a: [b.astype(jnp.int32) for b in a]
   call = jax.ffi.ffi_call("splash_hk_paged_decode", shapes, vmap_method="sequential")
   out, lse = call(q, k, k_scale, v, v_scale,
-              *ints(lists.blocks, lists.first_key, lists.count, lists.order, lists.offset,
-                    lists.rows, lists.lo, lists.hi),
-              _sinks(x.sinks, hq), _slopes(x.bias), x.layout.pos.astype(jnp.int32),
-              **_attrs(facts.config.logits_soft_cap, quantized, x.bias))
+                  *ints(lists.blocks, lists.first_key, lists.count, lists.order, lists.offset,
+                        lists.rows, lists.lo, lists.hi),
+                  _sinks(x.sinks, hq), _slopes(x.bias), x.layout.pos.astype(jnp.int32),
+                  **_attrs(facts.config.logits_soft_cap, quantized, x.bias))
   return out.astype(x.query.dtype), lse
 
 
@@ -175,12 +175,13 @@ def _cache_call(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array]:
             jax.ShapeDtypeStruct((b, t, hq), jnp.float32))
   call = jax.ffi.ffi_call("splash_hk_cache_decode", shapes, vmap_method="sequential")
   ints = lambda *a: [c.astype(jnp.int32) for c in a]
-  return call(x.query.astype(jnp.float32) * facts.scale, k, k_scale, v, v_scale,
-              *ints(x.q_positions, q_seg, x.kv_positions, kv_seg, extent),
-              _sinks(x.sinks, hq), _slopes(x.bias),
-              **_attrs(facts.config.logits_soft_cap, quantized, x.bias),
-              causal=np.int32(bool(rules.get("causal"))), left=np.int32(left),
-              right=np.int32(right), chunk=np.int32(rules.get("chunk_size") or 0))
+  out, lse = call(x.query.astype(jnp.float32) * facts.scale, k, k_scale, v, v_scale,
+                  *ints(x.q_positions, q_seg, x.kv_positions, kv_seg, extent),
+                  _sinks(x.sinks, hq), _slopes(x.bias),
+                  **_attrs(facts.config.logits_soft_cap, quantized, x.bias),
+                  causal=np.int32(bool(rules.get("causal"))), left=np.int32(left),
+                  right=np.int32(right), chunk=np.int32(rules.get("chunk_size") or 0))
+  return out, lse
 
 
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:

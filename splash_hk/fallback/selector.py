@@ -121,7 +121,8 @@ def _first(config: AttentionConfig, hardware: str, why_not: Callable[[base.Backe
            what: str, note: str = "") -> Decision:
   """The first backend of `candidates` that `why_not` lets serve; the others' refusals as reason
   (`what`: the kind of call, in words; `note`: words said of it whichever backend serves)."""
-  refusals, passed = [], []
+  refusals: list[str] = []
+  passed: list[str] = []  # an optional backend's refusals on auto: said, not a fallback
   for name in candidates(config.platform, hardware):
     backend = kernel.backend(name)
     refusal = why_not(backend)
@@ -129,7 +130,7 @@ def _first(config: AttentionConfig, hardware: str, why_not: Callable[[base.Backe
       break
     optional = backend.optional and config.platform == platforms.AUTO
     (passed if optional else refusals).append(f"{name}: {refusal}")
-  what = "; not ".join([what, *passed])  # an optional kernel's refusal: said, not a fallback
+  what = "; not ".join([what, *passed])
   if not refusals:
     asked = "requested" if config.platform == name else f"first choice on {hardware}"
     return Decision(name, f"{name} is the {asked} ({what}){note}")

@@ -41,38 +41,62 @@ void Clear(const Common& c, int64_t rows) {
     }
 }
 
-// One item: rows `rows[0..nrows)` (flat query rows) x kv head `h` over `nblocks` blocks, each
-// given by desc(e) with visibility vis(e, block, visible) -> whether any vector sees it.
-template <typename T, bool kAvx2, typename Desc, typename Vis>
-void Item(const Common& c, const int* rows, int nrows, int h, int nblocks, Desc desc, Vis vis) {
-  const int g = c.group(), rg = nrows * g;
-  std::vector<float> q(static_cast<size_t>(rg) * c.d);  // [RG, D]
+// One kv head's share of an item: its query vectors (rows x group heads, pre-scaled), their
+// sinks, ALiBi slopes and positions, and its online softmax.
+struct Head {
+  std::vector<float> q;  // [RG, D]
   float sinks[sn::kMaxRG], slopes[sn::kMaxRG];
   int32_t q_pos[sn::kMaxRG];
-  for (int r = 0; r < nrows; ++r)
-    for (int i = 0; i < g; ++i) {
-      slopes[r * g + i] = c.slopes ? c.slopes[h * g + i] : 0.0f;
-      q_pos[r * g + i] = c.q_pos[rows[r]];
-      const float* src = c.query + (static_cast<int64_t>(rows[r]) * c.hq + h * g + i) * c.d;
-      std::copy(src, src + c.d, q.data() + static_cast<size_t>(r * g + i) * c.d);
-      sinks[r * g + i] = c.sinks[h * g + i];
-    }
-  const sn::ItemShape shape{q.data(), rg, c.d, c.dv, c.soft_cap, c.slopes ? slopes : nullptr,
-                            q_pos};
   sn::State st;
-  st.Reset(rg, c.dv);
+
+  Head(const Common& c, const int* rows, int nrows, int h) : q(static_cast<size_t>(nrows) * c.group() * c.d) {
+    const int g = c.group();
+    for (int r = 0; r < nrows; ++r)
+      for (int i = 0; i < g; ++i) {
+        slopes[r * g + i] = c.slopes ? c.slopes[h * g + i] : 0.0f;
+        q_pos[r * g + i] = c.q_pos[rows[r]];
+        const float* src = c.query + (static_cast<int64_t>(rows[r]) * c.hq + h * g + i) * c.d;
+        std::copy(src, src + c.d, q.data() + static_cast<size_t>(r * g + i) * c.d);
+        sinks[r * g + i] = c.sinks[h * g + i];
+      }
+    st.Reset(nrows * g, c.dv);
+  }
+};
+
+// One item: rows `rows[0..nrows)` (flat query rows) x kv heads [h0, h0 + nh) over `nblocks`
+// blocks, block e of head h given by desc(e, h), its visibility (the same for every head) by
+// vis(e, block, visible) -> whether any vector sees it. The heads of a block are read one after
+// the other (a fixed cache's token rows hold every head's keys: read once, while in cache).
+template <typename T, bool kAvx2, typename Desc, typename Vis>
+void Item(const Common& c, const int* rows, int nrows, int h0, int nh, int nblocks, Desc desc,
+          Vis vis) {
+  const int g = c.group(), rg = nrows * g;
+  std::vector<Head> heads;
+  heads.reserve(nh);
+  for (int h = h0; h < h0 + nh; ++h) heads.emplace_back(c, rows, nrows, h);
   alignas(64) uint8_t visible[sn::kMaxRG * sn::kMaxSlots];
   for (int e = 0; e < nblocks; ++e) {
-    const sn::Block<T> b = desc(e);
-    if (!vis(e, b, visible)) continue;
-    const sn::Block<T> next = e + 1 < nblocks ? desc(e + 1) : b;
-    sn::FoldBlock<T, kAvx2>(shape, b, visible, st, e + 1 < nblocks ? &next : nullptr);
+    if (!vis(e, desc(e, h0), visible)) continue;
+    const int ahead = e + sn::kPrefetchBlocks;  // the block read ahead (prefetched) meanwhile
+    for (int x = 0; x < nh; ++x) {
+      Head& hd = heads[x];
+      const sn::ItemShape shape{hd.q.data(), rg, c.d, c.dv, c.soft_cap,
+                                c.slopes ? hd.slopes : nullptr, hd.q_pos};
+      const sn::Block<T> b = desc(e, h0 + x);
+      const sn::Block<T> next = ahead < nblocks ? desc(ahead, h0 + x) : b;
+      sn::FoldBlock<T, kAvx2>(shape, b, visible, hd.st, ahead < nblocks ? &next : nullptr);
+    }
   }
-  auto out_at = [&](int i) {
-    return c.out + (static_cast<int64_t>(rows[i / g]) * c.hq + h * g + i % g) * c.dv;
-  };
-  auto lse_at = [&](int i) { return c.lse + static_cast<int64_t>(rows[i / g]) * c.hq + h * g + i % g; };
-  sn::Finish(st, rg, c.dv, sinks, out_at, lse_at);
+  for (int x = 0; x < nh; ++x) {
+    const int64_t h = h0 + x;
+    auto out_at = [&](int i) {
+      return c.out + (static_cast<int64_t>(rows[i / g]) * c.hq + h * g + i % g) * c.dv;
+    };
+    auto lse_at = [&](int i) {
+      return c.lse + static_cast<int64_t>(rows[i / g]) * c.hq + h * g + i % g;
+    };
+    sn::Finish(heads[x].st, rg, c.dv, heads[x].sinks, out_at, lse_at);
+  }
 }
 
 // ---- the paged pool: key [P, Hkv, page, D], lists [O, Hl, K] ----
@@ -104,9 +128,9 @@ void Paged(const Common& c, const Lists& l) {
     const int* rows = l.order + l.offset[it.owner] + it.first;
     int lo = INT32_MAX, hi = INT32_MIN;  // the item's key range, to skip pages outside it
     for (int r = 0; r < it.nrows; ++r) lo = std::min(lo, l.lo[rows[r]]), hi = std::max(hi, l.hi[rows[r]]);
-    auto desc = [&](int e) {
+    auto desc = [&](int e, int head) {
       const int part = e % parts;
-      const int64_t slot0 = ((static_cast<int64_t>(l.blocks[at + e / parts]) * c.hkv + it.head) *
+      const int64_t slot0 = ((static_cast<int64_t>(l.blocks[at + e / parts]) * c.hkv + head) *
                              l.page) + part * sn::kMaxSlots;
       return sn::Block<T>{key + slot0 * c.d, value + slot0 * c.dv,
                           c.key_scale ? c.key_scale + slot0 : nullptr,
@@ -127,7 +151,7 @@ void Paged(const Common& c, const Lists& l) {
       }
       return true;
     };
-    Item<T, kAvx2>(c, rows, it.nrows, it.head, l.count[at / l.entries] * parts, desc, vis);
+    Item<T, kAvx2>(c, rows, it.nrows, it.head, 1, l.count[at / l.entries] * parts, desc, vis);
   });
 }
 
@@ -147,17 +171,16 @@ inline bool Sees(const Rows& r, int qp, int kp) {
 
 template <typename T, bool kAvx2>
 void Cache(const Common& c, const Rows& r) {
-  constexpr int kSlots = 16;
+  constexpr int kSlots = 32;  // keys of a block (every kv head's, read together)
   const int per = c.rows_per_item();
   struct Work { int b, head, first, nrows; };
   std::vector<Work> work;
   std::vector<int64_t> cost;
-  for (int b = 0; b < r.batch; ++b)
-    for (int h = 0; h < c.hkv; ++h)
-      for (int t = 0; t < r.queries; t += per) {
-        work.push_back({b, h, t, std::min(per, r.queries - t)});
-        cost.push_back(static_cast<int64_t>(r.extent[b]) * (work.back().nrows + 3));
-      }
+  for (int b = 0; b < r.batch; ++b)  // every kv head of a row in one item: its token rows
+    for (int t = 0; t < r.queries; t += per) {  // hold them all, read once
+      work.push_back({b, 0, t, std::min(per, r.queries - t)});
+      cost.push_back(static_cast<int64_t>(r.extent[b]) * (work.back().nrows + 3));
+    }
   const T* key = static_cast<const T*>(c.key);
   const T* value = static_cast<const T*>(c.value);
   sn::RunItems(cost, c.threads, [&](int w) {
@@ -165,8 +188,8 @@ void Cache(const Common& c, const Rows& r) {
     int rows[sn::kMaxRows];
     for (int i = 0; i < it.nrows; ++i) rows[i] = it.b * r.queries + it.first + i;
     const int extent = std::min(r.extent[it.b], r.slots);
-    auto desc = [&](int e) {
-      const int64_t slot0 = (static_cast<int64_t>(it.b) * r.slots + e * kSlots) * c.hkv + it.head;
+    auto desc = [&](int e, int head) {
+      const int64_t slot0 = (static_cast<int64_t>(it.b) * r.slots + e * kSlots) * c.hkv + head;
       return sn::Block<T>{key + slot0 * c.d, value + slot0 * c.dv,
                           c.key_scale ? c.key_scale + slot0 : nullptr,
                           c.value_scale ? c.value_scale + slot0 : nullptr,
@@ -189,7 +212,7 @@ void Cache(const Common& c, const Rows& r) {
       }
       return any;
     };
-    Item<T, kAvx2>(c, rows, it.nrows, it.head, (extent + kSlots - 1) / kSlots, desc, vis);
+    Item<T, kAvx2>(c, rows, it.nrows, 0, c.hkv, (extent + kSlots - 1) / kSlots, desc, vis);
   });
 }
 

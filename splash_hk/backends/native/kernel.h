@@ -27,7 +27,11 @@
 namespace splash_native {
 
 constexpr int kMaxSlots = 64;   // keys of a block (pages larger than this are read in parts)
-constexpr int kMaxRows = 8;     // query rows of one item
+constexpr int kMaxRows = 8;
+#ifndef SPLASH_PREFETCH_BLOCKS
+#define SPLASH_PREFETCH_BLOCKS 1
+#endif
+constexpr int kPrefetchBlocks = SPLASH_PREFETCH_BLOCKS;  // how far ahead blocks are prefetched     // query rows of one item
 constexpr int kMaxGroup = 16;   // query heads per kv head
 constexpr int kMaxRG = kMaxRows * kMaxGroup;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -117,30 +121,39 @@ SPLASH_AVX2 inline float Sum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// out[i] = q[i] . k over d, four query vectors per pass over k.
+// out[i] = q[i] . k over d, four query vectors per pass over k, two accumulators each (eight
+// independent FMA chains: one chain per vector waits on the FMA's latency).
 template <typename T>
 SPLASH_AVX2 void DotGroupAvx2(const float* q, int rg, const T* k, int d, float* out) {
-  const int body = d & ~7;
+  const int body = d & ~15, body8 = d & ~7;
   int i = 0;
   for (; i + 4 <= rg; i += 4) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 a[8];
+    for (int x = 0; x < 8; ++x) a[x] = _mm256_setzero_ps();
     const float* q0 = q + i * d;
-    for (int c = 0; c < body; c += 8) {
-      __m256 kv = Load8(k + c);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + c), kv, a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + c), kv, a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * d + c), kv, a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * d + c), kv, a3);
+    for (int c = 0; c < body; c += 16) {
+      const __m256 k0 = Load8(k + c), k1 = Load8(k + c + 8);
+      for (int x = 0; x < 4; ++x) {
+        a[x] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + x * d + c), k0, a[x]);
+        a[4 + x] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + x * d + c + 8), k1, a[4 + x]);
+      }
     }
-    out[i] = Sum8(a0); out[i + 1] = Sum8(a1); out[i + 2] = Sum8(a2); out[i + 3] = Sum8(a3);
+    if (body < body8) {
+      const __m256 k0 = Load8(k + body);
+      for (int x = 0; x < 4; ++x) a[x] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + x * d + body), k0, a[x]);
+    }
+    const __m256 t = _mm256_hadd_ps(  // the four sums at once: lanes [v0 v1 v2 v3 | same]
+        _mm256_hadd_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[1], a[5])),
+        _mm256_hadd_ps(_mm256_add_ps(a[2], a[6]), _mm256_add_ps(a[3], a[7])));
+    _mm_storeu_ps(out + i, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
   }
   for (; i < rg; ++i) {
     __m256 a = _mm256_setzero_ps();
-    for (int c = 0; c < body; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + c),
-                                                          Load8(k + c), a);
+    for (int c = 0; c < body8; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + c),
+                                                           Load8(k + c), a);
     out[i] = Sum8(a);
   }
-  for (int c = body; c < d; ++c) {
+  for (int c = body8; c < d; ++c) {
     const float kc = ToF32(k[c]);
     for (int j = 0; j < rg; ++j) out[j] += q[j * d + c] * kc;
   }
@@ -161,6 +174,68 @@ SPLASH_AVX2 void AxpyGroupAvx2(const float* coeff, const uint8_t* take, int rg, 
   for (int c = body; c < dv; ++c) {
     const float x = ToF32(v[c]);
     for (int i = 0; i < rg; ++i) if (take[i]) acc[i * dv + c] += coeff[i] * x;
+  }
+}
+
+// acc[i] += coeff[i][j] * v[slots[t]] over the listed slots, for `kNi` vectors at a time: each
+// 8-wide column of the accumulators stays in registers across the block (one load and one store
+// of it per block, not per key). coeff [kNi][kMaxSlots]; every listed slot is seen by every
+// vector (a probability of 0 never meets a value here).
+template <typename T, int kNi>
+SPLASH_AVX2 void AxpyBlockAvx2(const float* coeff, const int* slots, int nslots, const T* v,
+                               int64_t stride, int dv, float* acc) {
+  const int body = dv & ~15, body8 = dv & ~7;
+  for (int c = 0; c < body; c += 16) {  // two columns at once: 2 * kNi independent FMA chains
+    __m256 a[kNi], b[kNi];
+    for (int i = 0; i < kNi; ++i) {
+      a[i] = _mm256_loadu_ps(acc + i * dv + c);
+      b[i] = _mm256_loadu_ps(acc + i * dv + c + 8);
+    }
+    for (int t = 0; t < nslots; ++t) {
+      const T* row = v + slots[t] * stride + c;
+      const __m256 x = Load8(row), y = Load8(row + 8);
+      for (int i = 0; i < kNi; ++i) {
+        const __m256 p = _mm256_broadcast_ss(coeff + i * kMaxSlots + slots[t]);
+        a[i] = _mm256_fmadd_ps(p, x, a[i]);
+        b[i] = _mm256_fmadd_ps(p, y, b[i]);
+      }
+    }
+    for (int i = 0; i < kNi; ++i) {
+      _mm256_storeu_ps(acc + i * dv + c, a[i]);
+      _mm256_storeu_ps(acc + i * dv + c + 8, b[i]);
+    }
+  }
+  for (int c = body; c < body8; c += 8) {
+    __m256 a[kNi];
+    for (int i = 0; i < kNi; ++i) a[i] = _mm256_loadu_ps(acc + i * dv + c);
+    for (int t = 0; t < nslots; ++t) {
+      const __m256 x = Load8(v + slots[t] * stride + c);
+      for (int i = 0; i < kNi; ++i)
+        a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(coeff + i * kMaxSlots + slots[t]), x, a[i]);
+    }
+    for (int i = 0; i < kNi; ++i) _mm256_storeu_ps(acc + i * dv + c, a[i]);
+  }
+  for (int c = body8; c < dv; ++c)
+    for (int t = 0; t < nslots; ++t) {
+      const float x = ToF32(v[slots[t] * stride + c]);
+      for (int i = 0; i < kNi; ++i) acc[i * dv + c] += coeff[i * kMaxSlots + slots[t]] * x;
+    }
+}
+
+// AxpyBlockAvx2 over `rg` vectors, four at a time.
+template <typename T>
+SPLASH_AVX2 void AxpyBlockGroupAvx2(const float* coeff, const int* slots, int nslots, const T* v,
+                                    int64_t stride, int rg, int dv, float* acc) {
+  int i = 0;
+  for (; i + 4 <= rg; i += 4)
+    AxpyBlockAvx2<T, 4>(coeff + i * kMaxSlots, slots, nslots, v, stride, dv, acc + i * dv);
+  const float* c = coeff + i * kMaxSlots;
+  float* a = acc + i * dv;
+  switch (rg - i) {
+    case 3: AxpyBlockAvx2<T, 3>(c, slots, nslots, v, stride, dv, a); break;
+    case 2: AxpyBlockAvx2<T, 2>(c, slots, nslots, v, stride, dv, a); break;
+    case 1: AxpyBlockAvx2<T, 1>(c, slots, nslots, v, stride, dv, a); break;
+    default: break;
   }
 }
 
@@ -209,10 +284,13 @@ struct State {
   }
 };
 
+#ifndef SPLASH_PREFETCH_LOCALITY
+#define SPLASH_PREFETCH_LOCALITY 2  // into L2 (prefetcht1): measured best here
+#endif
 // Prefetches `bytes` from `p` into the cache (reads ahead of the block being folded).
 inline void Prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 0);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, SPLASH_PREFETCH_LOCALITY);
 }
 
 // row[j] = exp(row[j] - m) for j < n (0 where row[j] is -inf: an invisible key); returns their
@@ -270,10 +348,17 @@ void FoldBlock(const ItemShape& it, const Block<T>& b, const uint8_t* visible, S
   alignas(32) float s[kMaxRG * kMaxSlots];  // [RG, slots]
   float dots[kMaxRG];
   uint8_t any[kMaxSlots];
+  if (next && next->key_scale) {  // the next block's per-key scales (quantized keys, values)
+    Prefetch(next->key_scale, next->slots * next->scale_stride * sizeof(float));
+    Prefetch(next->value_scale, next->slots * next->scale_stride * sizeof(float));
+  }
   for (int j = 0; j < padded; ++j) {
     any[j] = 0;
     if (j < n) for (int i = 0; i < rg; ++i) any[j] |= visible[i * kMaxSlots + j];
-    if (next && j < next->slots) Prefetch(next->key + j * next->key_stride, it.d * sizeof(T));
+    if (next && j < next->slots) {  // the next block's keys and values, a slot at a time
+      Prefetch(next->key + j * next->key_stride, it.d * sizeof(T));
+      Prefetch(next->value + j * next->value_stride, it.dv * sizeof(T));
+    }
     if (!any[j]) {
       for (int i = 0; i < rg; ++i) s[i * kMaxSlots + j] = kNegInf;
       continue;
@@ -321,15 +406,36 @@ void FoldBlock(const ItemShape& it, const Block<T>& b, const uint8_t* visible, S
 #endif
     coeff[i] = 1;
   }
+  // The values: where every key some vector sees is seen by every vector that has a key in
+  // the block (a decode row, a run inside its bounds), all at once per column; else key by key,
+  // each vector taking only the keys it sees (0 * a NaN it does not see would spread it).
+  int slots[kMaxSlots], nslots = 0;
+  bool whole = true;
+  for (int j = 0; j < n; ++j) {
+    if (!any[j]) continue;
+    slots[nslots++] = j;
+    for (int i = 0; i < rg; ++i) whole &= coeff[i] == 0 || visible[i * kMaxSlots + j];
+  }
+  if (b.value_scale)
+    for (int i = 0; i < rg; ++i)
+      for (int t = 0; t < nslots; ++t) s[i * kMaxSlots + slots[t]] *= b.value_scale[slots[t] * b.scale_stride];
+#if SPLASH_X86
+  if constexpr (kAvx2) {
+    if (whole) {
+      for (int i = 0; i < rg; ++i)  // a vector with nothing here adds zeros
+        if (coeff[i] == 0) for (int t = 0; t < nslots; ++t) s[i * kMaxSlots + slots[t]] = 0.0f;
+      AxpyBlockGroupAvx2(s, slots, nslots, b.value, b.value_stride, rg, it.dv, st.acc.data());
+      return;
+    }
+  }
+#endif
   float c[kMaxRG];
   uint8_t take[kMaxRG];
-  for (int j = 0; j < n; ++j) {
-    if (next && j < next->slots) Prefetch(next->value + j * next->value_stride, it.dv * sizeof(T));
-    if (!any[j]) continue;
-    const float vs = b.value_scale ? b.value_scale[j * b.scale_stride] : 1.0f;
+  for (int t = 0; t < nslots; ++t) {
+    const int j = slots[t];
     for (int i = 0; i < rg; ++i) {
       take[i] = coeff[i] != 0 && visible[i * kMaxSlots + j];
-      c[i] = s[i * kMaxSlots + j] * vs;
+      c[i] = s[i * kMaxSlots + j];
     }
     const T* v = b.value + j * b.value_stride;
 #if SPLASH_X86
