@@ -221,32 +221,36 @@ def test_int8_pools_serve_the_same_requests_in_a_third_of_the_bytes(served_model
   assert np.all(np.abs(values[:20] * scale[:20] - want) <= step / 2 * (1 + 1e-5) + 1e-7)
 
 
-def test_the_binary_serves_int8_pools_and_prints_their_agreement():
-  env = processes.env()
+def _serve(*flags: str) -> str:
+  """The serving binary's stdout for a short run (one layer, 30 training steps) with `flags`."""
   proc = subprocess.run(
       [sys.executable, "-m", "examples.serve", "--steps=30", "--log_every=30", "--num_layers=1",
-       "--num_requests=8", "--prompt_lens=5,40", "--new_tokens=1,6", "--max_seqs=4",
-       "--step_tokens=32", "--kv_dtype=int8", "--nocompare_static"],
-      capture_output=True, text=True, env=env, timeout=300)
+       "--max_seqs=4", "--nocompare_static", *flags],
+      capture_output=True, text=True, env=processes.env(), timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout
+
+
+def test_the_binary_serves_int8_pools_and_prints_their_agreement_and_the_native_kernels_gain():
+  out = _serve("--num_requests=8", "--prompt_lens=5,40", "--new_tokens=1,6", "--step_tokens=32",
+               "--kv_dtype=int8", "--compare_native")
   found = re.search(r"^--kv_dtype=int8 against float32 pools: (\d+)/8 requests identical, "
                     r"[\d.]+% of tokens equal; float32 pools' recall answers: \d+/\d+ right; KV "
-                    r"pool 0\.\d+x the bytes$", proc.stdout, re.M)
-  assert found, proc.stdout
+                    r"pool 0\.\d+x the bytes$", out, re.M)
+  assert found, out
+  # The same requests with the attention on xla: the same greedy outputs, kernel on or off.
+  found = re.search(r"^native decode kernel on / off \(platform=auto / xla\): \d+ / \d+ tokens/s "
+                    r"= [\d.]+x; 8/8 requests identical, 100\.0% of tokens equal", out, re.M)
+  assert found, out
 
 
 def test_the_binary_serves_chosen_pages_and_prints_their_agreement():
-  env = processes.env()
-  proc = subprocess.run(
-      [sys.executable, "-m", "examples.serve", "--steps=30", "--log_every=30", "--num_layers=1",
-       "--num_requests=6", "--prompt_lens=60,120", "--new_tokens=2,6", "--max_seqs=4",
-       "--step_tokens=64", "--page_top_k=1", "--nocompare_static", "--recall_fraction=0"],
-      capture_output=True, text=True, env=env, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = _serve("--num_requests=6", "--prompt_lens=60,120", "--new_tokens=2,6", "--step_tokens=64",
+               "--page_top_k=1", "--recall_fraction=0")
   found = re.search(r"^--page_top_k=1 against every page: (\d+)/6 requests identical, "
                     r"[\d.]+% of tokens equal; the every-page run's recall answers: 0/0 right; "
-                    r"\d+ / \d+ tokens/s = [\d.]+x$", proc.stdout, re.M)
-  assert found, proc.stdout
+                    r"\d+ / \d+ tokens/s = [\d.]+x$", out, re.M)
+  assert found, out
 
 
 def test_the_binary_refuses_a_workload_past_learned_positions():
