@@ -10,8 +10,9 @@ head-major and donated each step), every figure from the same run:
   int8 pool's native step against the f32 one (f32 / int8 time);
 - the fixed cache: a `KVCache` decode step through the Haiku module (`sh.MultiHeadAttention`,
   the cache donated) on native, its read fraction and xla / native.
-Timing: each timed call after an untimed call of the same executable (`timing`); medians of
-`--repeats`.
+Timing: each timed call after an untimed call of the same executable (`timing`); times are
+medians of `--repeats`, ratios the median over `--repeats` rounds timing both steps one after
+the other (`bench_paged.ratio`: the machine's drift cancels).
 """
 
 from __future__ import annotations
@@ -87,25 +88,29 @@ def report(max_len: int, repeats: int, threads: Sequence[int]) -> dict[str, floa
   paged_bytes = sum(-(-(int(n) + 1) // page) for n in lens) * page * HKV * D * 4 * 2
   cache_bytes = int(sum(lens + 1)) * HKV * D * 4 * 2
   bandwidth = timing.read_bandwidth(0.25, repeats)
-  xla_paged = seconds(paged_step(lens, jnp.float32, "xla"), repeats)
-  xla_module = seconds(module_step(lens, max_len, "xla"), repeats)
+  xla_paged = paged_step(lens, jnp.float32, "xla")
+  xla_module = module_step(lens, max_len, "xla")
   figures = {"bandwidth_gbs": bandwidth / 1e9}
   print(f"16 sequences of 64..{max_len} (Hq {HQ}, Hkv {HKV}, D {D}, pages of {page}, donated); "
         f"read bandwidth {bandwidth / 1e9:.2f} GB/s; pool {paged_bytes / 2**20:.0f} MiB")
   for n in threads:
-    os.environ[native.THREADS_ENV] = str(n)  # read when the step is traced (below)
-    f32 = seconds(paged_step(lens, jnp.float32, "native"), repeats)
-    int8 = seconds(paged_step(lens, jnp.int8, "native"), repeats)
-    module = seconds(module_step(lens, max_len, "native"), repeats)
-    rows = {"read_fraction": paged_bytes / f32 / bandwidth, "xla_over_native": xla_paged / f32,
-            "f32_over_int8": f32 / int8, "module_read_fraction": cache_bytes / module / bandwidth,
-            "module_xla_over_native": xla_module / module}
+    os.environ[native.THREADS_ENV] = str(n)  # read when the steps are traced (their first call)
+    f32, int8 = paged_step(lens, jnp.float32, "native"), paged_step(lens, jnp.int8, "native")
+    module = module_step(lens, max_len, "native")
+    for step in (f32, int8, module):
+      step()
+    f32_s, module_s = seconds(f32, repeats), seconds(module, repeats)
+    rows = {"read_fraction": paged_bytes / f32_s / bandwidth,
+            "xla_over_native": bench_paged.ratio([xla_paged], [f32], repeats),
+            "f32_over_int8": bench_paged.ratio([f32], [int8], repeats),
+            "module_read_fraction": cache_bytes / module_s / bandwidth,
+            "module_xla_over_native": bench_paged.ratio([xla_module], [module], repeats)}
     figures.update({f"{k}_t{n}": v for k, v in rows.items()})
-    print(f"  {n} thread(s): f32 pool {f32 * 1e3:.1f} ms = {rows['read_fraction']:.2f} of the read "
-          f"bandwidth; donated xla paged / native {rows['xla_over_native']:.2f}x; int8 pool "
-          f"{int8 * 1e3:.1f} ms (f32 / int8 {rows['f32_over_int8']:.2f}x); KVCache through the "
-          f"Haiku module {module * 1e3:.1f} ms = {rows['module_read_fraction']:.2f} of the "
-          f"bandwidth, xla / native {rows['module_xla_over_native']:.2f}x")
+    print(f"  {n} thread(s): f32 pool {f32_s * 1e3:.1f} ms = {rows['read_fraction']:.2f} of the "
+          f"read bandwidth; donated xla paged / native {rows['xla_over_native']:.2f}x; f32 / int8 "
+          f"pool {rows['f32_over_int8']:.2f}x; KVCache through the Haiku module "
+          f"{module_s * 1e3:.1f} ms = {rows['module_read_fraction']:.2f} of the bandwidth, xla / "
+          f"native {rows['module_xla_over_native']:.2f}x")
   return figures
 
 
