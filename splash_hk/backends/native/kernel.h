@@ -338,16 +338,14 @@ SPLASH_AVX2 inline float ExpRowAvx2(float* row, int n, float m) {
 }
 #endif
 
-// Folds one block into `st`; the `next` block's keys and values (or none) are prefetched a
-// slot at a time while this one's are read. Logits are held per vector ([RG, kMaxSlots]), so
-// each vector's max and exponentials run over its slots in lanes.
+// The block's logits into s [RG, kMaxSlots] (-inf where a vector does not see a key; padded to
+// a multiple of 8 with -inf), `any[j]`: some vector sees key j. The `next` block's keys,
+// values and scales (or none) are prefetched a slot at a time while this one's are read.
 template <typename T, bool kAvx2>
-void FoldBlock(const ItemShape& it, const Block<T>& b, const uint8_t* visible, State& st,
-               const Block<T>* next) {
+void Logits(const ItemShape& it, const Block<T>& b, const uint8_t* visible, const Block<T>* next,
+            float* s, uint8_t* any) {
   const int rg = it.rg, n = b.slots, padded = (n + 7) & ~7;
-  alignas(32) float s[kMaxRG * kMaxSlots];  // [RG, slots]
   float dots[kMaxRG];
-  uint8_t any[kMaxSlots];
   if (next && next->key_scale) {  // the next block's per-key scales (quantized keys, values)
     Prefetch(next->key_scale, next->slots * next->scale_stride * sizeof(float));
     Prefetch(next->value_scale, next->slots * next->scale_stride * sizeof(float));
@@ -355,7 +353,7 @@ void FoldBlock(const ItemShape& it, const Block<T>& b, const uint8_t* visible, S
   for (int j = 0; j < padded; ++j) {
     any[j] = 0;
     if (j < n) for (int i = 0; i < rg; ++i) any[j] |= visible[i * kMaxSlots + j];
-    if (next && j < next->slots) {  // the next block's keys and values, a slot at a time
+    if (next && j < next->slots) {
       Prefetch(next->key + j * next->key_stride, it.d * sizeof(T));
       Prefetch(next->value + j * next->value_stride, it.dv * sizeof(T));
     }
@@ -378,8 +376,14 @@ void FoldBlock(const ItemShape& it, const Block<T>& b, const uint8_t* visible, S
       s[i * kMaxSlots + j] = visible[i * kMaxSlots + j] ? x : kNegInf;
     }
   }
-  float coeff[kMaxRG];
-  for (int i = 0; i < rg; ++i) {  // the block's max, then the running state rescaled once
+}
+
+// Each vector's block max, its running state rescaled once, its logits in s replaced by their
+// exponentials; coeff[i] = 0 for a vector that sees nothing here (else 1).
+template <bool kAvx2>
+void Softmax(const ItemShape& it, int n, float* s, State& st, float* coeff) {
+  const int padded = (n + 7) & ~7;
+  for (int i = 0; i < it.rg; ++i) {
     float* row = s + i * kMaxSlots;
     float mb = kNegInf;
     bool nan = false;
@@ -406,12 +410,18 @@ void FoldBlock(const ItemShape& it, const Block<T>& b, const uint8_t* visible, S
 #endif
     coeff[i] = 1;
   }
-  // The values: where every key some vector sees is seen by every vector that has a key in
-  // the block (a decode row, a run inside its bounds), all at once per column; else key by key,
-  // each vector taking only the keys it sees (0 * a NaN it does not see would spread it).
+}
+
+// The values: where every key some vector sees is seen by every vector that has a key in the
+// block (a decode row, a run inside its bounds), all at once per column; else key by key, each
+// vector taking only the keys it sees (0 * a NaN it does not see would spread it).
+template <typename T, bool kAvx2>
+void Values(const ItemShape& it, const Block<T>& b, const uint8_t* visible, const uint8_t* any,
+            const float* coeff, float* s, State& st) {
+  const int rg = it.rg;
   int slots[kMaxSlots], nslots = 0;
   bool whole = true;
-  for (int j = 0; j < n; ++j) {
+  for (int j = 0; j < b.slots; ++j) {
     if (!any[j]) continue;
     slots[nslots++] = j;
     for (int i = 0; i < rg; ++i) whole &= coeff[i] == 0 || visible[i * kMaxSlots + j];
@@ -445,6 +455,20 @@ void FoldBlock(const ItemShape& it, const Block<T>& b, const uint8_t* visible, S
     AxpyGroupPortable(c, take, rg, v, it.dv, st.acc.data());
 #endif
   }
+}
+
+// Folds one block into `st` (logits, softmax, values), prefetching the `next` one meanwhile.
+// Logits are held per vector ([RG, kMaxSlots]), so each vector's max and exponentials run over
+// its slots in lanes.
+template <typename T, bool kAvx2>
+void FoldBlock(const ItemShape& it, const Block<T>& b, const uint8_t* visible, State& st,
+               const Block<T>* next) {
+  alignas(32) float s[kMaxRG * kMaxSlots];  // [RG, slots]
+  uint8_t any[kMaxSlots];
+  float coeff[kMaxRG];
+  Logits<T, kAvx2>(it, b, visible, next, s, any);
+  Softmax<kAvx2>(it, b.slots, s, st, coeff);
+  Values<T, kAvx2>(it, b, visible, any, coeff, s, st);
 }
 
 // The item's results with its heads' sinks (log-sum-exp per vector, -inf: none): out [RG, Dv]
