@@ -231,6 +231,19 @@ def test_explain_names_native_for_decode_and_its_refusal_for_a_prefill():
   assert sh.explain(q, k, k, for_platform="tpu").backend != "native"
 
 
+def test_keys_and_values_stored_differently_run_on_xla_and_match_the_oracle():
+  rng = np.random.default_rng(14)
+  q = rng.normal(size=(2, 1, 8, 64)).astype(np.float32)
+  k, v = (rng.normal(size=(2, 300, 2, 64)).astype(np.float32) for _ in range(2))
+  key = sh.quantize(k, jnp.int8)  # one scale per (token, kv head); the values stay float32
+  decision = sh.explain(q, key, v)
+  assert decision.backend == "xla" and not decision.fallback, decision
+  assert "not native: keys and values are stored differently" in decision.reason
+  stored = np.asarray(key.values, np.float64) * np.asarray(key.scale)
+  out = sh.attention(q, key, v).attention_outputs
+  np.testing.assert_allclose(np.asarray(out), oracle.attention(q, stored, v)[0], **harness.tol())
+
+
 NO_COMPILER = """
 import jax, jax.numpy as jnp, numpy as np, splash_hk as sh
 q = np.ones((1, 1, 2, 8), np.float32); k = np.ones((1, 5, 2, 8), np.float32)

@@ -54,8 +54,11 @@ def _common_refusal(hardware: str, storage: tuple[str, ...], heads: int, kv_head
   """Why the kernel cannot serve a call, whichever its kind (paged or a cache), or None."""
   if hardware != "cpu":
     return "the native kernel runs on CPU only"
-  if native_build.unavailable():
-    return f"the native kernel is unavailable: {native_build.unavailable()}"
+  missing = native_build.unavailable()
+  if missing:
+    return f"the native kernel is unavailable: {missing}"
+  if len(set(storage)) > 1:  # one element type per call (handlers.cc reads both as the key's)
+    return f"keys and values are stored differently ({' and '.join(storage)})"
   bad = [s for s in storage if s not in STORAGE]
   if bad:
     return (f"keys/values stored as {' and '.join(sorted(set(bad)))} (it reads "
