@@ -24,6 +24,7 @@ from splash_hk.paged import paged_attention
 from splash_hk.quant import Quantized
 from splash_hk.quant import quantize
 from splash_hk.sharding import MeshAxes
+from splash_hk.speculation import accept_drafts
 from splash_hk.types import AttentionOutput
 from splash_hk.types import Decision
 from splash_hk.types import Mode
@@ -45,6 +46,7 @@ __all__ = (
     "RaggedBatch",
     "SharedPrefix",
     "SplashAttention",
+    "accept_drafts",
     "attention",
     "detect_mode",
     "dropout_mask",

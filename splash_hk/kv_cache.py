@@ -27,7 +27,7 @@ from splash_hk.config import known_now
 from splash_hk.types import Extras
 
 
-@functools.partial(owners.register, data_fields=("key", "value", "length"))
+@functools.partial(owners.register, data_fields=("key", "value", "length", "appended"))
 @dataclasses.dataclass(frozen=True, eq=False)
 class KVCache:
   """A fixed-capacity key/value cache for one attention layer (a pytree).
@@ -42,12 +42,15 @@ class KVCache:
       a cache no layer has written yet. Static metadata (part of the pytree's
       structure, so the check costs nothing under `jit`): any other layer given
       this cache raises a ValueError naming both.
+    appended: [B] int32, the tokens the last call wrote in each row (what `accept` keeps of),
+      or None for a cache built by hand that no call has written.
   """
 
   key: jax.Array
   value: jax.Array
   length: jax.Array
   owner: str | None = None
+  appended: jax.Array | None = None
 
   @classmethod
   def zeros(cls, batch: int, max_len: int, num_kv_heads: int, key_size: int,
@@ -66,6 +69,7 @@ class KVCache:
         value=quant.zeros((batch, max_len, num_kv_heads, value_size or key_size), dtype),
         length=jnp.zeros((batch,), jnp.int32),
         owner=owners.checked(owner),
+        appended=jnp.zeros((batch,), jnp.int32),
     )
 
   @property
@@ -130,6 +134,23 @@ class KVCache:
                          "roll back at most what a row holds (cache.length).")
     left = lengths - n
     return self.replace(length=jnp.where((n < 0) | (left < 0), -1, left))
+
+  def accept(self, path: ArrayLike, path_lens: ArrayLike) -> KVCache:
+    """This cache keeping, of the last call's tokens (a call with `sh.masks.Tree`), each row's
+    accepted path; owner kept.
+
+    Row b's tokens `path[b, :path_lens[b]]` of that call (root to leaf, indices in the call)
+    move to the slots right after its length before the call, and its length becomes that
+    plus `path_lens[b]`; the rest of the call's slots become unused.
+
+    Args:
+      path: [B, L] ints, each in [0, the row's tokens in that call); entries past
+        `path_lens[b]` are not read.
+      path_lens: [B] ints in [0, min(L, the row's tokens in that call)].
+    A path or length outside those is a ValueError when concrete; under `jit` the row is
+    marked failed (length -1, as `rollback` marks it) until `reset`.
+    """
+    return _accept(self, path, path_lens)
 
   def append(self, key: jax.Array, value: jax.Array, lengths: jax.Array, layer: str) -> Append:
     """Row b's first `lengths[b]` keys/values written at `length[b]` (see `Cache.append`)."""
@@ -218,7 +239,43 @@ def _append(cache: KVCache, k: jax.Array, v: jax.Array, lengths: jax.Array,
       q_segment_ids=jnp.where(live, 0, -1),  # [B, T]
       kv_segment_ids=jnp.where(slots < end[:, None], 0, -1),  # [B, S_max]
   )
-  return Append(keys, values, extras, KVCache(keys, values, end, layer), failed)
+  written = jnp.where(failed, 0, lengths)  # [B]
+  return Append(keys, values, extras, KVCache(keys, values, end, layer, written), failed)
+
+
+def _accept(cache: KVCache, path: ArrayLike, path_lens: ArrayLike) -> KVCache:
+  """`KVCache.accept`: rows' kept tokens moved down; lengths set (misuse: see there)."""
+  batch, max_len = cache.key.shape[:2]
+  path, path_lens = jnp.asarray(path), jnp.asarray(path_lens)
+  if path.ndim != 2 or path.shape[0] != batch or not jnp.issubdtype(path.dtype, jnp.integer):
+    raise ValueError(f"`path` must be ints [B, L] = [{batch}, L] (each row's kept tokens of the "
+                     f"last call), got {path.dtype}{list(path.shape)}.")
+  if path_lens.shape != (batch,) or not jnp.issubdtype(path_lens.dtype, jnp.integer):
+    raise ValueError(f"`path_lens` must be ints [B] = [{batch}], got "
+                     f"{path_lens.dtype}{list(path_lens.shape)}.")
+  if cache.appended is None:
+    raise ValueError("This KVCache has no record of a call (built by hand): `accept` keeps "
+                     "tokens of the call that returned the cache; pass that cache.")
+  path, kept = path.astype(jnp.int32), path_lens.astype(jnp.int32)
+  written = jnp.asarray(cache.appended, jnp.int32)  # [B]
+  start = cache.lengths() - written  # [B]: the length before the call
+  used = jnp.arange(path.shape[1])[None, :] < kept[:, None]  # [B, L]
+  bad = ((kept < 0) | (kept > jnp.minimum(written, path.shape[1])) | (start < 0)
+         | jnp.any(used & ((path < 0) | (path >= written[:, None])), axis=1))  # [B]
+  known = known_now(bad)
+  if known is not None and known.any():
+    bad_rows = np.flatnonzero(known).tolist()
+    wrote = np.asarray(written)[bad_rows].tolist()
+    raise ValueError(f"`path`/`path_lens` name tokens outside the last call's for rows "
+                     f"{bad_rows} (it wrote {wrote} tokens in them): each kept index must lie "
+                     "in [0, tokens written) and path_lens in [0, min(L, that)].")
+  rows = jnp.arange(batch)[:, None]
+  src = jnp.clip(start[:, None] + path, 0, max_len - 1)  # [B, L]
+  dst = jnp.where(used & ~bad[:, None], start[:, None] + jnp.arange(path.shape[1]), max_len)
+  move = lambda a: a.at[rows, dst].set(a[rows, src], mode="drop")
+  length = jnp.where(bad, -1, start + kept)
+  return cache.replace(key=jax.tree.map(move, cache.key), value=jax.tree.map(move, cache.value),
+                       length=length, appended=jnp.zeros_like(written))
 
 
 def _check_cache(cache: KVCache, k: jax.Array, v: jax.Array, layer: str) -> jax.Array:

@@ -30,6 +30,7 @@ from splash_hk.attention import attend as attend_heads
 from splash_hk.config import AttentionConfig
 from splash_hk.kv_cache import KVCache, row_lengths
 from splash_hk.masks import Mask
+from splash_hk.masks._tree import Tree, positions as tree_positions
 from splash_hk.paged import paged_attention
 from splash_hk.pages import PagedKVCache, RaggedBatch
 from splash_hk.quant import Quantized
@@ -108,6 +109,10 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, call: Call, setti
     raise ValueError("`lengths` says how many tokens each row appends to `kv_cache`; pass "
                      "it with a kv_cache (or use q_segment_ids to mark padding).")
   mask = flat_mask(call.mask, lead, num_heads, query_len, k.shape[1], step)
+  tree = _tree_of(mask)
+  if step is not None and tree is not None:  # a draft tree over the cache: positions by depth
+    q_pos, kv_pos = tree_positions(tree, jnp.asarray(step.extras.q_positions), k.shape[1])
+    extras = extras._replace(q_positions=q_pos, kv_positions=kv_pos)  # [B, T], [B, S_max]
   extras = extras._replace(mask=mask, bias=call.bias, softmax_aux=sinks,
                            dropout_rng=call.dropout_rng, dropout_broadcast=call.dropout_broadcast)
   out = attend_heads(q, k, v, extras, config=settings.config, mesh=settings.mesh,
@@ -116,6 +121,16 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, call: Call, setti
     out = jnp.where(step.failed[:, None, None, None], jnp.nan, out)  # [B, T, H, V]
   out = out.reshape(*lead, *out.shape[1:])  # [..., T, H, V]
   return out, None if step is None else step.cache
+
+
+def _tree_of(mask: Any) -> Tree | None:
+  """The `Tree` among a mask object's parts (one at most), or None."""
+  if not isinstance(mask, Mask):
+    return None
+  found = [part for part in mask.parts() if isinstance(part, Tree)]
+  if len(found) > 1:
+    raise ValueError("`mask` holds more than one Tree: one call verifies one set of draft trees.")
+  return found[0] if found else None
 
 
 def attend_paged(query: jax.Array, key: jax.Array, value: jax.Array, call: Call,

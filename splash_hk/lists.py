@@ -24,9 +24,12 @@ from splash_hk import ragged
 
 
 def key_bounds(layout: pages.Layout, rules: dict | None) -> tuple[jax.Array, jax.Array]:
-  """[N] first and last key position each row may see in its sequence (last < first: none):
-  its length after the call, and the rule when config terms say it (`rules`)."""
-  pos = layout.pos  # [N]
+  """[N] first and last key slot each row may see in its sequence (last < first: none): its
+  length after the call, and the rule when config terms say it (`rules`). In a tree batch the
+  rule speaks of positions by depth (`Layout.at`): a new key's slot is at or past its position,
+  so where the rule reaches the new keys the bound is the row's own slot (its ancestors are
+  before it) and the element mask decides."""
+  pos = layout.at  # [N]
   lo = jnp.zeros_like(pos)
   hi = layout.kv_len_after[layout.seq] - 1
   rules = rules or {}
@@ -38,6 +41,9 @@ def key_bounds(layout: pages.Layout, rules: dict | None) -> tuple[jax.Array, jax
   if rules.get("chunk_size"):
     first = pos // rules["chunk_size"] * rules["chunk_size"]
     lo, hi = jnp.maximum(lo, first), jnp.minimum(hi, first + rules["chunk_size"] - 1)
+  if layout.tree is not None:
+    own = jnp.minimum(layout.kv_len_after[layout.seq] - 1, layout.pos)
+    hi = jnp.where(hi < layout.tree.first_new, hi, own)
   return lo, jnp.where(layout.row_live, hi, -1)
 
 

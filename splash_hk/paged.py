@@ -50,7 +50,8 @@ def paged_facts(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: An
                     rule=skeleton(rule), bias=skeleton(as_score(bias)),
                     quantized=any(quant.is_quantized(a) for a in (cache.key, cache.value)),
                     storage=(quant.storage(cache.key), quant.storage(cache.value)),
-                    cascade=batch.prefix is not None, selected=batch.selection is not None)
+                    cascade=batch.prefix is not None, selected=batch.selection is not None,
+                    tree=batch.tree is not None)
 
 
 def explain_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch: Any, *,

@@ -17,6 +17,7 @@ from typing import Any, Generic, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from splash_hk.drafts import TreeRows
 from splash_hk.pool import PagedKVCache
 from splash_hk.config import AttentionConfig
 from splash_hk.masks import _objects
@@ -68,7 +69,7 @@ class PageSelection:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("cu_q_lens", "kv_lens", "page_table", "num_seqs", "prefix",
-                                "selection"),
+                                "selection", "tree"),
                    meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class RaggedBatch:
@@ -85,6 +86,12 @@ class RaggedBatch:
       members' rows, then merged with their own pages), or None.
     selection: a `PageSelection`: each sequence's rows read only its chosen pages (per kv
       head), or None (every page).
+    tree: [N] int32 draft trees (speculative decoding), or None (each sequence's rows a
+      chain). Row r of sequence s: the index within s's rows of its parent, or -1 when its
+      parent is s's last cached token. A row sees s's cached keys under the rule and, of s's
+      new rows, itself and its ancestors; its position (rules, position scores) is
+      `kv_lens[s]` plus its depth, and its key is still written at slot `kv_lens[s]` plus its
+      index. A parent not earlier in its sequence is the misuse rule.
   """
 
   cu_q_lens: jax.Array
@@ -93,6 +100,7 @@ class RaggedBatch:
   num_seqs: jax.Array
   prefix: SharedPrefix | None = None
   selection: PageSelection | None = None
+  tree: jax.Array | None = None
 
   @property
   def max_seqs(self) -> int:
@@ -119,6 +127,7 @@ class PagedFacts:
   storage: tuple[str, ...] = ()  # how the pool's keys and values are stored (`quant.storage`)
   cascade: bool = False  # the batch has a shared prefix (`RaggedBatch.prefix`)
   selected: bool = False  # the batch has a page selection (`RaggedBatch.selection`)
+  tree: bool = False  # the batch has draft trees (`RaggedBatch.tree`)
 
   @property
   def num_tokens(self) -> int:
@@ -165,6 +174,7 @@ class Misuse(NamedTuple):
   shared_write: jax.Array  # a page written here that another listing (or the same) also reads
   prefix: jax.Array  # a member whose table or length disagrees with its group's prefix
   selection: jax.Array  # a count outside [0, K], a chosen page outside the table, or twice
+  tree: jax.Array  # a draft tree's parent not earlier in its sequence
 
   def any(self) -> jax.Array:
     """[max_seqs] bool: the sequences that write nothing and output NaN."""
@@ -175,7 +185,7 @@ class Layout(NamedTuple):
   """A ragged batch as rows ([N]) and sequences ([max_seqs])."""
 
   seq: jax.Array  # [N] int32: the sequence each row belongs to (clipped; see row_in)
-  pos: jax.Array  # [N] int32: its position (where it is written, what it sees up to)
+  pos: jax.Array  # [N] int32: its slot position (where it is written)
   row_in: jax.Array  # [N] bool: the row belongs to a sequence (not padding)
   row_live: jax.Array  # [N] bool: ... and that sequence is valid (it writes and attends)
   row_bad: jax.Array  # [N] bool: ... and that sequence misuses the cache (outputs NaN)
@@ -183,6 +193,8 @@ class Layout(NamedTuple):
   page: jax.Array  # [N] int32: the physical page a live row is written to (others: P, none)
   slot: jax.Array  # [N] int32: its slot there
   misuse: Misuse
+  at: jax.Array  # [N] int32: its position for rules and scores (`pos`, or by depth in a tree)
+  tree: TreeRows | None = None  # a tree batch's rows (`RaggedBatch.tree`), else None
 
 
 @functools.partial(jax.tree_util.register_dataclass,

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from splash_hk import drafts
 from splash_hk import pool
 from splash_hk.pages import Layout, Misuse, PagedKVCache, RaggedBatch
 
@@ -72,6 +73,23 @@ def _selection_misuse(batch: RaggedBatch) -> jax.Array:
   return jnp.any(bad_count, axis=1) | jnp.any(outside, axis=(1, 2)) | jnp.any(twice, axis=(1, 2))
 
 
+def _tree_rows(batch: RaggedBatch, seq: jax.Array, start: jax.Array, kv: jax.Array,
+               row_in: jax.Array) -> tuple[jax.Array, jax.Array, drafts.TreeRows | None]:
+  """([max_seqs] bool: sequences with a parent not earlier in their rows; [N] each row's depth
+  (0 without a tree); the rows' `TreeRows`, or None without a tree)."""
+  n, max_seqs = seq.shape[0], batch.max_seqs
+  if batch.tree is None:
+    return jnp.zeros((max_seqs,), jnp.bool_), jnp.zeros((n,), jnp.int32), None
+  index = jnp.arange(n, dtype=jnp.int32) - start[seq]  # [N]: each row's index in its sequence
+  parent = batch.tree.astype(jnp.int32)  # [N]
+  bad = row_in & ((parent < -1) | (parent >= index))
+  misuse = jnp.zeros((max_seqs,), jnp.bool_).at[seq].max(bad)  # [max_seqs]
+  linked = row_in & ~bad & (parent >= 0)
+  walk = drafts.walk(jnp.where(linked, start[seq] + parent, -1))  # [N] each
+  return misuse, walk.depth, drafts.TreeRows(first_new=kv[seq], first_row=start[seq],
+                                              enter=walk.enter, leave=walk.leave)
+
+
 def layout(batch: RaggedBatch, num_tokens: int, num_pages: int, page_size: int) -> Layout:
   """The rows and sequences of `batch` over a flat batch of `num_tokens` new tokens."""
   max_seqs, pages_per_seq = batch.max_seqs, batch.pages_per_seq
@@ -96,24 +114,25 @@ def layout(batch: RaggedBatch, num_tokens: int, num_pages: int, page_size: int) 
   written = listed & (q_len > 0)[:, None] & (logical >= (kv // page_size)[:, None])
   table = batch.page_table.astype(jnp.int32)
   out_of_range = jnp.any(listed & ((table < 0) | (table >= num_pages)), axis=1)
+  rows = jnp.arange(num_tokens, dtype=jnp.int32)  # [N]
+  ends = jnp.where(in_use, end, jnp.iinfo(jnp.int32).max)  # [max_seqs], non-decreasing if valid
+  seq = jnp.clip(jnp.searchsorted(ends, rows, side="right"), 0, max_seqs - 1).astype(jnp.int32)
+  row_in = (rows >= cu[0]) & (rows < cu[count])
+  bad_tree, depth, tree = _tree_rows(batch, seq, start, kv, row_in)
   misuse = Misuse(
       rows=in_use & bad_rows, num_seqs=jnp.broadcast_to(bad_count, (max_seqs,)),
       kv_lens=in_use & (kv < 0), capacity=in_use & too_long, page_range=out_of_range,
       shared_write=_shared_writes(batch, listed, written, num_pages),
       prefix=in_use & _prefix_misuse(batch, page_size),
-      selection=in_use & _selection_misuse(batch))
+      selection=in_use & _selection_misuse(batch), tree=in_use & bad_tree)
   bad = misuse.any()  # [max_seqs]
-  rows = jnp.arange(num_tokens, dtype=jnp.int32)  # [N]
-  ends = jnp.where(in_use, end, jnp.iinfo(jnp.int32).max)  # [max_seqs], non-decreasing if valid
-  seq = jnp.clip(jnp.searchsorted(ends, rows, side="right"), 0, max_seqs - 1).astype(jnp.int32)
-  row_in = (rows >= cu[0]) & (rows < cu[count])
   row_bad = (row_in & bad[seq]) | bad_count
   pos = kv[seq] + rows - start[seq]  # [N]
   live = row_in & ~row_bad
   page = table[seq, jnp.clip(pos // page_size, 0, pages_per_seq - 1)]  # [N]
   return Layout(seq=seq, pos=pos, row_in=row_in, row_live=live, row_bad=row_bad,
                 kv_len_after=after, page=jnp.where(live, page, num_pages), slot=pos % page_size,
-                misuse=misuse)
+                misuse=misuse, at=pos if tree is None else kv[seq] + depth, tree=tree)
 
 
 def write(cache: PagedKVCache, key: Any, value: Any, layout: Layout) -> PagedKVCache:
@@ -142,6 +161,8 @@ MISUSE_WORDS = {  # Misuse field -> (argument, what is wrong, what to pass inste
     "selection": ("batch.selection", "has a count outside [0, K], a chosen page outside "
                   "[0, pages_per_seq) or a page chosen twice for one kv head",
                   "each sequence's distinct logical pages (sh.sparse.top_k_pages gives them)"),
+    "tree": ("batch.tree", "gives a row a parent that is not an earlier row of its sequence",
+             "for each row the index within its sequence's rows of an earlier row, or -1"),
 }
 
 

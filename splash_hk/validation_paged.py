@@ -59,6 +59,8 @@ def validate_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch:
     fail(f"`query` must be floating with a multiple of the cache's {num_kv_heads} kv heads, got "
           f"{query.dtype} with {num_heads} heads.")
   _validate_batch(batch, num_kv_heads)
+  if batch.tree is not None:
+    _validate_tree(batch.tree, num_tokens)
   _validate_summaries(cache)
   if config.dropout_rate:
     fail(f"`config.dropout_rate` is {config.dropout_rate}: attention dropout is for training and "
@@ -110,6 +112,15 @@ def _validate_selection(selection: Any, max_seqs: int, num_kv_heads: int) -> Non
           f"cache), got {tuple(selection.pages.shape)} and {tuple(selection.counts.shape)}.")
   for name in ("pages", "counts"):
     integer(getattr(selection, name), f"batch.selection.{name}")
+
+
+def _validate_tree(tree: Shaped, num_tokens: int) -> None:
+  """`batch.tree`: [num_tokens] integer parents."""
+  want = f"[num_tokens] = [{num_tokens}] (each row's parent within its sequence, -1 for a root)"
+  rank(tree, 1, "batch.tree", want)
+  if tree.shape[0] != num_tokens:
+    fail(f"`batch.tree` must be {want}, got {tuple(tree.shape)}.")
+  integer(tree, "batch.tree")
 
 
 def _validate_summaries(cache: PagedKVCache) -> None:

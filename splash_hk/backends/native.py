@@ -97,6 +97,10 @@ def paged_why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
             f"{SHORT_ROWS} rows a sequence of a decode step it serves")
   if facts.cascade:
     return "the batch has a shared prefix (a cascade reads it once per group on xla's tiles)"
+  rules = facts.static_rules or {}
+  if facts.tree and (rules.get("window") or rules.get("chunk_size")):
+    return ("the batch has draft trees (RaggedBatch.tree) under a window or chunk rule (by "
+            "depth), which xla's tiles serve")
   return _common_refusal(hardware, facts.storage, facts.num_heads, facts.num_kv_heads,
                          facts.rule, facts.bias)
 
@@ -147,9 +151,19 @@ def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Arr
   out, lse = call(q, k, k_scale, v, v_scale,
                   *ints(lists.blocks, lists.first_key, lists.count, lists.order, lists.offset,
                         lists.rows, lists.lo, lists.hi),
-                  _sinks(x.sinks, hq), _slopes(x.bias), x.layout.pos.astype(jnp.int32),
-                  **_attrs(facts.config.logits_soft_cap, quantized, x.bias))
+                  _sinks(x.sinks, hq), _slopes(x.bias), *ints(x.layout.at, *_tree(x.layout)),
+                  **_attrs(facts.config.logits_soft_cap, quantized, x.bias),
+                  tree=np.int32(x.layout.tree is not None))
   return out.astype(x.query.dtype), lse
+
+
+def _tree(layout: pages.Layout) -> tuple[jax.Array, ...]:
+  """A tree batch's rows for the kernel (first_new, first_row, enter, leave: [N] each), or
+  dummies [1] for chains."""
+  if layout.tree is None:
+    return (jnp.zeros((1,), jnp.int32),) * 4
+  t = layout.tree
+  return t.first_new, t.first_row, t.enter, t.leave
 
 
 def _local_heads(lists: pages.BlockLists, heads: jax.Array, group: int,

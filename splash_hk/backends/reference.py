@@ -9,8 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from splash_hk import pages
+from splash_hk import drafts
 from splash_hk import dropout
+from splash_hk import pages
 from splash_hk import quant
 from splash_hk.backends import base
 from splash_hk.masks import Dense, Mask
@@ -136,16 +137,22 @@ def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Arr
   table = x.lists.table.blocks[layout.seq, 0]  # [N, pages_per_seq], inside the pool
   gather = lambda pool: quant.cut(pool, 0, lambda t: jnp.swapaxes(t[table], 2, 3).reshape(
       num_tokens, kv_len, t.shape[1], t.shape[3]))  # [N, pages, Hkv, page, .] -> [N, S, Hkv, .]
-  kv_positions = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (num_tokens, kv_len))
+  slots = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (num_tokens, kv_len))
+  kv_positions, rule = slots, _with_selection(x, facts)
+  if layout.tree is not None:  # positions by depth; of the new keys, a row's ancestors
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
+    kv_positions, ancestors = drafts.keys_seen(layout.tree, layout.at, rows, slots)
+    rule = Dense(ancestors[:, None, None, :]) if rule is None else rule & Dense(
+        ancestors[:, None, None, :])  # [N, 1, 1, S]
   inputs = KernelInputs(
       query=x.query[:, None],  # [N, 1, Hq, D]
       key=gather(x.cache.key),  # [N, S, Hkv, D]
       value=gather(x.cache.value),  # [N, S, Hkv, Dv]
-      q_positions=layout.pos[:, None],  # [N, 1]
+      q_positions=layout.at[:, None],  # [N, 1]
       kv_positions=kv_positions,  # [N, S]
       q_segment_ids=jnp.where(layout.row_live, 0, -1)[:, None],  # [N, 1]
-      kv_segment_ids=jnp.where(kv_positions < layout.kv_len_after[layout.seq][:, None], 0, -1),
-      rule=_with_selection(x, facts), sinks=x.sinks, bias=x.bias, heads=x.heads)
+      kv_segment_ids=jnp.where(slots < layout.kv_len_after[layout.seq][:, None], 0, -1),
+      rule=rule, sinks=x.sinks, bias=x.bias, heads=x.heads)
   call = Facts.from_shapes(facts.config, inputs.query.shape, inputs.key.shape, facts.value_dim,
                            default_positions=False, mask=inputs.rule, bias=facts.bias)
   out, lse, _ = attend(inputs, call)

@@ -36,6 +36,8 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
     return "the pool is quantized, and the paged block-list kernel reads floating pools only"
   if facts.cascade:
     return "the batch has a shared prefix (a cascade), which the paged block-list kernel lacks"
+  if facts.tree:
+    return "the batch has draft trees (RaggedBatch.tree), which the paged block-list kernel lacks"
   if facts.config.dropout_rate > 0:
     return base.DROPOUT_REFUSAL
   need = tpu_paged.vmem_bytes(block_q(facts), facts.page_size, facts.num_heads,

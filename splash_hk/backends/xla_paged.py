@@ -111,6 +111,16 @@ def _entries(bl: pages.BlockLists, rows: jax.Array, owner: jax.Array, lo: jax.Ar
                full_start=full_start, full_stop=full_stop)
 
 
+def _cached_whole(t: Tiles, first_new: jax.Array, page_size: int, run: int) -> Tiles:
+  """A tree batch's tiles with their runs visible whole ending before their rows' new keys
+  (`first_new` [N]: which of those a row sees is its ancestry, read in the masked loop)."""
+  n = first_new.shape[0]
+  cached = jnp.min(jnp.where(t.rows < n, first_new[jnp.clip(t.rows, 0, n - 1)],
+                             jnp.iinfo(jnp.int32).max), axis=1) // page_size  # [T] whole pages
+  stop = jnp.clip(cached, t.full_start, t.full_stop)
+  return t._replace(full_stop=t.full_start + (stop - t.full_start) // run * run)
+
+
 class State(NamedTuple):
   """Online-softmax state per row: m, l [N + 1, Hkv, G], acc [N + 1, Hkv, G, Dv] (row N: none)."""
 
@@ -150,6 +160,8 @@ def _width(x: pages.PagedInputs, facts: pages.PagedFacts, bl: pages.BlockLists, 
   count = max(count, size)  # a step's window of tiles
   t, _ = tiles(bl, width, partial, count, done, facts.page_size, run,
                facts.static_rules is not None)
+  if x.layout.tree is not None:
+    t = _cached_whole(t, x.layout.tree.first_new, facts.page_size, run)
   tile_state = tuple(jnp.moveaxis(a[t.rows], 1, 3) for a in state)  # [T, Hkv, G, w, ...]
   tile_state = items_lib.attend_tiles(x, facts, bl, t, run, size, tile_state)
   back = jnp.where(t.rows < facts.num_tokens, t.rows, facts.num_tokens + 1)  # none: dropped

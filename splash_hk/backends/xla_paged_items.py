@@ -23,6 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from splash_hk import drafts
 from splash_hk import pages
 from splash_hk import quant
 from splash_hk.backends import base
@@ -153,12 +154,26 @@ def _logits(q: jax.Array, key: jax.Array, key_scale: jax.Array | None, groups: i
   return s.reshape(s.shape[0], s.shape[1], groups, -1, s.shape[-1])
 
 
+def _positions(it: Item, x: pages.PagedInputs) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """(the rows' positions [I, 1, w, 1], the keys' [I, Hl, w|1, S'], and in a tree batch
+  which keys each row sees of its sequence's new ones [I, Hl, w, S'], else None)."""
+  kv = it.kv_pos[:, :, None, :]  # [I, Hl, 1, S'] slots
+  q_at = x.layout.at[it.rows][:, None, :, None]  # [I, 1, w, 1]
+  if x.layout.tree is None:
+    return q_at, kv, None
+  kv_at, seen = drafts.keys_seen(x.layout.tree, x.layout.at, it.rows[:, None, :, None], kv)
+  return q_at, kv_at, seen
+
+
 def _visible(it: Item, x: pages.PagedInputs) -> jax.Array:
-  """[I, Hl, w, S'] bool: the element mask (bounds, rule, entries in use)."""
+  """[I, Hl, w, S'] bool: the element mask (bounds, rule, entries in use, a tree's ancestors)."""
   kv = it.kv_pos[:, :, None, :]  # [I, Hl, 1, S']
   seen = (it.ok[:, :, None, :] & (kv >= it.lo[:, None, :, None]) & (kv <= it.hi[:, None, :, None]))
+  q_at, kv_at, ancestors = _positions(it, x)
+  if ancestors is not None:
+    seen = seen & ancestors
   if x.rule is not None:
-    seen = seen & x.rule.visible(x.layout.pos[it.rows][:, None, :, None], kv)
+    seen = seen & x.rule.visible(q_at, kv_at)
   return seen
 
 
@@ -170,8 +185,8 @@ def _scores(it: Item, x: pages.PagedInputs, facts: pages.PagedFacts, logits: jax
   if x.bias is not None:
     groups = logits.shape[2]
     head = x.heads.reshape(1, -1, groups, 1, 1)
-    bias = x.bias.scores(x.layout.pos[it.rows][:, None, None, :, None],
-                         it.kv_pos[:, :, None, None, :], head)  # [I, Hkv, G, w, S']
+    q_at, kv_at, _ = _positions(it, x)
+    bias = x.bias.scores(q_at[:, :, None], kv_at[:, :, None], head)  # [I, Hkv, G, w, S']
     if seen is not None:
       bias = jnp.where(seen, bias, 0.0)
       seen = seen & (bias != -jnp.inf)

@@ -6,7 +6,8 @@ Key j is visible to query i when all of these hold::
                       `mask` array ANDed in), or one mask object given as `mask`
                       (`Causal()`, `SlidingWindow(w)`, `Chunked(c)`,
                       `Bidirectional(ids)`, `MaskFn(fn)`, `Dense(mask)`,
-                      `Blocks(kv_blocks, counts)`: key blocks chosen by data, `&`, `|`)
+                      `Blocks(kv_blocks, counts)`: key blocks chosen by data,
+                      `Tree(parents)`: draft trees over a call's tokens, `&`, `|`)
   segments:           q_seg[i] == kv_seg[j], and both >= 0 (negative = padding)
 
 The modules beside this one (`_objects`, `_blocks`, `_rules`, `_plan`) are the
@@ -24,6 +25,7 @@ from splash_hk.masks._objects import MaskFn
 from splash_hk.masks._objects import Or
 from splash_hk.masks._objects import SlidingWindow
 from splash_hk.masks._plan import block_map
+from splash_hk.masks._tree import Tree
 
 __all__ = ("And", "Bidirectional", "Blocks", "Causal", "Chunked", "Dense", "Mask", "MaskFn", "Or",
-           "SlidingWindow", "block_map")
+           "SlidingWindow", "Tree", "block_map")

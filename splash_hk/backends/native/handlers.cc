@@ -100,9 +100,30 @@ void Item(const Common& c, const int* rows, int nrows, int h0, int nh, int nbloc
 }
 
 // ---- the paged pool: key [P, Hkv, page, D], lists [O, Hl, K] ----
+// A batch's draft trees (RaggedBatch.tree), per row: its sequence's first new slot and first
+// row, its depth-first walk's entry and exit, its position by depth. Null `enter`: chains.
+struct TreeRows {
+  const int32_t *first_new, *first_row, *enter, *leave, *at;
+  int rows;
+  int Row(int row, int slot) const {  // the row that wrote a new slot of `row`'s sequence
+    return std::min(std::max(first_row[row] + slot - first_new[row], 0), rows - 1);
+  }
+  // Whether `row` may see `slot` of its sequence as a tree says (a new key: its own or an
+  // ancestor's; cached keys: the bounds decide).
+  bool Sees(int row, int slot) const {
+    if (!enter || slot < first_new[row]) return true;
+    const int a = Row(row, slot);
+    return enter[a] <= enter[row] && enter[row] < leave[a];
+  }
+  int Position(int row, int slot) const {
+    return !enter || slot < first_new[row] ? slot : at[Row(row, slot)];
+  }
+};
+
 struct Lists {
   const int32_t *blocks, *first_key, *count, *order, *offset, *rows, *lo, *hi;
   int owners, list_heads, entries, page;
+  TreeRows tree;
 };
 
 template <typename T, bool kAvx2>
@@ -128,15 +149,22 @@ void Paged(const Common& c, const Lists& l) {
     const int* rows = l.order + l.offset[it.owner] + it.first;
     int lo = INT32_MAX, hi = INT32_MIN;  // the item's key range, to skip pages outside it
     for (int r = 0; r < it.nrows; ++r) lo = std::min(lo, l.lo[rows[r]]), hi = std::max(hi, l.hi[rows[r]]);
+    int32_t by_depth[2][sn::kMaxSlots];  // a tree's key positions: this block's and the next's
     auto desc = [&](int e, int head) {
       const int part = e % parts;
       const int64_t slot0 = ((static_cast<int64_t>(l.blocks[at + e / parts]) * c.hkv + head) *
                              l.page) + part * sn::kMaxSlots;
+      const int first = l.first_key[at + e / parts] + part * sn::kMaxSlots;
+      const int slots = std::min(sn::kMaxSlots, l.page - part * sn::kMaxSlots);
+      int32_t* positions = nullptr;  // ALiBi over a tree's new keys: positions by depth
+      if (l.tree.enter && c.slopes && first + slots > l.tree.first_new[rows[0]]) {
+        positions = by_depth[e & 1];
+        for (int j = 0; j < slots; ++j) positions[j] = l.tree.Position(rows[0], first + j);
+      }
       return sn::Block<T>{key + slot0 * c.d, value + slot0 * c.dv,
                           c.key_scale ? c.key_scale + slot0 : nullptr,
                           c.value_scale ? c.value_scale + slot0 : nullptr, c.d, c.dv, 1,
-                          std::min(sn::kMaxSlots, l.page - part * sn::kMaxSlots),
-                          l.first_key[at + e / parts] + part * sn::kMaxSlots, nullptr};
+                          slots, first, positions};
     };
     auto vis = [&](int e, const sn::Block<T>& b, uint8_t* visible) {
       const int first = l.first_key[at + e / parts] + (e % parts) * sn::kMaxSlots;
@@ -145,7 +173,8 @@ void Paged(const Common& c, const Lists& l) {
       for (int r = 0; r < it.nrows; ++r) {
         const int rlo = l.lo[rows[r]], rhi = l.hi[rows[r]];
         for (int j = 0; j < b.slots; ++j) {
-          const uint8_t v = first + j >= rlo && first + j <= rhi;
+          const int slot = first + j;
+          const uint8_t v = slot >= rlo && slot <= rhi && l.tree.Sees(rows[r], slot);
           for (int i = 0; i < g; ++i) visible[(r * g + i) * sn::kMaxSlots + j] = v;
         }
       }
@@ -264,9 +293,11 @@ ffi::Error PagedImpl(ffi::Buffer<ffi::F32> query, ffi::AnyBuffer key, ffi::Buffe
                      ffi::Buffer<ffi::S32> offset, ffi::Buffer<ffi::S32> rows,
                      ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
                      ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> slopes,
-                     ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
+                     ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> first_new,
+                     ffi::Buffer<ffi::S32> first_row, ffi::Buffer<ffi::S32> enter,
+                     ffi::Buffer<ffi::S32> leave, ffi::ResultBuffer<ffi::F32> out,
                      ffi::ResultBuffer<ffi::F32> lse, float soft_cap, int32_t threads,
-                     int32_t quantized, int32_t alibi) {
+                     int32_t quantized, int32_t alibi, int32_t tree) {
   const auto kd = key.dimensions(), bd = blocks.dimensions();
   const Common c = MakeCommon(query, key, key_scale, value, value_scale, sinks, slopes, pos, out,
                               lse, static_cast<int>(kd[1]), quantized, threads, soft_cap, alibi);
@@ -274,7 +305,10 @@ ffi::Error PagedImpl(ffi::Buffer<ffi::F32> query, ffi::AnyBuffer key, ffi::Buffe
   const Lists l{blocks.typed_data(), first_key.typed_data(), count.typed_data(),
                 order.typed_data(), offset.typed_data(), rows.typed_data(), lo.typed_data(),
                 hi.typed_data(), static_cast<int>(bd[0]), static_cast<int>(bd[1]),
-                static_cast<int>(bd[2]), static_cast<int>(kd[2])};
+                static_cast<int>(bd[2]), static_cast<int>(kd[2]),
+                TreeRows{first_new.typed_data(), first_row.typed_data(),
+                         tree ? enter.typed_data() : nullptr, leave.typed_data(),
+                         pos.typed_data(), static_cast<int>(query.dimensions()[0])}};
   return Dispatch<RunPaged>(key.element_type(), c, l);
 }
 
@@ -309,9 +343,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
         .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
         .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+        .Arg<ffi::Buffer<ffi::S32>>()
         .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
         .Attr<float>("soft_cap").Attr<int32_t>("threads").Attr<int32_t>("quantized")
-        .Attr<int32_t>("alibi"));
+        .Attr<int32_t>("alibi").Attr<int32_t>("tree"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SplashCacheDecode, CacheImpl,
