@@ -30,7 +30,7 @@ from splash_hk.attention import attend as attend_heads
 from splash_hk.config import AttentionConfig
 from splash_hk.kv_cache import KVCache, row_lengths
 from splash_hk.masks import Mask
-from splash_hk.masks._tree import Tree, positions as tree_positions
+from splash_hk.masks._tree import Tree, misused, positions as tree_positions
 from splash_hk.paged import paged_attention
 from splash_hk.pages import PagedKVCache, RaggedBatch
 from splash_hk.quant import Quantized
@@ -118,7 +118,8 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, call: Call, setti
   out = attend_heads(q, k, v, extras, config=settings.config, mesh=settings.mesh,
                      axes=settings.axes).attention_outputs  # [B, T, H, V]
   if step is not None:  # a row that could not append says so: NaN, never a finite wrong answer
-    out = jnp.where(step.failed[:, None, None, None], jnp.nan, out)  # [B, T, H, V]
+    failed = step.failed if tree is None else step.failed | misused(tree)  # [B]
+    out = jnp.where(failed[:, None, None, None], jnp.nan, out)  # [B, T, H, V]
   out = out.reshape(*lead, *out.shape[1:])  # [..., T, H, V]
   return out, None if step is None else step.cache
 

@@ -279,3 +279,5 @@ def test_a_tree_parent_not_earlier_is_refused_naming_the_mask():
                         kv_cache=cache)
   with pytest.raises(ValueError, match=r"Tree.parents\[0, 2\] is 2"):
     layer_lib.attend(q, k, v, call, settings)
+  out, _ = jax.jit(lambda c: layer_lib.attend(q, k, v, c, settings))(call)  # known at run time
+  assert np.isnan(np.asarray(out[0])).all() and np.isfinite(np.asarray(out[1])).all()

@@ -381,3 +381,36 @@ def test_flax_and_haiku_language_models_train_alike_for_20_steps():
     hk_losses.append(float(loss))
   assert flax_losses[-1] < 0.8 * flax_losses[0]  # it trains
   np.testing.assert_allclose(flax_losses, hk_losses, rtol=2e-5)
+
+
+def test_a_draft_tree_with_a_cache_attends_as_the_oracle_at_positions_by_depth():
+  m = _module(num_sinks=1)
+  x = np.random.default_rng(6).normal(size=(2, 8, 12)).astype(np.float32)
+  parents = np.array([[-1, 0, 0, 1, 2], [-1, -1, 1, 2, 0]])  # after 3 cached tokens
+  _, cache = m(x[:, :3], kv_cache=m.init_cache(2, 16))
+  slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+  alibi = sh.scores.Alibi(jnp.asarray(slopes))
+  out, cache = nnx.jit(lambda m, x, c, t: m(x, kv_cache=c, mask=sh.masks.Tree(t), bias=alibi))(
+      m, x[:, 3:], cache, parents)
+  p = _params(m)
+  proj = lambda n: np.einsum("btf,fhd->bthd", x.astype(np.float64), np.asarray(
+      p[n]["kernel"], np.float64)) + np.asarray(p[n]["bias"], np.float64)
+  want = []
+  for b in range(2):
+    depth = np.zeros(5, int)
+    sees = np.eye(5, dtype=bool)
+    for r in range(5):
+      a = parents[b, r]
+      depth[r] = 0 if a < 0 else depth[a] + 1
+      sees[r] |= sees[a] if a >= 0 else False
+    mask = np.concatenate([np.ones((5, 3), bool), sees], axis=1)[None, None]
+    q_pos, kv_pos = 3 + depth, np.concatenate([np.arange(3), 3 + depth])
+    bias = -slopes[None, :, None, None] * np.abs(q_pos[:, None] - kv_pos[None])
+    o, _ = oracle.attention(proj("query")[b:b + 1, 3:], proj("key")[b:b + 1],
+                            proj("value")[b:b + 1], q_pos=q_pos[None], kv_pos=kv_pos[None],
+                            mask=mask, bias=bias, causal=False,
+                            sinks=np.asarray(p["sinks"], np.float64))
+    want.append(np.einsum("bthd,hdo->bto", o, np.asarray(p["out"]["kernel"], np.float64))[0]
+                + np.asarray(p["out"]["bias"], np.float64))
+  np.testing.assert_allclose(np.asarray(out), np.stack(want), **harness.tol())
+  np.testing.assert_array_equal(cache.length, [8, 8])

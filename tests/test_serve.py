@@ -27,7 +27,8 @@ import processes
 TASK = recall.RecallTask.for_seq_len(31)
 PAGE = 16
 SCHED = SchedulerConfig(page_size=PAGE, max_seqs=16, step_tokens=128, prefill_chunk=64,
-                        pages_per_seq=22)  # 352 tokens: prompts up to 300 and 40 new, or a prefix
+                        pages_per_seq=22,  # 352 tokens: prompts up to 300 and 40 new, or a prefix
+                        draft_branches=3)  # with speculation (off unless asked): trees of drafts
 
 
 def test_allocator_counts_holders_and_keeps_freed_pages_findable_until_reused():
@@ -75,33 +76,36 @@ def served_model():
   for i, cut, extra in ((10, 2 * PAGE, ()), (11, 2 * PAGE, (1, 2, 3)), (12, 3 * PAGE + 5, (4,)),
                         (13, len(base), ())):
     requests[i] = dataclasses.replace(requests[i], prompt=base[:cut] + extra)
-  engine = engine_lib.PagedEngine(config, params, SCHED, num_pages=200)
+  engine = engine_lib.PagedEngine(config, params, SCHED, num_pages=200, drafts=4)
   engine.warm_up()
   return config, params, requests, engine
 
 
-# (arrival rate per step, prefill chunk, pages the allocator may use, prefix sharing)
-RUNS = {"all_at_once": (0.0, 64, 200, True), "arriving_small_pool": (1.5, 16, 40, True),
-        "no_sharing_long_chunks": (0.7, 128, 120, False)}
+# (arrival rate per step, prefill chunk, pages the allocator may use, prefix sharing, drafts)
+RUNS = {"all_at_once": (0.0, 64, 200, True, 0), "arriving_small_pool": (1.5, 16, 40, True, 0),
+        "no_sharing_long_chunks": (0.7, 128, 120, False, 0),
+        "speculating_small_pool": (1.5, 16, 40, True, 4)}
 
 
 @pytest.mark.xdist_group("served_model")  # one worker builds the fixture (make test: loadgroup)
 @pytest.mark.parametrize("run", RUNS)
 def test_every_served_output_equals_greedy_decoding_with_a_full_forward(served_model, run):
   config, params, requests, engine = served_model
-  rate, chunk, pages, sharing = RUNS[run]
+  rate, chunk, pages, sharing, speculate = RUNS[run]
   rng = np.random.default_rng(len(run))
   arrivals = np.cumsum(rng.exponential(1 / rate, len(requests))).astype(int) if rate else [0] * 64
   order = rng.permutation(len(requests))  # arrival order is not id order
   timed = [dataclasses.replace(requests[i], arrival=int(a)) for i, a in zip(order, arrivals)]
   served = engine_lib.serve(engine, timed, prefix_sharing=sharing, prefill_chunk=chunk,
-                            num_pages=pages)
+                            num_pages=pages, speculate=speculate)
   wrong = engine_lib.greedy_mismatches(config, params, requests, served.outputs)
   assert not wrong, f"requests {wrong} are not the greedy decode of a full forward"
   stats = served.stats
   assert stats.peak_pages <= pages
-  if run == "arriving_small_pool":
+  if "small_pool" in run:
     assert stats.preemptions > 0, stats
+  if speculate:  # drafts verified and kept in the pool: the outputs above say they were right
+    assert stats.accepted > 50 and stats.drafted > stats.accepted, stats
   if sharing:
     assert stats.shared_pages >= 5 and stats.copies >= 1, stats
   else:
@@ -242,6 +246,16 @@ def test_the_binary_serves_int8_pools_and_prints_their_agreement_and_the_native_
   found = re.search(r"^native decode kernel on / off \(platform=auto / xla\): \d+ / \d+ tokens/s "
                     r"= [\d.]+x; 8/8 requests identical, 100\.0% of tokens equal", out, re.M)
   assert found, out
+
+
+def test_the_binary_speculates_with_draft_trees_and_keeps_greedy_outputs():
+  out = _serve("--num_requests=8", "--prompt_lens=5,40", "--new_tokens=4,12", "--step_tokens=32",
+               "--speculate=4", "--draft_branches=2", "--compare_speculation", "--check")
+  found = re.search(r"^--speculate=4 --draft_branches=2 against --speculate=0: \d+ / \d+ "
+                    r"tokens/s = [\d.]+x; acceptance (\d+)/(\d+) = [\d.]+%; steps (\d+) / "
+                    r"(\d+); 8/8 requests identical, 100\.0% of tokens equal", out, re.M)
+  assert found and int(found[2]) > 0 and int(found[3]) < int(found[4]), out
+  assert "outputs equal to greedy decoding with a full forward: 8/8" in out, out
 
 
 def test_the_binary_serves_chosen_pages_and_prints_their_agreement():
@@ -406,7 +420,8 @@ def test_check_names_each_broken_invariant():
 
 class ServingMachine(stateful.RuleBasedStateMachine):
   """submit / step / cancel in any order, over random prompt lengths, shared prefixes, pool
-  sizes down to the smallest that holds one request, chunk sizes and arrival orders: the
+  sizes down to the smallest that holds one request, chunk sizes, arrival orders and
+  speculative decoding on (trees of drafts or chains) or off: the
   invariants after every rule; at the end every request finished (the greedy decode),
   cancelled or refused, and the pool all free."""
 
@@ -415,10 +430,12 @@ class ServingMachine(stateful.RuleBasedStateMachine):
 
   @stateful.initialize(pages=st.integers(-(-LONGEST // PAGE), 40),
                        chunk=st.sampled_from([8, 16, 64]), sharing=st.booleans(),
-                       cascade=st.booleans())
-  def start(self, pages, chunk, sharing, cascade):
+                       cascade=st.booleans(), speculate=st.sampled_from([0, 2, 4]),
+                       branches=st.sampled_from([1, 3]))
+  def start(self, pages, chunk, sharing, cascade, speculate, branches):
     sched = dataclasses.replace(SCHED, prefill_chunk=chunk, prefix_sharing=sharing,
-                                vocab_size=TASK.vocab_size, cascade=cascade)
+                                vocab_size=TASK.vocab_size, cascade=cascade,
+                                speculate=speculate, draft_branches=branches)
     self.scheduler = Scheduler(sched, PageAllocator(pages))
     self.pages, self.next_id, self.rng = pages, 0, np.random.default_rng(pages * 7 + chunk)
 
@@ -508,3 +525,46 @@ def test_the_cascade_groups_requests_by_their_shared_first_pages():
     scheduler.complete(plan, np.zeros(len(plan.tokens), np.int32))
     scheduler.check()
   assert grouped, "requests 0 and 1 share 3 pages: some step groups them"
+
+
+def _markov(token: int) -> int:
+  """A stand-in model's greedy choice after `token` (a cycle prompt lookup soon predicts)."""
+  return (3 * token + 1) % 11
+
+
+@pytest.mark.parametrize("speculate,branches", [(0, 1), (4, 1), (3, 3)])
+def test_drafts_keep_greedy_outputs_through_preemption_and_cancellation(speculate, branches):
+  """The scheduler over a stand-in model whose next token depends on the last alone: drafts in
+  flight when their request is cancelled or preempted change nothing; every finished output is
+  the greedy one, and drafting takes fewer steps."""
+  rng = np.random.default_rng(0)
+  sched = dataclasses.replace(SCHED, prefill_chunk=16, speculate=speculate,
+                              draft_branches=branches)
+  scheduler = Scheduler(sched, PageAllocator(9))  # small: preemptions
+  for i in range(10):
+    scheduler.add(Request(i, tuple(rng.integers(0, 11, 20 + 3 * i).tolist()), 6 + 2 * i))
+  for step in range(400):
+    if scheduler.idle:
+      break
+    plan = scheduler.schedule()
+    for s, draft in plan.drafts.items():  # a draft's rows: its tokens, at positions by depth
+      rows = slice(plan.cu_q_lens[s], plan.cu_q_lens[s + 1])
+      depth = [draft.depth(r) for r in range(draft.rows)]
+      assert list(plan.tokens[rows]) == list(draft.tokens)
+      assert list(plan.positions[rows]) == [plan.kv_lens[s] + d for d in depth]
+      assert list(plan.tree[rows]) == list(draft.parents)
+    if step == 6:
+      assert scheduler.cancel(plan.work[-1][0].request.id)  # its rows are in this step
+    sampled = np.array([_markov(t) for t in plan.tokens], np.int32)
+    scheduler.complete(plan, sampled, np.ones(len(sampled), np.bool_))
+    scheduler.check()
+  assert scheduler.idle and len(scheduler.cancelled) == 1
+  for seq in scheduler.finished:
+    want, token = [], seq.request.prompt[-1]
+    for _ in range(seq.request.max_new_tokens):
+      token = _markov(token)
+      want.append(token)
+    assert seq.generated == want, seq.request.id
+  stats = scheduler.stats
+  assert stats.preemptions > 0 and (stats.accepted > 20) == (speculate > 0), stats
+  assert stats.steps <= (70 if speculate == 0 else 45), stats  # measured: 70, then 40 and 38

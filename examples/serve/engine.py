@@ -63,15 +63,23 @@ class PagedEngine:
   """The model's serving step over `num_pages` pages per layer (pools donated each step)."""
 
   def __init__(self, config: model_lib.ModelConfig, params: Any, sched: SchedulerConfig,
-               num_pages: int, kv_dtype: Any = jnp.float32, page_top_k: int | None = None):
+               num_pages: int, kv_dtype: Any = jnp.float32, page_top_k: int | None = None,
+               drafts: int | None = None):
+    """`drafts`: the most drafted tokens a sequence verifies in a step (default
+    `sched.speculate`; 0: no draft trees, none of their programs compiled)."""
+    self.drafts = sched.speculate if drafts is None else drafts
     forward = hk.without_apply_rng(hk.transform(
         lambda tokens, positions, caches, batch: model_lib.Transformer(config)(
             tokens, positions, caches, batch=batch, page_top_k=page_top_k)))
 
-    def step(params, tokens, positions, caches, batch):
+    def step(params, tokens, positions, caches, batch, verify):
       logits, caches = forward.apply(params, tokens, positions, caches, batch)  # [N, V]
       finite = jnp.all(jnp.isfinite(logits), axis=-1)  # [N]: a NaN in a row's activations
-      return jnp.argmax(logits, axis=-1).astype(jnp.int32), finite, caches  # [N], [N]
+      sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [N]
+      if batch.tree is not None:  # verified drafts: each sequence keeps its accepted rows
+        path, lens = accepted_paths(tokens, sampled, batch, verify, self.drafts + 1)
+        caches = [sh.accept_drafts(cache, batch, path, lens) for cache in caches]
+      return sampled, finite, caches  # [N], [N]
 
     self._step = jax.jit(step, donate_argnums=(3,))
     self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
@@ -87,20 +95,22 @@ class PagedEngine:
 
   def warm_up(self, cascades: tuple[bool, ...] | None = None) -> None:
     """Compiles every bucket (with and/or without a cascade's grouping: `cascades`, default
-    the engine's) and the page copy with calls that write nothing."""
+    the engine's; with speculation, with and without draft trees) and the page copy with calls
+    that write nothing."""
     c = self.sched
     groups = (np.zeros((c.max_seqs, c.pages_per_seq), np.int32), np.zeros(c.max_seqs, np.int32),
               np.full(c.max_seqs, -1, np.int32))
     for cascade in cascades or (c.cascade,):
-      empty = Plan(tokens=np.zeros(0, np.int32), positions=np.zeros(0, np.int32),
-                   cu_q_lens=np.zeros(c.max_seqs + 1, np.int32),
-                   kv_lens=np.zeros(c.max_seqs, np.int32),
-                   page_table=np.zeros((c.max_seqs, c.pages_per_seq), np.int32),
-                   num_seqs=0, copies=[], work=[], samples=[],
-                   prefix=groups if cascade else None)
-      jax.block_until_ready(self.run(empty, self.buckets[0])[0])  # the pools learn their layers
-      for size in self.buckets:
-        jax.block_until_ready(self.run(empty, size)[0])
+      for tree in (None, np.zeros(0, np.int32)) if self.drafts else (None,):
+        empty = Plan(tokens=np.zeros(0, np.int32), positions=np.zeros(0, np.int32),
+                     cu_q_lens=np.zeros(c.max_seqs + 1, np.int32),
+                     kv_lens=np.zeros(c.max_seqs, np.int32),
+                     page_table=np.zeros((c.max_seqs, c.pages_per_seq), np.int32),
+                     num_seqs=0, copies=[], work=[], samples=[],
+                     prefix=groups if cascade else None, tree=tree)
+        jax.block_until_ready(self.run(empty, self.buckets[0])[0])  # pools learn their layers
+        for size in self.buckets:
+          jax.block_until_ready(self.run(empty, size)[0])
     self._copy_shared([])  # every destination past the pool: nothing is copied
 
   def _copy_shared(self, copies: list[tuple[int, int]]) -> None:
@@ -117,15 +127,27 @@ class PagedEngine:
     n = len(plan.tokens)
     size = size or next(b for b in self.buckets if b >= n)
     pad = lambda a: np.pad(a, (0, size - n))
+    deepest = max((d.depth(r) for d in plan.drafts.values() for r in range(d.rows)), default=0)
+    if deepest > self.drafts:
+      raise ValueError(f"the plan drafts {deepest} tokens deep and this engine verifies up to "
+                       f"{self.drafts}: build it with drafts={deepest} or more.")
     if plan.copies:
       self._copy_shared(plan.copies)
-    prefix = None if plan.prefix is None else sh.SharedPrefix(*plan.prefix)
-    batch = sh.RaggedBatch(cu_q_lens=plan.cu_q_lens, kv_lens=plan.kv_lens,
-                           page_table=plan.page_table, num_seqs=np.int32(plan.num_seqs),
-                           prefix=prefix)
+    verify = np.zeros(self.sched.max_seqs, np.bool_)  # sequences verifying drafts
+    verify[list(plan.drafts)] = True
     sampled, finite, self.caches = self._step(self.params, pad(plan.tokens),
-                                              pad(plan.positions), self.caches, batch)
+                                              pad(plan.positions), self.caches,
+                                              self._batch(plan, size), verify)
     return np.asarray(sampled)[:n], np.asarray(finite)[:n]
+
+  def _batch(self, plan: Plan, size: int) -> sh.RaggedBatch:
+    """The plan's `RaggedBatch` over a token axis of `size` (padding rows: roots)."""
+    prefix = None if plan.prefix is None else sh.SharedPrefix(*plan.prefix)
+    tree = None if plan.tree is None else np.pad(plan.tree, (0, size - len(plan.tree)),
+                                                 constant_values=-1)
+    return sh.RaggedBatch(cu_q_lens=plan.cu_q_lens, kv_lens=plan.kv_lens,
+                          page_table=plan.page_table, num_seqs=np.int32(plan.num_seqs),
+                          prefix=prefix, tree=tree)
 
 
 def _copy_pages(caches: list[sh.PagedKVCache], src: jax.Array, dst: jax.Array):
@@ -134,10 +156,35 @@ def _copy_pages(caches: list[sh.PagedKVCache], src: jax.Array, dst: jax.Array):
   return jax.tree.map(lambda a: a.at[dst].set(a[src], mode="drop"), caches)
 
 
+def accepted_paths(tokens: jax.Array, sampled: jax.Array, batch: sh.RaggedBatch,
+                   verify: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+  """`drafts.accepted` on the device: (path [max_seqs, width], path_lens [max_seqs]) of the
+  sequences that `verify` [max_seqs] (others: none). A row is kept when its token is the greedy
+  choice after its parent (`sampled`), and so is every ancestor's (pointer jumping)."""
+  n, max_seqs = tokens.shape[0], batch.max_seqs
+  rows = jnp.arange(n, dtype=jnp.int32)
+  cu = batch.cu_q_lens.astype(jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu[1:], rows, side="right"), 0, max_seqs - 1)  # [N]
+  inside = rows < cu[jnp.reshape(batch.num_seqs, ())]
+  up = jnp.where(inside & (batch.tree >= 0), cu[seq] + batch.tree, -1)  # [N] global parents
+  kept = jnp.where(up >= 0, tokens == sampled[jnp.clip(up, 0, n - 1)], True)
+  for _ in range(max(1, (n - 1).bit_length())):
+    kept = kept & jnp.where(up >= 0, kept[jnp.clip(up, 0, n - 1)], True)
+    up = jnp.where(up >= 0, up[jnp.clip(up, 0, n - 1)], -1)
+  kept = kept & inside & verify[seq]
+  before = jnp.cumsum(kept) - kept  # [N]: kept rows before each
+  rank = before - before[cu[seq]]  # its place on its sequence's path
+  at = jnp.where(kept & (rank < width), seq, max_seqs)  # else: dropped
+  path = jnp.zeros((max_seqs, width), jnp.int32).at[at, rank].set(rows - cu[seq], mode="drop")
+  lens = jnp.zeros((max_seqs,), jnp.int32).at[at].add(1, mode="drop")
+  return path, lens
+
+
 def serve(engine: PagedEngine, requests: list[Request], *, prefix_sharing: bool,
           prefill_chunk: int | None = None, num_pages: int | None = None,
           log_every: int = 0, cancels: dict[int, int] | None = None,
-          check: bool = False, cascade: bool | None = None) -> Served:
+          check: bool = False, cascade: bool | None = None,
+          speculate: int | None = None) -> Served:
   """Serves `requests` (each arriving at its step) with continuous batching to the end.
 
   `prefill_chunk` and `num_pages` (the first pages of the engine's pool) change the
@@ -145,10 +192,15 @@ def serve(engine: PagedEngine, requests: list[Request], *, prefix_sharing: bool,
   cancelled (wherever it is then; nothing if it has finished). A refused request is logged and
   listed in the result, the others served. `check`: the scheduler's invariants after every
   step. `cascade` (default: the engine's): plans group the sequences that share their first
-  pages (`splash_hk.SharedPrefix`), so each shared prefix is read once a step."""
+  pages (`splash_hk.SharedPrefix`), so each shared prefix is read once a step. `speculate`
+  (default: the engine's; at most it): drafted tokens a decoding sequence verifies a step."""
+  if speculate is not None and not 0 <= speculate <= engine.drafts:
+    raise ValueError(f"speculate={speculate}: the engine verifies up to {engine.drafts} drafts "
+                     "a sequence.")
   sched = dataclasses.replace(engine.sched, prefix_sharing=prefix_sharing,
                               prefill_chunk=prefill_chunk or engine.sched.prefill_chunk,
-                              cascade=engine.sched.cascade if cascade is None else cascade)
+                              cascade=engine.sched.cascade if cascade is None else cascade,
+                              speculate=engine.sched.speculate if speculate is None else speculate)
   scheduler = Scheduler(sched, PageAllocator(num_pages or engine.num_pages))
   pending = sorted(requests, key=lambda r: (r.arrival, r.id))
   cancelling = sorted((step, rid) for rid, step in (cancels or {}).items())

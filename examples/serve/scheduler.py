@@ -33,6 +33,7 @@ import numpy as np
 
 from examples.serve import invariants
 from examples.serve.allocator import OutOfPages, PageAllocator
+from examples.serve.drafts import Draft, Lookup, accepted, propose
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +55,15 @@ class SchedulerConfig:
   prefix_sharing: bool = True
   vocab_size: int | None = None  # prompts with a token outside [0, vocab_size) are refused
   cascade: bool = False  # plans group sequences whose first cached pages are shared (a cascade)
+  speculate: int = 0  # drafted tokens a decoding sequence verifies a step (0: none)
+  draft_branches: int = 1  # candidate continuations drafted (a tree when more than one)
 
   def __post_init__(self):
     if min(self.page_size, self.max_seqs, self.prefill_chunk, self.pages_per_seq) < 1:
       raise ValueError(f"page_size, max_seqs, prefill_chunk and pages_per_seq must be >= 1: {self}")
+    if self.speculate < 0 or self.draft_branches < 1:
+      raise ValueError(f"--speculate must be >= 0 and --draft_branches >= 1, got "
+                       f"{self.speculate} and {self.draft_branches}.")
     if self.step_tokens < self.max_seqs:
       raise ValueError(f"--step_tokens ({self.step_tokens}) must be at least --max_seqs "
                        f"({self.max_seqs}): every running sequence decodes each step.")
@@ -73,6 +79,7 @@ class Sequence:
   computed: int = 0  # tokens whose keys and values are in `pages`
   generated: list[int] = dataclasses.field(default_factory=list)
   admitted: int = -1  # admission counter: the newest running sequence has the largest
+  lookup: Lookup = dataclasses.field(default_factory=Lookup)  # its text indexed for drafts
 
   @property
   def done(self) -> bool:
@@ -97,6 +104,8 @@ class Plan:
   work: list[tuple[Sequence, int]]  # each scheduled sequence and its tokens this step
   samples: list[tuple[Sequence, int]]  # sequences that get a token, and the row that gives it
   prefix: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # cascade: pages, lens, group
+  tree: np.ndarray | None = None  # [n] int32 each row's parent in its sequence (drafts), or None
+  drafts: dict[int, Draft] = dataclasses.field(default_factory=dict)  # work index -> its rows
 
 
 @dataclasses.dataclass
@@ -113,6 +122,8 @@ class Stats:
   cancellations: int = 0
   failures: int = 0  # sequences whose activations went non-finite
   refusals: int = 0
+  drafted: int = 0  # drafted tokens verified
+  accepted: int = 0  # of them, kept
 
 
 class Scheduler:
@@ -185,15 +196,35 @@ class Scheduler:
     first."""
     budget, work, copies = self.config.step_tokens, [], []
     decoding = [seq for seq in self.running if self._chunk(seq) == 1]
-    for seq in decoding + [seq for seq in self.running if seq not in decoding]:
+    drafts = {id(seq): self._draft(seq) for seq in decoding} if self.config.speculate else {}
+    verifying: dict[int, Draft] = {}  # id(seq) -> the draft rows it verifies this step
+    for i, seq in enumerate(decoding + [seq for seq in self.running if seq not in decoding]):
       if seq not in self.running:  # preempted for an older one
         continue
       q = min(budget, self._chunk(seq))
+      if id(seq) in drafts:  # its drafts as far as the step and the free pages hold them
+        q = max(1, min(drafts[id(seq)].rows, budget - max(len(decoding) - 1 - i, 0),
+                       self._room(seq)))
       if q and self._reserve(seq, q, copies, [s for s, _ in work]):
         work.append((seq, q))
         budget -= q
+        if q > 1 and id(seq) in drafts:
+          verifying[id(seq)] = drafts[id(seq)].cut(q)
     self._admit(work, copies, budget)
-    return self._plan(work, copies) if work else None
+    return self._plan(work, copies, verifying) if work else None
+
+  def _room(self, seq: Sequence) -> int:
+    """Tokens `seq` can compute next without preempting anyone (drafts never preempt)."""
+    ps = self.config.page_size
+    written = range(seq.computed // ps, len(seq.pages))
+    copies = sum(self.allocator.refs(seq.pages[p]) > 1 for p in written)
+    return (len(seq.pages) + self.allocator.num_free - copies) * ps - seq.computed
+
+  def _draft(self, seq: Sequence) -> Draft:
+    """A decoding sequence's rows: its last token, and drafts (none without speculation, and
+    never past the tokens it still generates)."""
+    most = min(self.config.speculate, seq.request.max_new_tokens - len(seq.generated) - 1)
+    return propose(seq.lookup, seq.tokens, most, self.config.draft_branches)
 
   def complete(self, plan: Plan, sampled: np.ndarray,
                finite: np.ndarray | None = None) -> list[Sequence]:
@@ -209,16 +240,21 @@ class Scheduler:
           self._end(seq, self.failed, forget=True)
           self.stats.failures += 1
           live.discard(id(seq))
-    for seq, q in plan.work:
+    samples = list(plan.samples)
+    for s, (seq, q) in enumerate(plan.work):
       if id(seq) not in live:
         continue
+      if s in plan.drafts:  # a verified draft tree: its accepted rows are computed, kept
+        path = self._accept(seq, plan.drafts[s], sampled[plan.cu_q_lens[s]:plan.cu_q_lens[s + 1]])
+        q = len(path)
+        samples.append((seq, int(plan.cu_q_lens[s]) + path[-1]))  # the token after the path
       start, seq.computed = seq.computed, seq.computed + q
       self.stats.prefill_tokens += max(0, min(seq.computed, prompt(seq)) - start)
       self.stats.decode_tokens += max(0, seq.computed - max(start, prompt(seq)))
       if self.config.prefix_sharing:
         for p in range(start // ps, seq.computed // ps):
           self.allocator.register(seq.pages[p], self._content(seq, p))
-    for seq, row in plan.samples:
+    for seq, row in samples:
       if id(seq) not in live:
         continue
       seq.generated.append(int(sampled[row]))
@@ -229,7 +265,18 @@ class Scheduler:
         self.finished.append(seq)
     self.stats.steps += 1
     self.stats.pages_allocated = self.allocator.allocated
-    return [seq for seq, _ in plan.samples if id(seq) in live]
+    return [seq for seq, _ in samples if id(seq) in live]
+
+  def _accept(self, seq: Sequence, draft: Draft, sampled: np.ndarray) -> list[int]:
+    """Appends the drafted tokens the step's greedy choices accept (`sampled`: the token after
+    each of the draft's rows); returns the rows kept (the path from row 0)."""
+    path = accepted(draft, sampled.tolist())
+    made = [draft.tokens[r] for r in path[1:]]
+    seq.tokens += made
+    seq.generated += made
+    self.stats.drafted += draft.rows - 1
+    self.stats.accepted += len(made)
+    return path
 
   def _chunk(self, seq: Sequence) -> int:
     """Tokens `seq` computes next: 1 when decoding, else up to a prefill chunk."""
@@ -350,27 +397,36 @@ class Scheduler:
       self.waiting.remove(seq)
     into.append(seq)
 
-  def _plan(self, work: list[tuple[Sequence, int]], copies: list[tuple[int, int]]) -> Plan:
+  def _plan(self, work: list[tuple[Sequence, int]], copies: list[tuple[int, int]],
+            drafts: dict[int, Draft]) -> Plan:
     c = self.config
     cu = np.zeros(c.max_seqs + 1, np.int32)
     kv_lens = np.zeros(c.max_seqs, np.int32)
     table = np.zeros((c.max_seqs, c.pages_per_seq), np.int32)
-    tokens, positions, samples = [], [], []
+    tokens, positions, parents, samples, verifying = [], [], [], [], {}
     self.last_writes = {}
     for s, (seq, q) in enumerate(work):
       for p in range(seq.computed // c.page_size, -(-(seq.computed + q) // c.page_size)):
         self.last_writes[seq.pages[p]] = self.allocator.refs(seq.pages[p])
-      tokens += seq.tokens[seq.computed:seq.computed + q]
-      positions += range(seq.computed, seq.computed + q)
       cu[s + 1], kv_lens[s] = cu[s] + q, seq.computed
       table[s, :len(seq.pages)] = seq.pages
+      if id(seq) in drafts:  # a draft tree (cut to the rows the step holds)
+        draft = verifying[s] = drafts[id(seq)]
+        tokens += draft.tokens
+        positions += [seq.computed + draft.depth(r) for r in range(q)]
+        parents += draft.parents
+        continue
+      tokens += seq.tokens[seq.computed:seq.computed + q]
+      positions += range(seq.computed, seq.computed + q)
+      parents += range(-1, q - 1)
       if seq.computed + q == len(seq.tokens):
         samples.append((seq, int(cu[s + 1]) - 1))
     cu[len(work) + 1:] = cu[len(work)]
     return Plan(tokens=np.asarray(tokens, np.int32), positions=np.asarray(positions, np.int32),
                 cu_q_lens=cu, kv_lens=kv_lens, page_table=table, num_seqs=len(work),
                 copies=copies, work=work, samples=samples,
-                prefix=self._groups(work) if c.cascade else None)
+                prefix=self._groups(work) if c.cascade else None,
+                tree=np.asarray(parents, np.int32) if verifying else None, drafts=verifying)
 
   def _groups(self, work: list[tuple[Sequence, int]]) -> tuple[np.ndarray, ...]:
     """The step's cascade: sequences whose first cached pages are the same shared pages (held

@@ -86,6 +86,15 @@ _PAGE_TOP_K = flags.DEFINE_integer(
 _COMPARE_NATIVE = flags.DEFINE_bool(
     "compare_native", False, "Also serve the requests with the attention on xla (the native CPU "
     "decode kernel off) and print tokens/s with / without it and whether the outputs agree.")
+_SPECULATE = flags.DEFINE_integer(
+    "speculate", 0, "Speculative decoding: up to this many tokens drafted per decoding sequence "
+    "by prompt lookup (the longest suffix of its text found earlier in it), verified in the next "
+    "step (0: none).")
+_DRAFT_BRANCHES = flags.DEFINE_integer(
+    "draft_branches", 1, "With --speculate: candidate continuations drafted, verified as a tree.")
+_COMPARE_SPECULATION = flags.DEFINE_bool(
+    "compare_speculation", False, "Also serve the requests with --speculate=0: acceptance rate, "
+    "tokens/s of both and whether the outputs are identical.")
 _SERVE_SEED = flags.DEFINE_integer("serve_seed", 0, "Seed of the requests.")
 _LOG_EVERY_STEPS = flags.DEFINE_integer("log_every_steps", 25, "Steps between progress lines.")
 
@@ -117,7 +126,8 @@ def _config(requests: list[workload_lib.Request], vocab_size: int) -> SchedulerC
                            step_tokens=_STEP_TOKENS.value, prefill_chunk=_PREFILL_CHUNK.value,
                            pages_per_seq=-(-longest // _PAGE_SIZE.value),
                            prefix_sharing=_PREFIX_SHARING.value, vocab_size=vocab_size,
-                           cascade=_CASCADE.value)
+                           cascade=_CASCADE.value, speculate=_SPECULATE.value,
+                           draft_branches=_DRAFT_BRANCHES.value)
   except ValueError as e:
     _fail(str(e))
 
@@ -159,6 +169,9 @@ def report(served: engine_lib.Served, requests, static: engine_lib.Served | None
     speedup = (served.tokens / served.seconds) / (static.tokens / static.seconds)
     print(f"continuous / static: {speedup:.2f}x tokens/s, "
           f"{served.kv_bytes / static.kv_bytes:.2f}x KV bytes")
+  if s.drafted:
+    print(f"speculation: {s.accepted}/{s.drafted} drafted tokens accepted "
+          f"({s.accepted / s.drafted:.1%}), {served.tokens / served.steps:.2f} tokens a step")
   if mismatches is not None:
     print(f"outputs equal to greedy decoding with a full forward: "
           f"{len(requests) - len(mismatches)}/{len(requests)}"
@@ -206,6 +219,20 @@ def native_agreement(served: engine_lib.Served, config, params, sched, num_pages
   print(f"native decode kernel on / off (platform={config.attention_config.platform} / xla): "
         f"{rate(served):.0f} / {rate(other):.0f} tokens/s = {rate(served) / rate(other):.2f}x; "
         f"{agree}")
+
+
+def speculation_agreement(served: engine_lib.Served, paged: engine_lib.PagedEngine, requests,
+                          cancels) -> None:
+  """The run against the same requests served without drafts (--speculate=0)."""
+  plain = engine_lib.serve(paged, requests, prefix_sharing=paged.sched.prefix_sharing,
+                           cancels=cancels, speculate=0)
+  rate = lambda x: x.tokens / x.seconds
+  s = served.stats
+  agree = _agreeing(served, plain, requests, "the plain run's")
+  print(f"--speculate={_SPECULATE.value} --draft_branches={_DRAFT_BRANCHES.value} against "
+        f"--speculate=0: {rate(served):.0f} / {rate(plain):.0f} tokens/s = "
+        f"{rate(served) / rate(plain):.2f}x; acceptance {s.accepted}/{s.drafted} = "
+        f"{s.accepted / max(s.drafted, 1):.1%}; steps {served.steps} / {plain.steps}; {agree}")
 
 
 def run() -> None:
@@ -266,6 +293,8 @@ def run() -> None:
     full.warm_up()
     agreement(served, engine_lib.serve(full, requests, prefix_sharing=sched.prefix_sharing,
                                        cancels=cancels), requests)
+  if _COMPARE_SPECULATION.value:
+    speculation_agreement(served, paged, requests, cancels)
   if _COMPARE_NATIVE.value:
     native_agreement(served, config, params, sched, num_pages, requests, cancels)
   static = None

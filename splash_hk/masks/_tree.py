@@ -5,7 +5,9 @@ the row), or -1 when its parent is what came before the call (a root). Query i s
 call's tokens, itself and its ancestors; with a `KVCache` it also sees every cached key (under
 the config's rule), and the layer gives the call positions by depth (`positions`): query i at
 the cache's length plus its depth, and its key there too, though it is written at slot length
-+ i. Ancestry is two comparisons of the depth-first walk's times (`splash_hk.drafts`).
++ i. Ancestry is two comparisons of the depth-first walk's times (`splash_hk.drafts`). A
+parent not earlier in its row is a ValueError naming `mask` when concrete; under `jit` that
+batch row outputs NaN.
 """
 
 from __future__ import annotations
@@ -20,10 +22,17 @@ from splash_hk import drafts
 from splash_hk.masks._blocks import ArrayLike, Blocks, blocks, ranges
 from splash_hk.masks._mask import Mask, Shaped, array_field
 
-__all__ = ("Tree", "positions")
+__all__ = ("Tree", "misused", "positions")
 
 _CACHED = -1  # a cached key's walk entry: before every query's
 _ALWAYS = 2**30  # and its exit: after every query's
+
+
+def misused(tree: Tree) -> jax.Array:
+  """[B] bool: rows of the call with a parent not earlier (under `jit`: they output NaN;
+  concrete parents are refused by `Tree.check`)."""
+  p = jnp.asarray(tree.parents, jnp.int32)
+  return jnp.any((p < -1) | (p >= jnp.arange(p.shape[1])[None, :]), axis=1)
 
 
 def _walk(parents: jax.Array) -> drafts.Walk:
@@ -31,7 +40,7 @@ def _walk(parents: jax.Array) -> drafts.Walk:
   batch, length = parents.shape
   p = jnp.asarray(parents, jnp.int32)
   index = jnp.arange(length, dtype=jnp.int32)[None, :]
-  linked = (p >= 0) & (p < index)  # a parent not earlier: a root (`check` refuses it eagerly)
+  linked = (p >= 0) & (p < index)  # a parent not earlier: a root (its batch row: NaN)
   offset = jnp.arange(batch, dtype=jnp.int32)[:, None] * length
   w = drafts.walk(jnp.where(linked, p + offset, -1).reshape(-1))
   return drafts.Walk(*(a.reshape(batch, length) for a in w))
