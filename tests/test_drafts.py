@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import harness
 from harness import tol
 import oracle
 import paged_cases
@@ -281,3 +282,12 @@ def test_a_tree_parent_not_earlier_is_refused_naming_the_mask():
     layer_lib.attend(q, k, v, call, settings)
   out, _ = jax.jit(lambda c: layer_lib.attend(q, k, v, c, settings))(call)  # known at run time
   assert np.isnan(np.asarray(out[0])).all() and np.isfinite(np.asarray(out[1])).all()
+
+
+def test_a_tree_shards_over_the_head_axis():
+  step = paged_cases.step(13)
+  mesh = harness.mesh("4x2")
+  call = jax.jit(lambda q, k, v, c, b: sh.paged_attention(q, k, v, c, b, mesh=mesh))
+  out, _ = call(step.q, step.k, step.v, step.cache, with_tree(step, TREES["forest"]))
+  assert out.sharding.spec[1] == "tp"
+  np.testing.assert_allclose(np.asarray(out), tree_oracle(step, TREES["forest"]), **tol())
