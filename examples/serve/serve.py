@@ -235,6 +235,34 @@ def speculation_agreement(served: engine_lib.Served, paged: engine_lib.PagedEngi
         f"{s.accepted / max(s.drafted, 1):.1%}; steps {served.steps} / {plain.steps}; {agree}")
 
 
+def comparisons(served: engine_lib.Served, paged: engine_lib.PagedEngine, config, params,
+                sched: SchedulerConfig, num_pages: int, requests, cancels,
+                top_k: int | None) -> None:
+  """The runs the flags compare the served run with (cascade, chosen pages, float32 pools,
+  speculation, the native kernel), each printed."""
+  if _COMPARE_CASCADE.value:
+    other = engine_lib.serve(paged, requests, prefix_sharing=sched.prefix_sharing,
+                             cancels=cancels, cascade=not sched.cascade)
+    with_, without = (served, other) if sched.cascade else (other, served)
+    print(f"cascade / no cascade: {(with_.tokens / with_.seconds) / (without.tokens / without.seconds):.2f}x "
+          f"tokens/s ({with_.tokens / with_.seconds:.0f} / {without.tokens / without.seconds:.0f}); "
+          f"outputs equal: {with_.outputs == without.outputs}")
+  if top_k is not None:
+    every = engine_lib.PagedEngine(config, params, sched, num_pages, KV_DTYPES[_KV_DTYPE.value])
+    every.warm_up()
+    quest_agreement(served, engine_lib.serve(every, requests, prefix_sharing=sched.prefix_sharing,
+                                             cancels=cancels), requests)
+  if _KV_DTYPE.value != "float32":
+    full = engine_lib.PagedEngine(config, params, sched, num_pages)
+    full.warm_up()
+    agreement(served, engine_lib.serve(full, requests, prefix_sharing=sched.prefix_sharing,
+                                       cancels=cancels), requests)
+  if _COMPARE_SPECULATION.value:
+    speculation_agreement(served, paged, requests, cancels)
+  if _COMPARE_NATIVE.value:
+    native_agreement(served, config, params, sched, num_pages, requests, cancels)
+
+
 def run() -> None:
   axes = train.make_axes(None)
   task, config = train.make_task_and_model(axes)
@@ -276,27 +304,7 @@ def run() -> None:
                               check=_CHECK.value)
   except ValueError as e:
     _fail(str(e))
-  if _COMPARE_CASCADE.value:
-    other = engine_lib.serve(paged, requests, prefix_sharing=sched.prefix_sharing,
-                             cancels=cancels, cascade=not sched.cascade)
-    with_, without = (served, other) if sched.cascade else (other, served)
-    print(f"cascade / no cascade: {(with_.tokens / with_.seconds) / (without.tokens / without.seconds):.2f}x "
-          f"tokens/s ({with_.tokens / with_.seconds:.0f} / {without.tokens / without.seconds:.0f}); "
-          f"outputs equal: {with_.outputs == without.outputs}")
-  if top_k is not None:
-    every = engine_lib.PagedEngine(config, params, sched, num_pages, KV_DTYPES[_KV_DTYPE.value])
-    every.warm_up()
-    quest_agreement(served, engine_lib.serve(every, requests, prefix_sharing=sched.prefix_sharing,
-                                             cancels=cancels), requests)
-  if _KV_DTYPE.value != "float32":
-    full = engine_lib.PagedEngine(config, params, sched, num_pages)
-    full.warm_up()
-    agreement(served, engine_lib.serve(full, requests, prefix_sharing=sched.prefix_sharing,
-                                       cancels=cancels), requests)
-  if _COMPARE_SPECULATION.value:
-    speculation_agreement(served, paged, requests, cancels)
-  if _COMPARE_NATIVE.value:
-    native_agreement(served, config, params, sched, num_pages, requests, cancels)
+  comparisons(served, paged, config, params, sched, num_pages, requests, cancels, top_k)
   static = None
   if _COMPARE_STATIC.value:
     static_engine = engine_lib.StaticEngine(config, params, sched.max_seqs)
