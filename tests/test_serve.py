@@ -567,4 +567,4 @@ def test_drafts_keep_greedy_outputs_through_preemption_and_cancellation(speculat
     assert seq.generated == want, seq.request.id
   stats = scheduler.stats
   assert stats.preemptions > 0 and (stats.accepted > 20) == (speculate > 0), stats
-  assert stats.steps <= (70 if speculate == 0 else 45), stats  # measured: 70, then 40 and 38
+  assert stats.steps <= (70 if speculate == 0 else 45), stats  # measured: 70, then 41 and 37

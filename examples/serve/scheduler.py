@@ -196,22 +196,33 @@ class Scheduler:
     first."""
     budget, work, copies = self.config.step_tokens, [], []
     decoding = [seq for seq in self.running if self._chunk(seq) == 1]
-    drafts = {id(seq): self._draft(seq) for seq in decoding} if self.config.speculate else {}
-    verifying: dict[int, Draft] = {}  # id(seq) -> the draft rows it verifies this step
-    for i, seq in enumerate(decoding + [seq for seq in self.running if seq not in decoding]):
+    for seq in decoding + [seq for seq in self.running if seq not in decoding]:
       if seq not in self.running:  # preempted for an older one
         continue
       q = min(budget, self._chunk(seq))
-      if id(seq) in drafts:  # its drafts as far as the step and the free pages hold them
-        q = max(1, min(drafts[id(seq)].rows, budget - max(len(decoding) - 1 - i, 0),
-                       self._room(seq)))
       if q and self._reserve(seq, q, copies, [s for s, _ in work]):
         work.append((seq, q))
         budget -= q
-        if q > 1 and id(seq) in drafts:
-          verifying[id(seq)] = drafts[id(seq)].cut(q)
     self._admit(work, copies, budget)
+    verifying = self._add_drafts(work, copies) if self.config.speculate else {}
     return self._plan(work, copies, verifying) if work else None
+
+  def _add_drafts(self, work: list[tuple[Sequence, int]],
+                  copies: list[tuple[int, int]]) -> dict[int, Draft]:
+    """Decoding sequences' drafts in the step's spare tokens and free pages (after every decode
+    and prompt chunk; drafts never preempt): id(seq) -> the draft rows it verifies."""
+    budget = self.config.step_tokens - sum(q for _, q in work)
+    verifying = {}
+    for i, (seq, q) in enumerate(work):
+      if q != 1 or seq.computed + 1 != len(seq.tokens) or budget < 1:
+        continue  # not a decode, or no spare tokens
+      draft = self._draft(seq)
+      rows = min(draft.rows, 1 + budget, self._room(seq))
+      if rows > 1 and self._reserve(seq, rows, copies, [s for s, _ in work]):
+        work[i] = (seq, rows)
+        budget -= rows - 1
+        verifying[id(seq)] = draft.cut(rows)
+    return verifying
 
   def _room(self, seq: Sequence) -> int:
     """Tokens `seq` can compute next without preempting anyone (drafts never preempt)."""
