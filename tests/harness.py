@@ -15,7 +15,15 @@ from jax.sharding import AxisType
 import numpy as np
 
 import oracle
+import pytest
 import splash_hk as sh
+from splash_hk.backends import native_build
+
+# Why the native CPU kernel cannot be built here (no C++ compiler, a failed build), or None: the
+# tests that need it skip with that reason, as GPU tests skip on a CPU.
+NATIVE_MISSING = native_build.unavailable()
+needs_native = pytest.mark.skipif(NATIVE_MISSING is not None,
+                                  reason=f"the native kernel is unavailable: {NATIVE_MISSING}")
 
 
 class Tolerance(NamedTuple):

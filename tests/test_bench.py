@@ -21,6 +21,7 @@ from benchmarks import bench_quant
 from benchmarks import bench_report
 from benchmarks import bench_workloads
 from examples.train import paths
+import harness
 import oracle
 import processes
 
@@ -176,6 +177,7 @@ def test_layout_bench_times_the_same_attention_in_both_layouts(capsys):
   np.testing.assert_allclose(head, token, rtol=1e-5, atol=1e-5)
 
 
+@harness.needs_native
 def test_native_bench_prints_its_figures_per_thread_count(capsys):
   figures = bench_native.report(max_len=256, repeats=1, threads=(1,))
   names = ("read_fraction", "xla_over_native", "f32_over_int8", "module_read_fraction",

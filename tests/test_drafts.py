@@ -17,7 +17,6 @@ import paged_cases
 import splash_hk as sh
 from splash_hk import drafts
 from splash_hk import layer as layer_lib
-from splash_hk.backends import native_build
 
 # Trees over the default step's sequences (rows 1, 7, 3, 1; kv_lens 5, 0, 12, 3).
 TREES = {
@@ -25,7 +24,7 @@ TREES = {
     "forest": [[-1], [-1, -1, 1, 0, 2, 4, 3], [-1, -1, 1], [-1]],  # several roots
     "chains": [[-1], [-1, 0, 1, 2, 3, 4, 5], [-1, 0, 1], [-1]],
 }
-PLATFORMS = ["xla", "reference"] + ([] if native_build.unavailable() else ["native"])
+PLATFORMS = ["xla", "reference"] + ([] if harness.NATIVE_MISSING else ["native"])
 
 
 def ancestry(parents):

@@ -38,6 +38,7 @@ def _run(step, config, **kwargs):
   return fn(step.q, step.k, step.v, step.cache, step.batch)
 
 
+@harness.needs_native
 @pytest.mark.parametrize("rule", ["causal", "window", "chunk", "bidirectional", "soft_cap"])
 def test_a_paged_decode_at_real_lengths_matches_the_oracle(rule):
   config, rules = paged_cases.RULES[rule]
@@ -46,6 +47,7 @@ def test_a_paged_decode_at_real_lengths_matches_the_oracle(rule):
   np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())
 
 
+@harness.needs_native
 def test_a_value_one_row_sees_reaches_that_row_alone():
   # The 3-row run of sequence 3 (positions 2047..2049) under a window of (3, 0): the value at
   # 2044 is seen by its first row only; a NaN there is that row's (in its column), no other's.
@@ -61,6 +63,7 @@ def test_a_value_one_row_sees_reaches_that_row_alone():
   assert np.isnan(out[rows, :4, 5]).all() and not np.isnan(out[rows + 1:rows + 3]).any()
 
 
+@harness.needs_native
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_a_narrow_float_pool_matches_the_oracle(dtype):
   step = paged_cases.step(seed=4, dtype=dtype, **REAL)
@@ -70,6 +73,7 @@ def test_a_narrow_float_pool_matches_the_oracle(dtype):
   np.testing.assert_allclose(np.asarray(out, np.float32), want, **harness.tol(dtype=jnp.bfloat16))
 
 
+@harness.needs_native
 @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_a_quantized_pool_matches_the_oracle_of_its_stored_values(kind):
   step = paged_cases.quantized_step(kind, 5, **REAL)
@@ -78,6 +82,7 @@ def test_a_quantized_pool_matches_the_oracle_of_its_stored_values(kind):
   np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())
 
 
+@harness.needs_native
 def test_sinks_gqa_and_the_log_sum_exp_match_the_oracle():
   step = paged_cases.step(seed=6, **{**REAL, "hq": 8, "hkv": 1})  # MQA: 8 heads on one kv head
   sinks = np.random.default_rng(0).normal(size=(8, 2)).astype(np.float32)
@@ -93,6 +98,7 @@ def test_sinks_gqa_and_the_log_sum_exp_match_the_oracle():
   assert np.all(np.asarray(lse[start:]) == -np.inf)  # padding rows
 
 
+@harness.needs_native
 def test_alibi_over_the_pool_and_over_a_fixed_cache_matches_the_oracle():
   step = paged_cases.step(seed=12, **REAL)
   slopes, dense = harness.score_case("alibi", np.arange(2100)[None], np.arange(2100)[None], 8)
@@ -112,6 +118,7 @@ def test_alibi_over_the_pool_and_over_a_fixed_cache_matches_the_oracle():
   np.testing.assert_allclose(np.asarray(out), np.stack(want), **harness.tol())
 
 
+@harness.needs_native
 def test_a_misusing_sequence_outputs_nan_under_jit_and_the_others_proceed():
   step = paged_cases.step(seed=7, **REAL)
   bad = step.batch.kv_lens.at[2].set(-3)  # a negative length: the misuse rule
@@ -151,6 +158,7 @@ def _cache_oracle(cache, q, k, v, lens, **rules):
   return np.stack(outs)
 
 
+@harness.needs_native
 @pytest.mark.parametrize("rule", ["causal", "window", "soft_cap"])
 def test_the_fixed_cache_through_the_layer_matches_the_oracle(rule):
   config, rules = paged_cases.RULES[rule]
@@ -162,6 +170,7 @@ def test_the_fixed_cache_through_the_layer_matches_the_oracle(rule):
                              **harness.tol())
 
 
+@harness.needs_native
 def test_the_haiku_module_decodes_over_an_int8_cache_on_the_native_kernel():
   batch, heads, kv_heads, size, prefill, decode = 2, 8, 2, 32, 5, 3
   x = np.random.default_rng(9).normal(size=(batch, prefill + decode, 32)).astype(np.float32)
@@ -189,6 +198,7 @@ def test_the_haiku_module_decodes_over_an_int8_cache_on_the_native_kernel():
   np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
 
 
+@harness.needs_native
 def test_vmap_jit_and_shard_map():
   cache, q, _, _, lens = _cache_case(10, new=1)
   k_all, v_all = np.array(cache.key), np.array(cache.value)
@@ -211,6 +221,7 @@ def test_vmap_jit_and_shard_map():
   np.testing.assert_allclose(np.asarray(sharded), want, **harness.tol())
 
 
+@harness.needs_native
 def test_a_differentiated_call_runs_xla_and_matches_the_oracle_gradients():
   rng = np.random.default_rng(11)
   q, k, v = (rng.normal(size=s).astype(np.float32) for s in ((2, 2, 4, 16), (2, 40, 2, 16),
@@ -221,6 +232,7 @@ def test_a_differentiated_call_runs_xla_and_matches_the_oracle_gradients():
   harness.assert_close(got, harness.oracle_values_and_grads(q, k, v, cot))
 
 
+@harness.needs_native
 def test_explain_names_native_for_decode_and_its_refusal_for_a_prefill():
   q, k = jax.ShapeDtypeStruct((2, 1, 8, 64), jnp.float32), jax.ShapeDtypeStruct(
       (2, 512, 2, 64), jnp.float32)
@@ -231,6 +243,7 @@ def test_explain_names_native_for_decode_and_its_refusal_for_a_prefill():
   assert sh.explain(q, k, k, for_platform="tpu").backend != "native"
 
 
+@harness.needs_native
 def test_keys_and_values_stored_differently_run_on_xla_and_match_the_oracle():
   rng = np.random.default_rng(14)
   q = rng.normal(size=(2, 1, 8, 64)).astype(np.float32)

@@ -227,8 +227,9 @@ def test_explain_paged_names_the_backend_and_the_refusals():
   step = _step(seed=8)
   spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
   args = jax.tree.map(spec, (step.q, step.k, step.v, step.cache, step.batch))
-  decision = sh.explain_paged(*args)  # a decode step on CPU: the native kernel
-  assert decision.backend == "native" and "paged" in decision.reason, decision
+  decision = sh.explain_paged(*args)  # a decode step on CPU: the native kernel (if it builds)
+  assert decision.backend == ("native" if harness.NATIVE_MISSING is None else "xla")
+  assert "paged" in decision.reason, decision
   decision = sh.explain_paged(*args, config=sh.AttentionConfig(platform="reference"))
   assert decision == sh.Decision("reference", "reference is the requested (paged)")
   splash = sh.explain_paged(*args, config=sh.AttentionConfig(platform="splash", interpret=True))

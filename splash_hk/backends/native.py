@@ -17,6 +17,8 @@ Threads: `SPLASH_HK_NATIVE_THREADS` (read when a call is traced), default every 
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import jax
@@ -174,8 +176,8 @@ def _local_heads(lists: pages.BlockLists, heads: jax.Array, group: int,
     return lists
   first = heads[0] // group
   cut = lambda a: jax.lax.dynamic_slice_in_dim(a, first, kv_heads, axis=1)
-  return lists.__class__(cut(lists.blocks), cut(lists.first_key), cut(lists.count), lists.order,
-                         lists.offset, lists.rows, lists.lo, lists.hi, lists.positional)
+  return dataclasses.replace(lists, blocks=cut(lists.blocks), first_key=cut(lists.first_key),
+                             count=cut(lists.count))
 
 
 def _cache_call(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array]:
