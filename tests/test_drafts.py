@@ -290,3 +290,41 @@ def test_a_tree_shards_over_the_head_axis():
   out, _ = call(step.q, step.k, step.v, step.cache, with_tree(step, TREES["forest"]))
   assert out.sharding.spec[1] == "tp"
   np.testing.assert_allclose(np.asarray(out), tree_oracle(step, TREES["forest"]), **tol())
+
+
+def test_a_nan_draft_shows_in_its_own_rows_and_descendants_alone():
+  """Row 2 of sequence 1 (parent 0; children 5 and 6 in "branches") holds NaN in its key and
+  value: it and its descendants output NaN, its siblings and cousins (who never see it) match
+  the oracle, on every backend."""
+  step = paged_cases.step(14)
+  k, v = step.k.copy(), step.v.copy()
+  k[1 + 2], v[1 + 2] = np.nan, np.nan  # sequence 1 starts at row 1
+  for platform in PLATFORMS:
+    out, _ = sh.paged_attention(step.q, k, v, step.cache, with_tree(step, TREES["branches"]),
+                                config=sh.AttentionConfig(platform=platform))
+    out = np.asarray(out)
+    assert np.isnan(out[[3, 6, 7]]).all(), platform
+    clean = [0, 1, 2, 4, 5, 8, 9, 10, 11]
+    np.testing.assert_allclose(out[clean], tree_oracle(step, TREES["branches"])[clean],
+                               **tol(), err_msg=platform)
+
+
+def test_a_tree_step_exports_for_tpu_on_xla_and_the_artifact_runs_here():
+  """The TPU block-list kernel refuses trees (interpret mode too): on a TPU a tree step is xla's
+  tiles, lowered from this CPU host; the two-platform artifact runs here against the oracle."""
+  step = paged_cases.step(15)
+  batch = with_tree(step, TREES["forest"])
+  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+  args = jax.tree.map(spec, (step.q, step.k, step.v, step.cache, batch))
+  decision = sh.explain_paged(*args, for_platform="tpu")
+  assert decision.backend == "xla" and "draft trees" in decision.reason, decision
+  interpret = sh.explain_paged(*args, config=sh.AttentionConfig(platform="splash",
+                                                                interpret=True))
+  assert interpret.backend == "xla" and interpret.fallback and "draft trees" in interpret.reason
+  xla = sh.AttentionConfig(platform="xla")  # the CPU branch too (the native FFI call is not
+  f = jax.jit(lambda *a: sh.paged_attention(*a, config=xla)[0])  # serialisable: DESIGN's trap)
+  tpu = jax.export.export(f, platforms=["tpu"])(*args)
+  assert "tpu_custom_call" not in tpu.mlir_module()
+  both = jax.export.export(f, platforms=["cpu", "tpu"])(*args)
+  out = both.call(step.q, step.k, step.v, step.cache, batch)
+  np.testing.assert_allclose(np.asarray(out), tree_oracle(step, TREES["forest"]), **tol())
