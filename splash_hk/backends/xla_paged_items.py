@@ -165,11 +165,12 @@ def _positions(it: Item, x: pages.PagedInputs) -> tuple[jax.Array, jax.Array, ja
   return q_at, kv_at, seen
 
 
-def _visible(it: Item, x: pages.PagedInputs) -> jax.Array:
-  """[I, Hl, w, S'] bool: the element mask (bounds, rule, entries in use, a tree's ancestors)."""
+def _visible(it: Item, x: pages.PagedInputs, positions) -> jax.Array:
+  """[I, Hl, w, S'] bool: the element mask (bounds, rule, entries in use, a tree's ancestors);
+  `positions`: `_positions(it, x)`."""
   kv = it.kv_pos[:, :, None, :]  # [I, Hl, 1, S']
   seen = (it.ok[:, :, None, :] & (kv >= it.lo[:, None, :, None]) & (kv <= it.hi[:, None, :, None]))
-  q_at, kv_at, ancestors = _positions(it, x)
+  q_at, kv_at, ancestors = positions
   if ancestors is not None:
     seen = seen & ancestors
   if x.rule is not None:
@@ -180,12 +181,13 @@ def _visible(it: Item, x: pages.PagedInputs) -> jax.Array:
 def _scores(it: Item, x: pages.PagedInputs, facts: pages.PagedFacts, logits: jax.Array,
             masked: bool) -> tuple[jax.Array, jax.Array | None]:
   """(capped logits with invisible pairs at -inf, the mask [I, Hkv|1, G|1, w, S'] or None)."""
-  seen = _visible(it, x)[:, :, None] if masked else None  # [I, Hl, 1, w, S']
+  positions = _positions(it, x)  # read once, by the mask and the bias
+  seen = _visible(it, x, positions)[:, :, None] if masked else None  # [I, Hl, 1, w, S']
   bias = None
   if x.bias is not None:
     groups = logits.shape[2]
     head = x.heads.reshape(1, -1, groups, 1, 1)
-    q_at, kv_at, _ = _positions(it, x)
+    q_at, kv_at, _ = positions
     bias = x.bias.scores(q_at[:, :, None], kv_at[:, :, None], head)  # [I, Hkv, G, w, S']
     if seen is not None:
       bias = jnp.where(seen, bias, 0.0)

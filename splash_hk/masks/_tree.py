@@ -56,6 +56,7 @@ class Tree(Mask):
 
   parents: Shaped = array_field("q")  # [B, T] int
   enter: ArrayLike = array_field("q", None)  # normal form: each query's walk entry [B, T]
+  depth: ArrayLike = array_field("q", None)  # and its depth [B, T]
   kv_enter: ArrayLike = array_field("kv", None)  # [B, S]: its key's row's entry (cached: -1)
   kv_leave: ArrayLike = array_field("kv", None)  # [B, S]: and exit (cached: after all)
 
@@ -84,7 +85,8 @@ class Tree(Mask):
     w = _walk(jnp.asarray(self.parents))
     kv_enter = w.enter if self.kv_enter is None else self.kv_enter
     kv_leave = w.leave if self.kv_leave is None else self.kv_leave
-    return dataclasses.replace(self, enter=w.enter, kv_enter=kv_enter, kv_leave=kv_leave)
+    return dataclasses.replace(self, enter=w.enter, depth=w.depth, kv_enter=kv_enter,
+                               kv_leave=kv_leave)
 
   def over_slots(self, slots: ArrayLike, kv_len: int) -> Mask:
     """Over a cache of `kv_len` slots, the call's tokens written at `slots` [B, T]."""
@@ -92,8 +94,8 @@ class Tree(Mask):
     rows = jnp.arange(slots.shape[0])[:, None]
     fill = lambda value, at: jnp.full((slots.shape[0], kv_len), value, jnp.int32).at[
         rows, slots].set(at, mode="drop")  # [B, S]
-    return dataclasses.replace(self, enter=w.enter, kv_enter=fill(_CACHED, w.enter),
-                               kv_leave=fill(_ALWAYS, w.leave))
+    return dataclasses.replace(self, enter=w.enter, depth=w.depth,
+                               kv_enter=fill(_CACHED, w.enter), kv_leave=fill(_ALWAYS, w.leave))
 
   def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:
     del q_pos, kv_pos  # ancestry is by index
@@ -115,8 +117,8 @@ class Tree(Mask):
 def positions(tree: Tree, slots: jax.Array, kv_len: int) -> tuple[jax.Array, jax.Array]:
   """Positions by depth over a cache: (queries [B, T], the cache's slots [B, S]): the call's
   token i (written at `slots[:, i]`) at the cache's length plus its depth, cached keys at
-  their slots."""
-  depth = _walk(jnp.asarray(tree.parents)).depth  # [B, T]
+  their slots. `tree`: over the cache (`over_slots`: its walk made once)."""
+  depth = tree.depth  # [B, T]
   q_pos = slots[:, :1] + depth
   rows = jnp.arange(slots.shape[0])[:, None]
   kv_pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (slots.shape[0], kv_len))
