@@ -4,12 +4,15 @@
 
 A decode step of 16 sequences of 64..max_len tokens (Hq 8, Hkv 2, D 128, pages of 16, the pool
 head-major and donated each step), every figure from the same run:
-- the read bandwidth: a 256 MiB `jnp.sum`, timed beside the steps;
-- per thread count: the f32 native step's fraction of it (the bytes of every cached key and
-  value it must read / its time / the bandwidth); the donated xla paged step / native; an
-  int8 pool's native step against the f32 one (f32 / int8 time);
+- the read bandwidth: a 256 MiB `jnp.sum` (XLA's, on every core), timed beside the steps, and
+  one core's: NumPy's sum of the same size on the calling thread;
+- per thread count: the f32 native step's fraction of the read bandwidth (the bytes of every
+  cached key and value it must read / its time / the bandwidth; for one thread also of one
+  core's); the donated xla paged step / native; an int8 pool's native step against the f32
+  one (f32 / int8 time);
 - the fixed cache: a `KVCache` decode step through the Haiku module (`sh.MultiHeadAttention`,
-  the cache donated) on native, its read fraction and xla / native.
+  the cache donated) on native, its read fraction (the step must read every cached key and
+  value and the module's four projection weights) and xla / native.
 Timing: each timed call after an untimed call of the same executable (`timing`); times are
 medians of `--repeats`, ratios the median over `--repeats` rounds timing both steps one after
 the other (`bench_paged.ratio`: the machine's drift cancels).
@@ -50,8 +53,10 @@ def paged_step(lens: Sequence[int], dtype: Any, platform: str) -> Callable[[], A
   return bench_paged.donated_step(q, k, cache, batch, config=_config(platform))
 
 
-def module_step(lens: Sequence[int], max_len: int, platform: str) -> Callable[[], Any]:
-  """A donated decode step of `sh.MultiHeadAttention` over a `KVCache` whose rows hold `lens`."""
+def module_step(lens: Sequence[int], max_len: int,
+                platform: str) -> tuple[Callable[[], Any], int]:
+  """A donated decode step of `sh.MultiHeadAttention` over a `KVCache` whose rows hold `lens`,
+  and the bytes of the module's weights (which the step reads besides the cache)."""
   rows = len(lens)
 
   @hk.transform
@@ -74,7 +79,7 @@ def module_step(lens: Sequence[int], max_len: int, platform: str) -> Callable[[]
     held[0] = written.replace(length=jnp.asarray(lens, jnp.int32))
     return out
 
-  return run
+  return run, sum(x.nbytes for x in jax.tree.leaves(params))
 
 
 def seconds(step: Callable[[], Any], repeats: int) -> float:
@@ -88,30 +93,40 @@ def report(max_len: int, repeats: int, threads: Sequence[int]) -> dict[str, floa
   paged_bytes = sum(-(-(int(n) + 1) // page) for n in lens) * page * HKV * D * 4 * 2
   cache_bytes = int(sum(lens + 1)) * HKV * D * 4 * 2
   bandwidth = timing.read_bandwidth(0.25, repeats)
+  one_core = timing.one_core_bandwidth(0.25, repeats)
   xla_paged = paged_step(lens, jnp.float32, "xla")
-  xla_module = module_step(lens, max_len, "xla")
-  figures = {"bandwidth_gbs": bandwidth / 1e9}
+  xla_module, weight_bytes = module_step(lens, max_len, "xla")
+  figures = {"bandwidth_gbs": bandwidth / 1e9, "one_core_bandwidth_gbs": one_core / 1e9}
   print(f"16 sequences of 64..{max_len} (Hq {HQ}, Hkv {HKV}, D {D}, pages of {page}, donated); "
-        f"read bandwidth {bandwidth / 1e9:.2f} GB/s; pool {paged_bytes / 2**20:.0f} MiB")
+        f"read bandwidth {bandwidth / 1e9:.2f} GB/s (one core {one_core / 1e9:.2f}); pool "
+        f"{paged_bytes / 2**20:.0f} MiB; module weights {weight_bytes / 2**20:.0f} MiB")
   for n in threads:
     os.environ[native.THREADS_ENV] = str(n)  # read when the steps are traced (their first call)
     f32, int8 = paged_step(lens, jnp.float32, "native"), paged_step(lens, jnp.int8, "native")
-    module = module_step(lens, max_len, "native")
+    module, _ = module_step(lens, max_len, "native")
     for step in (f32, int8, module):
       step()
     f32_s, module_s = seconds(f32, repeats), seconds(module, repeats)
     rows = {"read_fraction": paged_bytes / f32_s / bandwidth,
             "xla_over_native": bench_paged.ratio([xla_paged], [f32], repeats),
             "f32_over_int8": bench_paged.ratio([f32], [int8], repeats),
-            "module_read_fraction": cache_bytes / module_s / bandwidth,
+            "module_read_fraction": (cache_bytes + weight_bytes) / module_s / bandwidth,
             "module_xla_over_native": bench_paged.ratio([xla_module], [module], repeats)}
+    if n == 1:
+      rows["read_fraction_one_core"] = paged_bytes / f32_s / one_core
     figures.update({f"{k}_t{n}": v for k, v in rows.items()})
-    print(f"  {n} thread(s): f32 pool {f32_s * 1e3:.1f} ms = {rows['read_fraction']:.2f} of the "
-          f"read bandwidth; donated xla paged / native {rows['xla_over_native']:.2f}x; f32 / int8 "
-          f"pool {rows['f32_over_int8']:.2f}x; KVCache through the Haiku module "
-          f"{module_s * 1e3:.1f} ms = {rows['module_read_fraction']:.2f} of the bandwidth, xla / "
-          f"native {rows['module_xla_over_native']:.2f}x")
+    _print_row(n, f32_s, module_s, rows)
   return figures
+
+
+def _print_row(n: int, f32_s: float, module_s: float, rows: dict[str, float]) -> None:
+  core = (f" ({rows['read_fraction_one_core']:.2f} of one core's)"
+          if "read_fraction_one_core" in rows else "")
+  print(f"  {n} thread(s): f32 pool {f32_s * 1e3:.1f} ms = {rows['read_fraction']:.2f} of the "
+        f"read bandwidth{core}; donated xla paged / native {rows['xla_over_native']:.2f}x; f32 "
+        f"/ int8 pool {rows['f32_over_int8']:.2f}x; KVCache through the Haiku module "
+        f"{module_s * 1e3:.1f} ms = {rows['module_read_fraction']:.2f} of the bandwidth, xla / "
+        f"native {rows['module_xla_over_native']:.2f}x")
 
 
 def main(argv: Sequence[str]) -> None:

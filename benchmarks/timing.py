@@ -30,6 +30,18 @@ def read_bandwidth(gib: float, repeats: int) -> float:
   return big.nbytes / seconds
 
 
+def one_core_bandwidth(gib: float, repeats: int) -> float:
+  """Bytes per second of NumPy's sum over a `gib` GiB float32 array: what one core reads (the
+  sum runs on the calling thread; XLA's runs on every core)."""
+  big = np.ones((int(gib * 2**28),), np.float32)
+  seconds = []
+  for _ in range(repeats + 1):  # the first call untimed, as `timed_call`
+    start = time.perf_counter()
+    big.sum()
+    seconds.append(time.perf_counter() - start)
+  return big.nbytes / float(np.median(seconds[1:]))
+
+
 def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int) -> float:
   """The median of `repeats` timed calls (`timed_call`) of `fn(*args)`."""
   return float(np.median([timed_call(fn, *args)[0] for _ in range(repeats)]))

@@ -63,10 +63,15 @@ struct Head {
   }
 };
 
+// What a block's visibility is: no vector sees a key of it, some see some (the `visible`
+// array says which), every vector sees every key (the array is not filled).
+enum Seen { kNone = 0, kSome = 1, kAll = 2 };
+
 // One item: rows `rows[0..nrows)` (flat query rows) x kv heads [h0, h0 + nh) over `nblocks`
 // blocks, block e of head h given by desc(e, h), its visibility (the same for every head) by
-// vis(e, block, visible) -> whether any vector sees it. The heads of a block are read one after
-// the other (a fixed cache's token rows hold every head's keys: read once, while in cache).
+// vis(e, block, visible) -> Seen. The heads of a block are read one after
+// the other (a fixed cache's token rows hold every head's keys: read once, while in cache); the
+// first head's fold prefetches the next block's rows whole (every head's share of them).
 template <typename T, bool kAvx2, typename Desc, typename Vis>
 void Item(const Common& c, const int* rows, int nrows, int h0, int nh, int nblocks, Desc desc,
           Vis vis) {
@@ -76,15 +81,17 @@ void Item(const Common& c, const int* rows, int nrows, int h0, int nh, int nbloc
   for (int h = h0; h < h0 + nh; ++h) heads.emplace_back(c, rows, nrows, h);
   alignas(64) uint8_t visible[sn::kMaxRG * sn::kMaxSlots];
   for (int e = 0; e < nblocks; ++e) {
-    if (!vis(e, desc(e, h0), visible)) continue;
+    const int seen = vis(e, desc(e, h0), visible);
+    if (seen == kNone) continue;
     const int ahead = e + sn::kPrefetchBlocks;  // the block read ahead (prefetched) meanwhile
     for (int x = 0; x < nh; ++x) {
       Head& hd = heads[x];
       const sn::ItemShape shape{hd.q.data(), rg, c.d, c.dv, c.soft_cap,
                                 c.slopes ? hd.slopes : nullptr, hd.q_pos};
       const sn::Block<T> b = desc(e, h0 + x);
-      const sn::Block<T> next = ahead < nblocks ? desc(ahead, h0 + x) : b;
-      sn::FoldBlock<T, kAvx2>(shape, b, visible, hd.st, ahead < nblocks ? &next : nullptr);
+      const sn::Block<T> next = ahead < nblocks ? desc(ahead, h0) : b;
+      sn::FoldBlock<T, kAvx2>(shape, b, seen == kAll ? nullptr : visible, hd.st,
+                              ahead < nblocks && x == 0 ? &next : nullptr);
     }
   }
   for (int x = 0; x < nh; ++x) {
@@ -168,7 +175,13 @@ void Paged(const Common& c, const Lists& l) {
     };
     auto vis = [&](int e, const sn::Block<T>& b, uint8_t* visible) {
       const int first = l.first_key[at + e / parts] + (e % parts) * sn::kMaxSlots;
-      if (first > hi || first + b.slots - 1 < lo) return false;
+      const int last = first + b.slots - 1;
+      if (first > hi || last < lo) return kNone;
+      bool all = true;
+      for (int r = 0; r < it.nrows; ++r)
+        all &= first >= l.lo[rows[r]] && last <= l.hi[rows[r]] &&
+               (!l.tree.enter || last < l.tree.first_new[rows[r]]);
+      if (all) return kAll;
       const int g = c.group();
       for (int r = 0; r < it.nrows; ++r) {
         const int rlo = l.lo[rows[r]], rhi = l.hi[rows[r]];
@@ -178,7 +191,7 @@ void Paged(const Common& c, const Lists& l) {
           for (int i = 0; i < g; ++i) visible[(r * g + i) * sn::kMaxSlots + j] = v;
         }
       }
-      return true;
+      return kSome;
     };
     Item<T, kAvx2>(c, rows, it.nrows, it.head, 1, l.count[at / l.entries] * parts, desc, vis);
   });
@@ -230,16 +243,16 @@ void Cache(const Common& c, const Rows& r) {
       const int g = c.group();
       const int32_t* kp = r.kv_pos + static_cast<int64_t>(it.b) * r.slots + e * kSlots;
       const int32_t* ks = r.kv_seg + static_cast<int64_t>(it.b) * r.slots + e * kSlots;
-      bool any = false;
+      bool any = false, all = true;
       for (int i = 0; i < it.nrows; ++i) {
         const int qp = r.q_pos[rows[i]], qs = r.q_seg[rows[i]];
         for (int j = 0; j < b.slots; ++j) {
           const uint8_t v = qs >= 0 && ks[j] == qs && Sees(r, qp, kp[j]);
-          any |= v;
+          any |= v, all &= v;
           for (int x = 0; x < g; ++x) visible[(i * g + x) * sn::kMaxSlots + j] = v;
         }
       }
-      return any;
+      return all ? kAll : any ? kSome : kNone;
     };
     Item<T, kAvx2>(c, rows, it.nrows, 0, c.hkv, (extent + kSlots - 1) / kSlots, desc, vis);
   });

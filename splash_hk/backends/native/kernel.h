@@ -67,6 +67,53 @@ inline float ToF32(int8_t x) { return static_cast<float>(x); }
 inline float ToF32(E4m3 x) { return Fp8(x.bits, 3, 7, true); }
 inline float ToF32(E5m2 x) { return Fp8(x.bits, 2, 15, false); }
 
+#ifndef SPLASH_PREFETCH_LOCALITY
+#define SPLASH_PREFETCH_LOCALITY 2  // into L2 (prefetcht1): measured best here
+#endif
+// Prefetches the cache line holding `p`. On x86 a volatile asm: GCC deletes a loop whose only
+// statements are __builtin_prefetch when it cannot count its trips (seen: every key and value
+// prefetch of the kernel gone from the binary).
+inline void PrefetchLine(const char* p) {
+#if SPLASH_X86 && SPLASH_PREFETCH_LOCALITY == 3
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#elif SPLASH_X86 && SPLASH_PREFETCH_LOCALITY == 2
+  asm volatile("prefetcht1 %0" : : "m"(*p));
+#elif SPLASH_X86 && SPLASH_PREFETCH_LOCALITY == 1
+  asm volatile("prefetcht2 %0" : : "m"(*p));
+#elif SPLASH_X86
+  asm volatile("prefetchnta %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, SPLASH_PREFETCH_LOCALITY);
+#endif
+}
+
+// Prefetches `bytes` from `p` into the cache (reads ahead of the block being folded).
+inline void Prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) PrefetchLine(c + i);
+}
+
+// Rows of the next block to read ahead (`rows` rows of `row_bytes`, `stride` bytes apart),
+// prefetched in equal shares spread over a loop's passes: a burst of prefetches stalls the
+// core until memory drains them, a steady stream runs beside the arithmetic.
+struct Ahead {
+  const char* base = nullptr;
+  int64_t stride = 0;
+  int rows = 0, row_lines = 0;
+  Ahead() = default;
+  Ahead(const void* p, int64_t stride_bytes, int nrows, int64_t row_bytes)
+      : base(static_cast<const char*>(p)), stride(stride_bytes), rows(nrows),
+        row_lines(static_cast<int>((row_bytes + 63) / 64)) {}
+  // Share k of `parts` (k in [0, parts)).
+  void Share(int k, int parts) const {
+    const int total = rows * row_lines, from = total * k / parts, to = total * (k + 1) / parts;
+    for (int x = from, r = from / std::max(row_lines, 1), c = from - r * row_lines; x < to; ++x) {
+      PrefetchLine(base + r * stride + c * 64);
+      if (++c == row_lines) c = 0, ++r;
+    }
+  }
+};
+
 // ---- portable: one element at a time ----
 template <typename T>
 void DotGroupPortable(const float* q, int rg, const T* k, int d, float* out) {
@@ -159,6 +206,62 @@ SPLASH_AVX2 void DotGroupAvx2(const float* q, int rg, const T* k, int d, float* 
   }
 }
 
+// out_a[i * kMaxSlots] = q[i] . ka and out_b[...] = q[i] . kb: two keys at once, four query
+// vectors a pass (eight FMA chains; each query load serves both keys).
+template <typename T>
+SPLASH_AVX2 void DotPairAvx2(const float* q, int rg, const T* ka, const T* kb, int d,
+                             float* out_a, float* out_b) {
+  const int body8 = d & ~7;
+  int i = 0;
+  for (; i + 4 <= rg; i += 4) {
+    __m256 a[8];
+    for (int x = 0; x < 8; ++x) a[x] = _mm256_setzero_ps();
+    const float* q0 = q + i * d;
+    for (int c = 0; c < body8; c += 8) {
+      const __m256 k0 = Load8(ka + c), k1 = Load8(kb + c);
+      for (int x = 0; x < 4; ++x) {
+        const __m256 qv = _mm256_loadu_ps(q0 + x * d + c);
+        a[x] = _mm256_fmadd_ps(qv, k0, a[x]);
+        a[4 + x] = _mm256_fmadd_ps(qv, k1, a[4 + x]);
+      }
+    }
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    alignas(16) float sa[4], sb[4];
+    _mm_store_ps(sa, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    _mm_store_ps(sb, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+    for (int x = 0; x < 4; ++x) out_a[(i + x) * kMaxSlots] = sa[x], out_b[(i + x) * kMaxSlots] = sb[x];
+  }
+  for (; i < rg; ++i) {
+    __m256 x = _mm256_setzero_ps(), y = _mm256_setzero_ps();
+    for (int c = 0; c < body8; c += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i * d + c);
+      x = _mm256_fmadd_ps(qv, Load8(ka + c), x);
+      y = _mm256_fmadd_ps(qv, Load8(kb + c), y);
+    }
+    out_a[i * kMaxSlots] = Sum8(x), out_b[i * kMaxSlots] = Sum8(y);
+  }
+  for (int c = body8; c < d; ++c) {
+    const float xa = ToF32(ka[c]), xb = ToF32(kb[c]);
+    for (int j = 0; j < rg; ++j) out_a[j * kMaxSlots] += q[j * d + c] * xa, out_b[j * kMaxSlots] += q[j * d + c] * xb;
+  }
+}
+
+// The largest of row[0, padded) (a multiple of 8) and whether any is NaN.
+SPLASH_AVX2 inline float RowMaxAvx2(const float* row, int padded, bool* nan) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), bad = _mm256_setzero_ps();
+  for (int j = 0; j < padded; j += 8) {
+    const __m256 x = _mm256_loadu_ps(row + j);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    m = _mm256_max_ps(m, x);
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  *nan = _mm256_movemask_ps(bad) != 0;
+  return _mm_cvtss_f32(h);
+}
+
 template <typename T>
 SPLASH_AVX2 void AxpyGroupAvx2(const float* coeff, const uint8_t* take, int rg, const T* v,
                                int dv, float* acc) {
@@ -183,9 +286,10 @@ SPLASH_AVX2 void AxpyGroupAvx2(const float* coeff, const uint8_t* take, int rg, 
 // vector (a probability of 0 never meets a value here).
 template <typename T, int kNi>
 SPLASH_AVX2 void AxpyBlockAvx2(const float* coeff, const int* slots, int nslots, const T* v,
-                               int64_t stride, int dv, float* acc) {
+                               int64_t stride, int dv, float* acc, const Ahead& ahead) {
   const int body = dv & ~15, body8 = dv & ~7;
   for (int c = 0; c < body; c += 16) {  // two columns at once: 2 * kNi independent FMA chains
+    ahead.Share(c / 16, body / 16);
     __m256 a[kNi], b[kNi];
     for (int i = 0; i < kNi; ++i) {
       a[i] = _mm256_loadu_ps(acc + i * dv + c);
@@ -222,19 +326,23 @@ SPLASH_AVX2 void AxpyBlockAvx2(const float* coeff, const int* slots, int nslots,
     }
 }
 
-// AxpyBlockAvx2 over `rg` vectors, four at a time.
+// AxpyBlockAvx2 over `rg` vectors, four at a time (the first four's passes read `ahead`; with
+// no body of 16 columns it is read at once).
 template <typename T>
 SPLASH_AVX2 void AxpyBlockGroupAvx2(const float* coeff, const int* slots, int nslots, const T* v,
-                                    int64_t stride, int rg, int dv, float* acc) {
+                                    int64_t stride, int rg, int dv, float* acc, const Ahead& ahead) {
+  if (dv < 16) ahead.Share(0, 1);
   int i = 0;
   for (; i + 4 <= rg; i += 4)
-    AxpyBlockAvx2<T, 4>(coeff + i * kMaxSlots, slots, nslots, v, stride, dv, acc + i * dv);
+    AxpyBlockAvx2<T, 4>(coeff + i * kMaxSlots, slots, nslots, v, stride, dv, acc + i * dv,
+                        i ? Ahead() : ahead);
   const float* c = coeff + i * kMaxSlots;
   float* a = acc + i * dv;
+  const Ahead& rest = i ? Ahead() : ahead;
   switch (rg - i) {
-    case 3: AxpyBlockAvx2<T, 3>(c, slots, nslots, v, stride, dv, a); break;
-    case 2: AxpyBlockAvx2<T, 2>(c, slots, nslots, v, stride, dv, a); break;
-    case 1: AxpyBlockAvx2<T, 1>(c, slots, nslots, v, stride, dv, a); break;
+    case 3: AxpyBlockAvx2<T, 3>(c, slots, nslots, v, stride, dv, a, rest); break;
+    case 2: AxpyBlockAvx2<T, 2>(c, slots, nslots, v, stride, dv, a, rest); break;
+    case 1: AxpyBlockAvx2<T, 1>(c, slots, nslots, v, stride, dv, a, rest); break;
     default: break;
   }
 }
@@ -284,15 +392,6 @@ struct State {
   }
 };
 
-#ifndef SPLASH_PREFETCH_LOCALITY
-#define SPLASH_PREFETCH_LOCALITY 2  // into L2 (prefetcht1): measured best here
-#endif
-// Prefetches `bytes` from `p` into the cache (reads ahead of the block being folded).
-inline void Prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, SPLASH_PREFETCH_LOCALITY);
-}
-
 // row[j] = exp(row[j] - m) for j < n (0 where row[j] is -inf: an invisible key); returns their
 // sum. `m` is finite or +inf here (a NaN row takes the scalar path).
 inline float ExpRowPortable(float* row, int n, float m) {
@@ -338,44 +437,95 @@ SPLASH_AVX2 inline float ExpRowAvx2(float* row, int n, float m) {
 }
 #endif
 
-// The block's logits into s [RG, kMaxSlots] (-inf where a vector does not see a key; padded to
-// a multiple of 8 with -inf), `any[j]`: some vector sees key j. The `next` block's keys,
-// values and scales (or none) are prefetched a slot at a time while this one's are read.
+// s[i][j] *= scale[j * stride] for every vector i and slot j < n (every slot seen).
+inline void ScaleSlots(const float* scale, int64_t stride, int rg, int n, float* s) {
+  float x[kMaxSlots];
+  for (int j = 0; j < n; ++j) x[j] = scale[j * stride];
+  for (int i = 0; i < rg; ++i)
+    for (int j = 0; j < n; ++j) s[i * kMaxSlots + j] *= x[j];
+}
+
+// q[i] . k for the keys at ka and kb (kb null: ka alone) into out_a[i * kMaxSlots] and
+// out_b[i * kMaxSlots].
+template <typename T, bool kAvx2>
+void DotKeys(const ItemShape& it, const T* ka, const T* kb, float* out_a, float* out_b) {
+#if SPLASH_X86
+  if constexpr (kAvx2) {
+    if (kb) return DotPairAvx2(it.q, it.rg, ka, kb, it.d, out_a, out_b);
+  }
+#endif
+  float dots[kMaxRG];
+  for (int x = 0; x < (kb ? 2 : 1); ++x) {
+#if SPLASH_X86
+    if constexpr (kAvx2) DotGroupAvx2(it.q, it.rg, x ? kb : ka, it.d, dots);
+    else DotGroupPortable(it.q, it.rg, x ? kb : ka, it.d, dots);
+#else
+    DotGroupPortable(it.q, it.rg, x ? kb : ka, it.d, dots);
+#endif
+    for (int i = 0; i < it.rg; ++i) (x ? out_b : out_a)[i * kMaxSlots] = dots[i];
+  }
+}
+
+// The slots some vector sees into `slots` (every slot where `visible` is null: every vector
+// sees every key); returns how many.
+inline int SeenSlots(int rg, int n, const uint8_t* visible, int* slots) {
+  int count = 0;
+  for (int j = 0; j < n; ++j) {
+    bool any = !visible;
+    for (int i = 0; i < rg && !any; ++i) any = visible[i * kMaxSlots + j];
+    if (any) slots[count++] = j;
+  }
+  return count;
+}
+
+// The block's logits into s [RG, kMaxSlots] (-inf where a vector does not see a key, and from
+// the block's end to a multiple of 8); `slots` [nslots] the keys some vector sees (SeenSlots).
+// `visible` null: every vector sees every key. The next block's scales (or none) and keys
+// (`keys_ahead`, a share each pass) are prefetched while this one's are read.
 template <typename T, bool kAvx2>
 void Logits(const ItemShape& it, const Block<T>& b, const uint8_t* visible, const Block<T>* next,
-            float* s, uint8_t* any) {
+            const Ahead& keys_ahead, const int* slots, int nslots, float* s) {
   const int rg = it.rg, n = b.slots, padded = (n + 7) & ~7;
-  float dots[kMaxRG];
   if (next && next->key_scale) {  // the next block's per-key scales (quantized keys, values)
     Prefetch(next->key_scale, next->slots * next->scale_stride * sizeof(float));
     Prefetch(next->value_scale, next->slots * next->scale_stride * sizeof(float));
   }
-  for (int j = 0; j < padded; ++j) {
-    any[j] = 0;
-    if (j < n) for (int i = 0; i < rg; ++i) any[j] |= visible[i * kMaxSlots + j];
-    if (next && j < next->slots) {
-      Prefetch(next->key + j * next->key_stride, it.d * sizeof(T));
-      Prefetch(next->value + j * next->value_stride, it.dv * sizeof(T));
-    }
-    if (!any[j]) {
-      for (int i = 0; i < rg; ++i) s[i * kMaxSlots + j] = kNegInf;
-      continue;
-    }
-    const T* k = b.key + j * b.key_stride;
-#if SPLASH_X86
-    if constexpr (kAvx2) DotGroupAvx2(it.q, rg, k, it.d, dots);
-    else DotGroupPortable(it.q, rg, k, it.d, dots);
-#else
-    DotGroupPortable(it.q, rg, k, it.d, dots);
-#endif
-    const float ks = b.key_scale ? b.key_scale[j * b.scale_stride] : 1.0f;
-    for (int i = 0; i < rg; ++i) {
-      float x = dots[i] * ks;
+  for (int i = 0; i < rg; ++i)
+    std::fill(s + i * kMaxSlots + (visible ? 0 : n), s + i * kMaxSlots + padded, kNegInf);
+  const int passes = (nslots + 1) / 2;
+  if (!passes) keys_ahead.Share(0, 1);
+  for (int t = 0; t < nslots; t += 2) {  // two keys a pass
+    keys_ahead.Share(t / 2, passes);
+    const int ja = slots[t], jb = t + 1 < nslots ? slots[t + 1] : -1;
+    DotKeys<T, kAvx2>(it, b.key + ja * b.key_stride, jb < 0 ? nullptr : b.key + jb * b.key_stride,
+                      s + ja, jb < 0 ? nullptr : s + jb);
+  }
+  if (!visible && b.key_scale) ScaleSlots(b.key_scale, b.scale_stride, rg, n, s);
+  if (!it.slopes && it.soft_cap <= 0 && !visible) return;
+  for (int i = 0; i < rg; ++i)
+    for (int t = 0; t < nslots; ++t) {
+      const int j = slots[t];
+      float& x = s[i * kMaxSlots + j];
+      if (visible && b.key_scale) x *= b.key_scale[j * b.scale_stride];
       if (it.slopes) x -= it.slopes[i] * std::fabs(static_cast<float>(it.q_pos[i] - b.Position(j)));
       if (it.soft_cap > 0) x = it.soft_cap * std::tanh(x / it.soft_cap);
-      s[i * kMaxSlots + j] = visible[i * kMaxSlots + j] ? x : kNegInf;
+      if (visible && !visible[i * kMaxSlots + j]) x = kNegInf;
     }
+}
+
+// A row's largest logit over [0, n) (padded: -inf to a multiple of 8) and whether one is NaN.
+template <bool kAvx2>
+float RowMax(const float* row, int n, bool* nan) {
+#if SPLASH_X86
+  if constexpr (kAvx2) return RowMaxAvx2(row, (n + 7) & ~7, nan);
+#endif
+  float mb = kNegInf;
+  *nan = false;
+  for (int j = 0; j < n; ++j) {
+    *nan |= std::isnan(row[j]);
+    mb = row[j] > mb ? row[j] : mb;
   }
+  return mb;
 }
 
 // Each vector's block max, its running state rescaled once, its logits in s replaced by their
@@ -385,12 +535,8 @@ void Softmax(const ItemShape& it, int n, float* s, State& st, float* coeff) {
   const int padded = (n + 7) & ~7;
   for (int i = 0; i < it.rg; ++i) {
     float* row = s + i * kMaxSlots;
-    float mb = kNegInf;
-    bool nan = false;
-    for (int j = 0; j < n; ++j) {
-      nan |= std::isnan(row[j]);
-      mb = row[j] > mb ? row[j] : mb;
-    }
+    bool nan;
+    float mb = RowMax<kAvx2>(row, n, &nan);
     if (nan) mb = NAN;  // a NaN logit the vector sees: its result is NaN
     else if (mb == kNegInf) { coeff[i] = 0; continue; }
     const float m_new = std::isnan(st.m[i]) || nan ? NAN : std::max(st.m[i], mb);
@@ -413,20 +559,18 @@ void Softmax(const ItemShape& it, int n, float* s, State& st, float* coeff) {
 }
 
 // The values: where every key some vector sees is seen by every vector that has a key in the
-// block (a decode row, a run inside its bounds), all at once per column; else key by key, each
-// vector taking only the keys it sees (0 * a NaN it does not see would spread it).
+// block (a decode row, a run inside its bounds; always where `visible` is null), all at once
+// per column; else key by key, each vector taking only the keys it sees (0 * a NaN it does
+// not see would spread it).
 template <typename T, bool kAvx2>
-void Values(const ItemShape& it, const Block<T>& b, const uint8_t* visible, const uint8_t* any,
-            const float* coeff, float* s, State& st) {
+void Values(const ItemShape& it, const Block<T>& b, const uint8_t* visible, const int* slots,
+            int nslots, const float* coeff, const Ahead& values_ahead, float* s, State& st) {
   const int rg = it.rg;
-  int slots[kMaxSlots], nslots = 0;
   bool whole = true;
-  for (int j = 0; j < b.slots; ++j) {
-    if (!any[j]) continue;
-    slots[nslots++] = j;
-    for (int i = 0; i < rg; ++i) whole &= coeff[i] == 0 || visible[i * kMaxSlots + j];
-  }
-  if (b.value_scale)
+  for (int t = 0; visible && t < nslots; ++t)
+    for (int i = 0; i < rg; ++i) whole &= coeff[i] == 0 || visible[i * kMaxSlots + slots[t]];
+  if (b.value_scale && !visible) ScaleSlots(b.value_scale, b.scale_stride, rg, b.slots, s);
+  else if (b.value_scale)
     for (int i = 0; i < rg; ++i)
       for (int t = 0; t < nslots; ++t) s[i * kMaxSlots + slots[t]] *= b.value_scale[slots[t] * b.scale_stride];
 #if SPLASH_X86
@@ -434,17 +578,19 @@ void Values(const ItemShape& it, const Block<T>& b, const uint8_t* visible, cons
     if (whole) {
       for (int i = 0; i < rg; ++i)  // a vector with nothing here adds zeros
         if (coeff[i] == 0) for (int t = 0; t < nslots; ++t) s[i * kMaxSlots + slots[t]] = 0.0f;
-      AxpyBlockGroupAvx2(s, slots, nslots, b.value, b.value_stride, rg, it.dv, st.acc.data());
+      AxpyBlockGroupAvx2(s, slots, nslots, b.value, b.value_stride, rg, it.dv, st.acc.data(),
+                         values_ahead);
       return;
     }
   }
 #endif
+  values_ahead.Share(0, 1);
   float c[kMaxRG];
   uint8_t take[kMaxRG];
   for (int t = 0; t < nslots; ++t) {
     const int j = slots[t];
     for (int i = 0; i < rg; ++i) {
-      take[i] = coeff[i] != 0 && visible[i * kMaxSlots + j];
+      take[i] = coeff[i] != 0 && (!visible || visible[i * kMaxSlots + j]);
       c[i] = s[i * kMaxSlots + j];
     }
     const T* v = b.value + j * b.value_stride;
@@ -459,16 +605,21 @@ void Values(const ItemShape& it, const Block<T>& b, const uint8_t* visible, cons
 
 // Folds one block into `st` (logits, softmax, values), prefetching the `next` one meanwhile.
 // Logits are held per vector ([RG, kMaxSlots]), so each vector's max and exponentials run over
-// its slots in lanes.
+// its slots in lanes. `visible` null: every vector sees every key of the block.
 template <typename T, bool kAvx2>
 void FoldBlock(const ItemShape& it, const Block<T>& b, const uint8_t* visible, State& st,
                const Block<T>* next) {
   alignas(32) float s[kMaxRG * kMaxSlots];  // [RG, slots]
-  uint8_t any[kMaxSlots];
+  int slots[kMaxSlots];
   float coeff[kMaxRG];
-  Logits<T, kAvx2>(it, b, visible, next, s, any);
+  const int nslots = SeenSlots(it.rg, b.slots, visible, slots);
+  const int64_t key_row = next ? next->key_stride * sizeof(T) : 0;  // whole rows: every
+  const int64_t value_row = next ? next->value_stride * sizeof(T) : 0;  // head's share of them
+  const Ahead keys = next ? Ahead(next->key, key_row, next->slots, key_row) : Ahead();
+  const Ahead values = next ? Ahead(next->value, value_row, next->slots, value_row) : Ahead();
+  Logits<T, kAvx2>(it, b, visible, next, keys, slots, nslots, s);
   Softmax<kAvx2>(it, b.slots, s, st, coeff);
-  Values<T, kAvx2>(it, b, visible, any, coeff, s, st);
+  Values<T, kAvx2>(it, b, visible, slots, nslots, coeff, values, s, st);
 }
 
 // The item's results with its heads' sinks (log-sum-exp per vector, -inf: none): out [RG, Dv]
