@@ -20,6 +20,7 @@ import paged_cases
 import processes
 import splash_hk as sh
 from splash_hk import layer
+from splash_hk.backends import native
 
 NATIVE = sh.AttentionConfig(platform="native", allow_fallback=False)
 # Five sequences at page edges and real lengths (pages of 16): a short one, one ending a page,
@@ -45,6 +46,43 @@ def test_a_paged_decode_at_real_lengths_matches_the_oracle(rule):
   step = paged_cases.step(seed=3, **REAL)
   out, _ = _run(step, _native(config))
   np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())
+
+
+@harness.needs_native
+@pytest.mark.parametrize("level", native.SIMD_LEVELS)
+def test_every_simd_level_matches_the_oracle(level, monkeypatch):
+  # The kernel's code for each SIMD level (the CPU's best runs where it has no lower ask; a
+  # level the CPU lacks runs its best below): head sizes with tails of every width (72: 64 +
+  # 8, 20: 16 + 4) and groups of 3 query heads (vectors left over from fours), under a window
+  # (blocks seen in part) and over pools of every storage type, and a fixed cache with ALiBi.
+  monkeypatch.setenv(native.SIMD_ENV, level)  # read when the calls below are traced
+  config, rules = paged_cases.RULES["window"]
+  for d, kind in ((72, "float32"), (72, "bfloat16"), (24, "float16"), (20, "int8"),
+                  (24, "fp8_e4m3"), (40, "fp8_e5m2")):
+    case = {**REAL, "d": d, "hq": 6, "hkv": 2}
+    step = (paged_cases.step(seed=14, dtype=getattr(jnp, kind), **case) if "float" in kind
+            else paged_cases.quantized_step(kind, 14, **case))
+    out, _ = _run(step, _native(config))
+    tol = harness.tol(dtype=jnp.bfloat16 if kind in ("bfloat16", "float16") else jnp.float32)
+    np.testing.assert_allclose(np.asarray(out, np.float32), paged_cases.attend(step, **rules),
+                               **tol)
+  cache, q, k, v, lens = _cache_case(15, heads=6, size=72)
+  slopes = np.linspace(0.05, 0.3, 6).astype(np.float32)
+  settings = layer.Settings(NATIVE, None, sh.MeshAxes(), "layer")
+  out, _ = jax.jit(lambda q, k, v, c, a: layer.attend(
+      q, k, v, layer.Call(kv_cache=c, bias=sh.scores.Alibi(a)), settings))(q, k, v, cache, slopes)
+  bias = lambda s: (-slopes[None, :, None, None] *
+                    np.abs(np.arange(s - 2, s)[:, None] - np.arange(s)[None, :]))
+  want = [oracle.attention(q[b:b + 1], *(np.concatenate([np.asarray(c[b, :n]), new[b]])[None]
+                                         for c, new in ((cache.key, k), (cache.value, v))),
+                           bias=bias(n + 2))[0][0] for b, n in enumerate(lens)]
+  np.testing.assert_allclose(np.asarray(out), np.stack(want), **harness.tol())
+
+
+def test_a_simd_level_that_is_not_one_is_refused_by_name(monkeypatch):
+  monkeypatch.setenv(native.SIMD_ENV, "sse9")
+  with pytest.raises(ValueError, match="SPLASH_HK_NATIVE_SIMD.*portable, avx2, avx512"):
+    native.simd()
 
 
 @harness.needs_native

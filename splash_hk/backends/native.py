@@ -2,7 +2,7 @@
 
 Reads a paged pool's pages (head-major: each kv head's page one contiguous block) or a fixed
 cache's rows once per step, for every query head of the kv head's group and every row of the
-item, with AVX2/FMA chosen at run time and the next block prefetched while one is read; keys
+item, with the SIMD chosen at run time and the next block prefetched while one is read; keys
 and values in float32, bfloat16, float16, int8 or fp8 (scales per token applied in the kernel,
 never a dequantized copy). The C++ is `native/` (`native/kernel.h`: the arithmetic; `native/handlers.cc`: the
 two FFI handlers), built by `native_build`.
@@ -12,7 +12,9 @@ step), the config's rules (causal, window, chunk), sinks, soft cap, ALiBi (`sh.s
 GQA of up to `MAX_GROUP` query heads a kv head, the log-sum-exp. A differentiated `attention` call runs xla's kernel (its
 forward and backward: `jax.custom_vjp`), as does everything it refuses, with the reason.
 
-Threads: `SPLASH_HK_NATIVE_THREADS` (read when a call is traced), default every core.
+Threads: `SPLASH_HK_NATIVE_THREADS` (read when a call is traced), default every core. SIMD:
+AVX-512 or AVX2/FMA where the CPU has them (else portable C++); `SPLASH_HK_NATIVE_SIMD`
+(`portable`, `avx2`, `avx512`) caps the level, read when a call is traced.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ MAX_GROUP = 16  # query heads per kv head in one item (kernel.h's kMaxGroup)
 STORAGE = ("float32", "bfloat16", "float16", "int8/token", "float8_e4m3fn/token",
            "float8_e5m2/token")
 THREADS_ENV = "SPLASH_HK_NATIVE_THREADS"
+SIMD_ENV = "SPLASH_HK_NATIVE_SIMD"
+# The kernel's SIMD levels (kernel.h's `Simd`), lowest first; it runs the highest the CPU has
+# up to the one asked for.
+SIMD_LEVELS = ("portable", "avx2", "avx512")
 
 
 def threads() -> int:
@@ -49,6 +55,15 @@ def threads() -> int:
       raise ValueError(f"`{THREADS_ENV}` must be a positive thread count, got {said!r}.")
     return int(said)
   return os.cpu_count() or 1
+
+
+def simd() -> int:
+  """The highest SIMD level a call may run (an index of `SIMD_LEVELS`): `SPLASH_HK_NATIVE_SIMD`
+  (read when a call is traced), else the highest; the kernel takes the CPU's best up to it."""
+  said = os.environ.get(SIMD_ENV, "") or SIMD_LEVELS[-1]
+  if said not in SIMD_LEVELS:
+    raise ValueError(f"`{SIMD_ENV}` must be one of {', '.join(SIMD_LEVELS)}, got {said!r}.")
+  return SIMD_LEVELS.index(said)
 
 
 def _common_refusal(hardware: str, storage: tuple[str, ...], heads: int, kv_heads: int,
@@ -135,7 +150,8 @@ def _slopes(bias) -> jax.Array:
 def _attrs(soft_cap: float | None, quantized: bool, bias) -> dict:
   """The attributes both handlers take, typed as they declare them (float32 / int32)."""
   return dict(soft_cap=np.float32(soft_cap or 0.0), threads=np.int32(threads()),
-              quantized=np.int32(quantized), alibi=np.int32(bias is not None))
+              simd=np.int32(simd()), quantized=np.int32(quantized),
+              alibi=np.int32(bias is not None))
 
 
 def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:

@@ -72,7 +72,7 @@ enum Seen { kNone = 0, kSome = 1, kAll = 2 };
 // vis(e, block, visible) -> Seen. The heads of a block are read one after
 // the other (a fixed cache's token rows hold every head's keys: read once, while in cache); the
 // first head's fold prefetches the next block's rows whole (every head's share of them).
-template <typename T, bool kAvx2, typename Desc, typename Vis>
+template <typename T, int kSimd, typename Desc, typename Vis>
 void Item(const Common& c, const int* rows, int nrows, int h0, int nh, int nblocks, Desc desc,
           Vis vis) {
   const int g = c.group(), rg = nrows * g;
@@ -90,7 +90,7 @@ void Item(const Common& c, const int* rows, int nrows, int h0, int nh, int nbloc
                                 c.slopes ? hd.slopes : nullptr, hd.q_pos};
       const sn::Block<T> b = desc(e, h0 + x);
       const sn::Block<T> next = ahead < nblocks ? desc(ahead, h0) : b;
-      sn::FoldBlock<T, kAvx2>(shape, b, seen == kAll ? nullptr : visible, hd.st,
+      sn::FoldBlock<T, kSimd>(shape, b, seen == kAll ? nullptr : visible, hd.st,
                               ahead < nblocks && x == 0 ? &next : nullptr);
     }
   }
@@ -133,7 +133,7 @@ struct Lists {
   TreeRows tree;
 };
 
-template <typename T, bool kAvx2>
+template <typename T, int kSimd>
 void Paged(const Common& c, const Lists& l) {
   const int per = c.rows_per_item(), parts = (l.page + sn::kMaxSlots - 1) / sn::kMaxSlots;
   struct Work { int owner, head, first, nrows; };
@@ -193,7 +193,7 @@ void Paged(const Common& c, const Lists& l) {
       }
       return kSome;
     };
-    Item<T, kAvx2>(c, rows, it.nrows, it.head, 1, l.count[at / l.entries] * parts, desc, vis);
+    Item<T, kSimd>(c, rows, it.nrows, it.head, 1, l.count[at / l.entries] * parts, desc, vis);
   });
 }
 
@@ -211,7 +211,7 @@ inline bool Sees(const Rows& r, int qp, int kp) {
   return !r.chunk || FloorDiv(qp, r.chunk) == FloorDiv(kp, r.chunk);
 }
 
-template <typename T, bool kAvx2>
+template <typename T, int kSimd>
 void Cache(const Common& c, const Rows& r) {
   constexpr int kSlots = 32;  // keys of a block (every kv head's, read together)
   const int per = c.rows_per_item();
@@ -254,31 +254,39 @@ void Cache(const Common& c, const Rows& r) {
       }
       return all ? kAll : any ? kSome : kNone;
     };
-    Item<T, kAvx2>(c, rows, it.nrows, 0, c.hkv, (extent + kSlots - 1) / kSlots, desc, vis);
+    Item<T, kSimd>(c, rows, it.nrows, 0, c.hkv, (extent + kSlots - 1) / kSlots, desc, vis);
   });
 }
 
-// The storage type of a buffer, and the kernel for it (AVX2 where the CPU has it).
-template <template <typename, bool> class Run, typename Args>
-ffi::Error Dispatch(ffi::DataType type, const Common& c, const Args& a) {
-  const bool avx2 = sn::HasAvx2();
+// The storage type of a buffer, and the kernel for it: the highest SIMD level the CPU has, up
+// to `simd` (sn::Simd; lower levels are asked for by tests and comparisons).
+template <template <typename, int> class Run, typename T, typename Args>
+void AtLevel(int level, const Common& c, const Args& a) {
+  if (level >= sn::kAvx512) Run<T, sn::kAvx512>()(c, a);
+  else if (level >= sn::kAvx2) Run<T, sn::kAvx2>()(c, a);
+  else Run<T, sn::kPortable>()(c, a);
+}
+
+template <template <typename, int> class Run, typename Args>
+ffi::Error Dispatch(ffi::DataType type, int simd, const Common& c, const Args& a) {
+  const int level = std::min(simd, sn::CpuSimd());
   switch (type) {
-    case ffi::DataType::F32: avx2 ? Run<float, true>()(c, a) : Run<float, false>()(c, a); break;
-    case ffi::DataType::BF16: avx2 ? Run<sn::Bf16, true>()(c, a) : Run<sn::Bf16, false>()(c, a); break;
-    case ffi::DataType::F16: avx2 ? Run<sn::F16, true>()(c, a) : Run<sn::F16, false>()(c, a); break;
-    case ffi::DataType::S8: avx2 ? Run<int8_t, true>()(c, a) : Run<int8_t, false>()(c, a); break;
-    case ffi::DataType::F8E4M3FN: avx2 ? Run<sn::E4m3, true>()(c, a) : Run<sn::E4m3, false>()(c, a); break;
-    case ffi::DataType::F8E5M2: avx2 ? Run<sn::E5m2, true>()(c, a) : Run<sn::E5m2, false>()(c, a); break;
+    case ffi::DataType::F32: AtLevel<Run, float>(level, c, a); break;
+    case ffi::DataType::BF16: AtLevel<Run, sn::Bf16>(level, c, a); break;
+    case ffi::DataType::F16: AtLevel<Run, sn::F16>(level, c, a); break;
+    case ffi::DataType::S8: AtLevel<Run, int8_t>(level, c, a); break;
+    case ffi::DataType::F8E4M3FN: AtLevel<Run, sn::E4m3>(level, c, a); break;
+    case ffi::DataType::F8E5M2: AtLevel<Run, sn::E5m2>(level, c, a); break;
     default: return ffi::Error::InvalidArgument("splash_hk native: unsupported key/value dtype");
   }
   return ffi::Error::Success();
 }
 
-template <typename T, bool kAvx2> struct RunPaged {
-  void operator()(const Common& c, const Lists& l) { Paged<T, kAvx2>(c, l); }
+template <typename T, int kSimd> struct RunPaged {
+  void operator()(const Common& c, const Lists& l) { Paged<T, kSimd>(c, l); }
 };
-template <typename T, bool kAvx2> struct RunCache {
-  void operator()(const Common& c, const Rows& r) { Cache<T, kAvx2>(c, r); }
+template <typename T, int kSimd> struct RunCache {
+  void operator()(const Common& c, const Rows& r) { Cache<T, kSimd>(c, r); }
 };
 
 Common MakeCommon(ffi::Buffer<ffi::F32> query, ffi::AnyBuffer key, ffi::Buffer<ffi::F32> key_scale,
@@ -310,7 +318,7 @@ ffi::Error PagedImpl(ffi::Buffer<ffi::F32> query, ffi::AnyBuffer key, ffi::Buffe
                      ffi::Buffer<ffi::S32> first_row, ffi::Buffer<ffi::S32> enter,
                      ffi::Buffer<ffi::S32> leave, ffi::ResultBuffer<ffi::F32> out,
                      ffi::ResultBuffer<ffi::F32> lse, float soft_cap, int32_t threads,
-                     int32_t quantized, int32_t alibi, int32_t tree) {
+                     int32_t simd, int32_t quantized, int32_t alibi, int32_t tree) {
   const auto kd = key.dimensions(), bd = blocks.dimensions();
   const Common c = MakeCommon(query, key, key_scale, value, value_scale, sinks, slopes, pos, out,
                               lse, static_cast<int>(kd[1]), quantized, threads, soft_cap, alibi);
@@ -322,7 +330,7 @@ ffi::Error PagedImpl(ffi::Buffer<ffi::F32> query, ffi::AnyBuffer key, ffi::Buffe
                 TreeRows{first_new.typed_data(), first_row.typed_data(),
                          tree ? enter.typed_data() : nullptr, leave.typed_data(),
                          pos.typed_data(), static_cast<int>(query.dimensions()[0])}};
-  return Dispatch<RunPaged>(key.element_type(), c, l);
+  return Dispatch<RunPaged>(key.element_type(), simd, c, l);
 }
 
 ffi::Error CacheImpl(ffi::Buffer<ffi::F32> query, ffi::AnyBuffer key, ffi::Buffer<ffi::F32> key_scale,
@@ -332,7 +340,7 @@ ffi::Error CacheImpl(ffi::Buffer<ffi::F32> query, ffi::AnyBuffer key, ffi::Buffe
                      ffi::Buffer<ffi::S32> extent, ffi::Buffer<ffi::F32> sinks,
                      ffi::Buffer<ffi::F32> slopes, ffi::ResultBuffer<ffi::F32> out,
                      ffi::ResultBuffer<ffi::F32> lse, float soft_cap, int32_t threads,
-                     int32_t quantized, int32_t alibi, int32_t causal, int32_t left,
+                     int32_t simd, int32_t quantized, int32_t alibi, int32_t causal, int32_t left,
                      int32_t right, int32_t chunk) {
   const auto qd = query.dimensions(), kd = key.dimensions();
   const Common c = MakeCommon(query, key, key_scale, value, value_scale, sinks, slopes, q_pos,
@@ -342,7 +350,7 @@ ffi::Error CacheImpl(ffi::Buffer<ffi::F32> query, ffi::AnyBuffer key, ffi::Buffe
   const Rows r{q_pos.typed_data(), q_seg.typed_data(), kv_pos.typed_data(), kv_seg.typed_data(),
                extent.typed_data(), static_cast<int>(qd[0]), static_cast<int>(qd[1]),
                static_cast<int>(kd[1]), causal, left, right, chunk};
-  return Dispatch<RunCache>(key.element_type(), c, r);
+  return Dispatch<RunCache>(key.element_type(), simd, c, r);
 }
 
 }  // namespace
@@ -359,7 +367,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
         .Arg<ffi::Buffer<ffi::S32>>()
         .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
-        .Attr<float>("soft_cap").Attr<int32_t>("threads").Attr<int32_t>("quantized")
+        .Attr<float>("soft_cap").Attr<int32_t>("threads").Attr<int32_t>("simd")
+        .Attr<int32_t>("quantized")
         .Attr<int32_t>("alibi").Attr<int32_t>("tree"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -371,6 +380,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
         .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
         .Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>()
-        .Attr<float>("soft_cap").Attr<int32_t>("threads").Attr<int32_t>("quantized")
+        .Attr<float>("soft_cap").Attr<int32_t>("threads").Attr<int32_t>("simd")
+        .Attr<int32_t>("quantized")
         .Attr<int32_t>("alibi").Attr<int32_t>("causal").Attr<int32_t>("left").Attr<int32_t>("right")
         .Attr<int32_t>("chunk"));

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #define SPLASH_X86 1
 #define SPLASH_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define SPLASH_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #else
 #define SPLASH_X86 0
 #endif
@@ -347,13 +348,167 @@ SPLASH_AVX2 void AxpyBlockGroupAvx2(const float* coeff, const int* slots, int ns
   }
 }
 
-inline bool HasAvx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  return has;
-}
+#endif
+
+// The SIMD levels of the kernel's code, lowest first: a kernel is built for each and the
+// highest the CPU has (and the caller allows) runs.
+enum Simd : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+inline int CpuSimd() {
+#if SPLASH_X86
+  static const int level = [] {
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+          __builtin_cpu_supports("f16c")))
+      return kPortable;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+               ? kAvx512 : kAvx2;
+  }();
+  return level;
 #else
-inline bool HasAvx2() { return false; }
+  return kPortable;
+#endif
+}
+
+#if SPLASH_X86
+// ---- AVX-512: sixteen lanes, for the two loops that carry the arithmetic (the two-key dot
+// and the value block); the rest of the item runs its AVX2 code ----
+SPLASH_AVX512 inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+SPLASH_AVX512 inline __m512 Load16(const Bf16* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+SPLASH_AVX512 inline __m512 Load16(const F16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+SPLASH_AVX512 inline __m512 Load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+SPLASH_AVX512 inline __m512 Load16(const E5m2* p) {  // e5m2 is the top byte of a float16
+  __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+}
+SPLASH_AVX512 inline __m512 Load16(const E4m3* p) {  // as Load8's: a float16 of bias 15, x 2^8
+  __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                              _mm256_slli_epi16(mag, 7));
+  __m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f));
+  h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7e00)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+
+// The 256-bit sum of a 512-bit register's halves.
+SPLASH_AVX512 inline __m256 Halves(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+}
+
+// DotPairAvx2 sixteen lanes wide (a tail of d % 16 element by element).
+template <typename T>
+SPLASH_AVX512 void DotPairAvx512(const float* q, int rg, const T* ka, const T* kb, int d,
+                                 float* out_a, float* out_b) {
+  const int body = d & ~15;
+  int i = 0;
+  for (; i + 4 <= rg; i += 4) {
+    __m512 a[8];
+    for (int x = 0; x < 8; ++x) a[x] = _mm512_setzero_ps();
+    const float* q0 = q + i * d;
+    for (int c = 0; c < body; c += 16) {
+      const __m512 k0 = Load16(ka + c), k1 = Load16(kb + c);
+      for (int x = 0; x < 4; ++x) {
+        const __m512 qv = _mm512_loadu_ps(q0 + x * d + c);
+        a[x] = _mm512_fmadd_ps(qv, k0, a[x]);
+        a[4 + x] = _mm512_fmadd_ps(qv, k1, a[4 + x]);
+      }
+    }
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(Halves(a[0]), Halves(a[1])),
+                                    _mm256_hadd_ps(Halves(a[2]), Halves(a[3])));
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(Halves(a[4]), Halves(a[5])),
+                                    _mm256_hadd_ps(Halves(a[6]), Halves(a[7])));
+    alignas(16) float sa[4], sb[4];
+    _mm_store_ps(sa, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    _mm_store_ps(sb, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+    for (int x = 0; x < 4; ++x) out_a[(i + x) * kMaxSlots] = sa[x], out_b[(i + x) * kMaxSlots] = sb[x];
+  }
+  for (; i < rg; ++i) {
+    __m512 x = _mm512_setzero_ps(), y = _mm512_setzero_ps();
+    for (int c = 0; c < body; c += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + i * d + c);
+      x = _mm512_fmadd_ps(qv, Load16(ka + c), x);
+      y = _mm512_fmadd_ps(qv, Load16(kb + c), y);
+    }
+    out_a[i * kMaxSlots] = _mm512_reduce_add_ps(x), out_b[i * kMaxSlots] = _mm512_reduce_add_ps(y);
+  }
+  for (int c = body; c < d; ++c) {
+    const float xa = ToF32(ka[c]), xb = ToF32(kb[c]);
+    for (int j = 0; j < rg; ++j) out_a[j * kMaxSlots] += q[j * d + c] * xa, out_b[j * kMaxSlots] += q[j * d + c] * xb;
+  }
+}
+
+// AxpyBlockAvx2 sixteen lanes wide: 32 columns a pass (2 * kNi FMA chains), then 16, then the
+// tail element by element.
+template <typename T, int kNi>
+SPLASH_AVX512 void AxpyBlockAvx512(const float* coeff, const int* slots, int nslots, const T* v,
+                                   int64_t stride, int dv, float* acc, const Ahead& ahead) {
+  const int body = dv & ~31, body16 = dv & ~15;
+  for (int c = 0; c < body; c += 32) {
+    ahead.Share(c / 32, body / 32);
+    __m512 a[kNi], b[kNi];
+    for (int i = 0; i < kNi; ++i) {
+      a[i] = _mm512_loadu_ps(acc + i * dv + c);
+      b[i] = _mm512_loadu_ps(acc + i * dv + c + 16);
+    }
+    for (int t = 0; t < nslots; ++t) {
+      const T* row = v + slots[t] * stride + c;
+      const __m512 x = Load16(row), y = Load16(row + 16);
+      for (int i = 0; i < kNi; ++i) {
+        const __m512 p = _mm512_set1_ps(coeff[i * kMaxSlots + slots[t]]);
+        a[i] = _mm512_fmadd_ps(p, x, a[i]);
+        b[i] = _mm512_fmadd_ps(p, y, b[i]);
+      }
+    }
+    for (int i = 0; i < kNi; ++i) {
+      _mm512_storeu_ps(acc + i * dv + c, a[i]);
+      _mm512_storeu_ps(acc + i * dv + c + 16, b[i]);
+    }
+  }
+  if (body == 0) ahead.Share(0, 1);
+  for (int c = body; c < body16; c += 16) {
+    __m512 a[kNi];
+    for (int i = 0; i < kNi; ++i) a[i] = _mm512_loadu_ps(acc + i * dv + c);
+    for (int t = 0; t < nslots; ++t) {
+      const __m512 x = Load16(v + slots[t] * stride + c);
+      for (int i = 0; i < kNi; ++i)
+        a[i] = _mm512_fmadd_ps(_mm512_set1_ps(coeff[i * kMaxSlots + slots[t]]), x, a[i]);
+    }
+    for (int i = 0; i < kNi; ++i) _mm512_storeu_ps(acc + i * dv + c, a[i]);
+  }
+  for (int c = body16; c < dv; ++c)
+    for (int t = 0; t < nslots; ++t) {
+      const float x = ToF32(v[slots[t] * stride + c]);
+      for (int i = 0; i < kNi; ++i) acc[i * dv + c] += coeff[i * kMaxSlots + slots[t]] * x;
+    }
+}
+
+// AxpyBlockAvx512 over `rg` vectors, four at a time (the first four's passes read `ahead`).
+template <typename T>
+SPLASH_AVX512 void AxpyBlockGroupAvx512(const float* coeff, const int* slots, int nslots,
+                                        const T* v, int64_t stride, int rg, int dv, float* acc,
+                                        const Ahead& ahead) {
+  int i = 0;
+  for (; i + 4 <= rg; i += 4)
+    AxpyBlockAvx512<T, 4>(coeff + i * kMaxSlots, slots, nslots, v, stride, dv, acc + i * dv,
+                          i ? Ahead() : ahead);
+  const float* c = coeff + i * kMaxSlots;
+  float* a = acc + i * dv;
+  const Ahead& rest = i ? Ahead() : ahead;
+  switch (rg - i) {
+    case 3: AxpyBlockAvx512<T, 3>(c, slots, nslots, v, stride, dv, a, rest); break;
+    case 2: AxpyBlockAvx512<T, 2>(c, slots, nslots, v, stride, dv, a, rest); break;
+    case 1: AxpyBlockAvx512<T, 1>(c, slots, nslots, v, stride, dv, a, rest); break;
+    default: break;
+  }
+}
 #endif
 
 // One block of keys as the kernel reads it: `slots` keys from `key` (slot stride `key_stride`
@@ -447,17 +602,19 @@ inline void ScaleSlots(const float* scale, int64_t stride, int rg, int n, float*
 
 // q[i] . k for the keys at ka and kb (kb null: ka alone) into out_a[i * kMaxSlots] and
 // out_b[i * kMaxSlots].
-template <typename T, bool kAvx2>
+template <typename T, int kSimd>
 void DotKeys(const ItemShape& it, const T* ka, const T* kb, float* out_a, float* out_b) {
 #if SPLASH_X86
-  if constexpr (kAvx2) {
+  if constexpr (kSimd >= kAvx512) {
+    if (kb) return DotPairAvx512(it.q, it.rg, ka, kb, it.d, out_a, out_b);
+  } else if constexpr (kSimd >= kAvx2) {
     if (kb) return DotPairAvx2(it.q, it.rg, ka, kb, it.d, out_a, out_b);
   }
 #endif
   float dots[kMaxRG];
   for (int x = 0; x < (kb ? 2 : 1); ++x) {
 #if SPLASH_X86
-    if constexpr (kAvx2) DotGroupAvx2(it.q, it.rg, x ? kb : ka, it.d, dots);
+    if constexpr (kSimd >= kAvx2) DotGroupAvx2(it.q, it.rg, x ? kb : ka, it.d, dots);
     else DotGroupPortable(it.q, it.rg, x ? kb : ka, it.d, dots);
 #else
     DotGroupPortable(it.q, it.rg, x ? kb : ka, it.d, dots);
@@ -482,7 +639,7 @@ inline int SeenSlots(int rg, int n, const uint8_t* visible, int* slots) {
 // the block's end to a multiple of 8); `slots` [nslots] the keys some vector sees (SeenSlots).
 // `visible` null: every vector sees every key. The next block's scales (or none) and keys
 // (`keys_ahead`, a share each pass) are prefetched while this one's are read.
-template <typename T, bool kAvx2>
+template <typename T, int kSimd>
 void Logits(const ItemShape& it, const Block<T>& b, const uint8_t* visible, const Block<T>* next,
             const Ahead& keys_ahead, const int* slots, int nslots, float* s) {
   const int rg = it.rg, n = b.slots, padded = (n + 7) & ~7;
@@ -497,7 +654,7 @@ void Logits(const ItemShape& it, const Block<T>& b, const uint8_t* visible, cons
   for (int t = 0; t < nslots; t += 2) {  // two keys a pass
     keys_ahead.Share(t / 2, passes);
     const int ja = slots[t], jb = t + 1 < nslots ? slots[t + 1] : -1;
-    DotKeys<T, kAvx2>(it, b.key + ja * b.key_stride, jb < 0 ? nullptr : b.key + jb * b.key_stride,
+    DotKeys<T, kSimd>(it, b.key + ja * b.key_stride, jb < 0 ? nullptr : b.key + jb * b.key_stride,
                       s + ja, jb < 0 ? nullptr : s + jb);
   }
   if (!visible && b.key_scale) ScaleSlots(b.key_scale, b.scale_stride, rg, n, s);
@@ -514,10 +671,10 @@ void Logits(const ItemShape& it, const Block<T>& b, const uint8_t* visible, cons
 }
 
 // A row's largest logit over [0, n) (padded: -inf to a multiple of 8) and whether one is NaN.
-template <bool kAvx2>
+template <int kSimd>
 float RowMax(const float* row, int n, bool* nan) {
 #if SPLASH_X86
-  if constexpr (kAvx2) return RowMaxAvx2(row, (n + 7) & ~7, nan);
+  if constexpr (kSimd >= kAvx2) return RowMaxAvx2(row, (n + 7) & ~7, nan);
 #endif
   float mb = kNegInf;
   *nan = false;
@@ -530,13 +687,13 @@ float RowMax(const float* row, int n, bool* nan) {
 
 // Each vector's block max, its running state rescaled once, its logits in s replaced by their
 // exponentials; coeff[i] = 0 for a vector that sees nothing here (else 1).
-template <bool kAvx2>
+template <int kSimd>
 void Softmax(const ItemShape& it, int n, float* s, State& st, float* coeff) {
   const int padded = (n + 7) & ~7;
   for (int i = 0; i < it.rg; ++i) {
     float* row = s + i * kMaxSlots;
     bool nan;
-    float mb = RowMax<kAvx2>(row, n, &nan);
+    float mb = RowMax<kSimd>(row, n, &nan);
     if (nan) mb = NAN;  // a NaN logit the vector sees: its result is NaN
     else if (mb == kNegInf) { coeff[i] = 0; continue; }
     const float m_new = std::isnan(st.m[i]) || nan ? NAN : std::max(st.m[i], mb);
@@ -548,7 +705,7 @@ void Softmax(const ItemShape& it, int n, float* s, State& st, float* coeff) {
     }
     st.m[i] = m_new;
 #if SPLASH_X86
-    if constexpr (kAvx2) st.l[i] += std::isnan(m_new) ? ExpRowPortable(row, n, m_new)
+    if constexpr (kSimd >= kAvx2) st.l[i] += std::isnan(m_new) ? ExpRowPortable(row, n, m_new)
                                                      : ExpRowAvx2(row, padded, m_new);
     else st.l[i] += ExpRowPortable(row, n, m_new);
 #else
@@ -562,7 +719,7 @@ void Softmax(const ItemShape& it, int n, float* s, State& st, float* coeff) {
 // block (a decode row, a run inside its bounds; always where `visible` is null), all at once
 // per column; else key by key, each vector taking only the keys it sees (0 * a NaN it does
 // not see would spread it).
-template <typename T, bool kAvx2>
+template <typename T, int kSimd>
 void Values(const ItemShape& it, const Block<T>& b, const uint8_t* visible, const int* slots,
             int nslots, const float* coeff, const Ahead& values_ahead, float* s, State& st) {
   const int rg = it.rg;
@@ -574,12 +731,16 @@ void Values(const ItemShape& it, const Block<T>& b, const uint8_t* visible, cons
     for (int i = 0; i < rg; ++i)
       for (int t = 0; t < nslots; ++t) s[i * kMaxSlots + slots[t]] *= b.value_scale[slots[t] * b.scale_stride];
 #if SPLASH_X86
-  if constexpr (kAvx2) {
+  if constexpr (kSimd >= kAvx2) {
     if (whole) {
       for (int i = 0; i < rg; ++i)  // a vector with nothing here adds zeros
         if (coeff[i] == 0) for (int t = 0; t < nslots; ++t) s[i * kMaxSlots + slots[t]] = 0.0f;
-      AxpyBlockGroupAvx2(s, slots, nslots, b.value, b.value_stride, rg, it.dv, st.acc.data(),
-                         values_ahead);
+      if constexpr (kSimd >= kAvx512)
+        AxpyBlockGroupAvx512(s, slots, nslots, b.value, b.value_stride, rg, it.dv,
+                             st.acc.data(), values_ahead);
+      else
+        AxpyBlockGroupAvx2(s, slots, nslots, b.value, b.value_stride, rg, it.dv, st.acc.data(),
+                           values_ahead);
       return;
     }
   }
@@ -595,7 +756,7 @@ void Values(const ItemShape& it, const Block<T>& b, const uint8_t* visible, cons
     }
     const T* v = b.value + j * b.value_stride;
 #if SPLASH_X86
-    if constexpr (kAvx2) AxpyGroupAvx2(c, take, rg, v, it.dv, st.acc.data());
+    if constexpr (kSimd >= kAvx2) AxpyGroupAvx2(c, take, rg, v, it.dv, st.acc.data());
     else AxpyGroupPortable(c, take, rg, v, it.dv, st.acc.data());
 #else
     AxpyGroupPortable(c, take, rg, v, it.dv, st.acc.data());
@@ -606,7 +767,7 @@ void Values(const ItemShape& it, const Block<T>& b, const uint8_t* visible, cons
 // Folds one block into `st` (logits, softmax, values), prefetching the `next` one meanwhile.
 // Logits are held per vector ([RG, kMaxSlots]), so each vector's max and exponentials run over
 // its slots in lanes. `visible` null: every vector sees every key of the block.
-template <typename T, bool kAvx2>
+template <typename T, int kSimd>
 void FoldBlock(const ItemShape& it, const Block<T>& b, const uint8_t* visible, State& st,
                const Block<T>* next) {
   alignas(32) float s[kMaxRG * kMaxSlots];  // [RG, slots]
@@ -617,9 +778,9 @@ void FoldBlock(const ItemShape& it, const Block<T>& b, const uint8_t* visible, S
   const int64_t value_row = next ? next->value_stride * sizeof(T) : 0;  // head's share of them
   const Ahead keys = next ? Ahead(next->key, key_row, next->slots, key_row) : Ahead();
   const Ahead values = next ? Ahead(next->value, value_row, next->slots, value_row) : Ahead();
-  Logits<T, kAvx2>(it, b, visible, next, keys, slots, nslots, s);
-  Softmax<kAvx2>(it, b.slots, s, st, coeff);
-  Values<T, kAvx2>(it, b, visible, slots, nslots, coeff, values, s, st);
+  Logits<T, kSimd>(it, b, visible, next, keys, slots, nslots, s);
+  Softmax<kSimd>(it, b.slots, s, st, coeff);
+  Values<T, kSimd>(it, b, visible, slots, nslots, coeff, values, s, st);
 }
 
 // The item's results with its heads' sinks (log-sum-exp per vector, -inf: none): out [RG, Dv]
