@@ -67,11 +67,23 @@ struct Head {
 // array says which), every vector sees every key (the array is not filled).
 enum Seen { kNone = 0, kSome = 1, kAll = 2 };
 
+// Share x of n of a block's rows (its slots cut in n runs), for the n heads of an item to
+// prefetch a part each.
+template <typename T>
+sn::Block<T> Share(sn::Block<T> b, int x, int n) {
+  const int from = b.slots * x / n, to = b.slots * (x + 1) / n;
+  b.key += from * b.key_stride, b.value += from * b.value_stride;
+  if (b.key_scale) b.key_scale += from * b.scale_stride, b.value_scale += from * b.scale_stride;
+  b.slots = to - from;
+  return b;
+}
+
 // One item: rows `rows[0..nrows)` (flat query rows) x kv heads [h0, h0 + nh) over `nblocks`
 // blocks, block e of head h given by desc(e, h), its visibility (the same for every head) by
 // vis(e, block, visible) -> Seen. The heads of a block are read one after
 // the other (a fixed cache's token rows hold every head's keys: read once, while in cache); the
-// first head's fold prefetches the next block's rows whole (every head's share of them).
+// heads share the prefetch of the next block's rows, whole rows (every head's share of a
+// token row at once), a run of rows each.
 template <typename T, int kSimd, typename Desc, typename Vis>
 void Item(const Common& c, const int* rows, int nrows, int h0, int nh, int nblocks, Desc desc,
           Vis vis) {
@@ -89,9 +101,9 @@ void Item(const Common& c, const int* rows, int nrows, int h0, int nh, int nbloc
       const sn::ItemShape shape{hd.q.data(), rg, c.d, c.dv, c.soft_cap,
                                 c.slopes ? hd.slopes : nullptr, hd.q_pos};
       const sn::Block<T> b = desc(e, h0 + x);
-      const sn::Block<T> next = ahead < nblocks ? desc(ahead, h0) : b;
+      const sn::Block<T> next = ahead < nblocks ? Share(desc(ahead, h0), x, nh) : b;
       sn::FoldBlock<T, kSimd>(shape, b, seen == kAll ? nullptr : visible, hd.st,
-                              ahead < nblocks && x == 0 ? &next : nullptr);
+                              ahead < nblocks ? &next : nullptr);
     }
   }
   for (int x = 0; x < nh; ++x) {
