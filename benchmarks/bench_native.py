@@ -13,7 +13,8 @@ head-major and donated each step), every figure from the same run:
 - the fixed cache: a `KVCache` decode step through the Haiku module (`sh.MultiHeadAttention`,
   the cache donated) on native, its read fraction (the step must read every cached key and
   value and the module's four projection weights), the same step over one cached token a row
-  (what the module costs besides the cache's read: its projections) and xla / native.
+  (what the module costs besides the cache's read: its projections), the cache read's fraction
+  (the cache's bytes / the step's time less that) and xla / native.
 Timing: each timed call after an untimed call of the same executable (`timing`); times are
 medians of `--repeats`, ratios the median over `--repeats` rounds timing both steps one after
 the other (`bench_paged.ratio`: the machine's drift cancels).
@@ -115,6 +116,8 @@ def report(max_len: int, repeats: int, threads: Sequence[int]) -> dict[str, floa
             "module_read_fraction": (cache_bytes + weight_bytes) / module_s / bandwidth,
             "module_xla_over_native": bench_paged.ratio([xla_module], [module], repeats),
             "module_fixed_ms": seconds(fixed, repeats) * 1e3}
+    rows["module_cache_fraction"] = (  # the cache's read alone: the step less its fixed cost
+        cache_bytes / max(module_s - rows["module_fixed_ms"] / 1e3, 1e-9) / bandwidth)
     if n == 1:
       rows["read_fraction_one_core"] = paged_bytes / f32_s / one_core
     figures.update({f"{k}_t{n}": v for k, v in rows.items()})
@@ -129,7 +132,8 @@ def _print_row(n: int, f32_s: float, module_s: float, rows: dict[str, float]) ->
         f"read bandwidth{core}; donated xla paged / native {rows['xla_over_native']:.2f}x; f32 "
         f"/ int8 pool {rows['f32_over_int8']:.2f}x; KVCache through the Haiku module "
         f"{module_s * 1e3:.1f} ms = {rows['module_read_fraction']:.2f} of the bandwidth (its "
-        f"step over one cached token a row {rows['module_fixed_ms']:.1f} ms), xla / native "
+        f"step over one cached token a row {rows['module_fixed_ms']:.1f} ms: the cache read "
+        f"{rows['module_cache_fraction']:.2f}), xla / native "
         f"{rows['module_xla_over_native']:.2f}x")
 
 

@@ -181,7 +181,7 @@ def test_layout_bench_times_the_same_attention_in_both_layouts(capsys):
 def test_native_bench_prints_its_figures_per_thread_count(capsys):
   figures = bench_native.report(max_len=256, repeats=1, threads=(1,))
   names = ("read_fraction", "xla_over_native", "f32_over_int8", "module_read_fraction",
-           "module_xla_over_native", "module_fixed_ms")
+           "module_xla_over_native", "module_fixed_ms", "module_cache_fraction")
   assert set(figures) == {"bandwidth_gbs", "one_core_bandwidth_gbs", "read_fraction_one_core_t1",
                           *(f"{n}_t1" for n in names)}
   assert all(v > 0 for v in figures.values()), figures
