@@ -68,6 +68,16 @@ def with_tree(step, trees):
   return dataclasses.replace(step.batch, tree=jnp.asarray(flat, jnp.int32))
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_a_forest_whose_first_new_key_ends_a_page(platform):
+  # Sequence 2's first new key (its first root's) is the last slot of a page: a kernel taking
+  # that page as seen whole by every row would show it to the second root and its child.
+  step = paged_cases.step(3, kv_lens=(5, 0, 2 * paged_cases.PAGE - 1, 3))
+  out, _ = sh.paged_attention(step.q, step.k, step.v, step.cache, with_tree(step, TREES["forest"]),
+                              config=sh.AttentionConfig(platform=platform, allow_fallback=False))
+  np.testing.assert_allclose(np.asarray(out), tree_oracle(step, TREES["forest"]), **tol())
+
+
 def test_the_walk_says_ancestry_and_depth_of_any_forest():
   rng = np.random.default_rng(0)
   walk = jax.jit(drafts.walk)

@@ -207,6 +207,26 @@ SPLASH_AVX2 void DotGroupAvx2(const float* q, int rg, const T* k, int d, float* 
   }
 }
 
+// Adds columns [from, d) of q[i] . ka and q[i] . kb to out_a / out_b (a dot's tail).
+template <typename T>
+void DotPairTail(const float* q, int rg, const T* ka, const T* kb, int d, int from,
+                 float* out_a, float* out_b) {
+  for (int c = from; c < d; ++c) {
+    const float xa = ToF32(ka[c]), xb = ToF32(kb[c]);
+    for (int j = 0; j < rg; ++j)
+      out_a[j * kMaxSlots] += q[j * d + c] * xa, out_b[j * kMaxSlots] += q[j * d + c] * xb;
+  }
+}
+
+// Four vectors' sums of two keys from hadd trees t and u (lanes [v0 v1 v2 v3 | the same]):
+// out_a[x * kMaxSlots] and out_b[x * kMaxSlots] for x < 4.
+SPLASH_AVX2 inline void StoreFours(__m256 t, __m256 u, float* out_a, float* out_b) {
+  alignas(16) float sa[4], sb[4];
+  _mm_store_ps(sa, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  _mm_store_ps(sb, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+  for (int x = 0; x < 4; ++x) out_a[x * kMaxSlots] = sa[x], out_b[x * kMaxSlots] = sb[x];
+}
+
 // out_a[i * kMaxSlots] = q[i] . ka and out_b[...] = q[i] . kb: two keys at once, four query
 // vectors a pass (eight FMA chains; each query load serves both keys).
 template <typename T>
@@ -228,10 +248,7 @@ SPLASH_AVX2 void DotPairAvx2(const float* q, int rg, const T* ka, const T* kb, i
     }
     const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    alignas(16) float sa[4], sb[4];
-    _mm_store_ps(sa, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-    _mm_store_ps(sb, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
-    for (int x = 0; x < 4; ++x) out_a[(i + x) * kMaxSlots] = sa[x], out_b[(i + x) * kMaxSlots] = sb[x];
+    StoreFours(t, u, out_a + i * kMaxSlots, out_b + i * kMaxSlots);
   }
   for (; i < rg; ++i) {
     __m256 x = _mm256_setzero_ps(), y = _mm256_setzero_ps();
@@ -242,10 +259,7 @@ SPLASH_AVX2 void DotPairAvx2(const float* q, int rg, const T* ka, const T* kb, i
     }
     out_a[i * kMaxSlots] = Sum8(x), out_b[i * kMaxSlots] = Sum8(y);
   }
-  for (int c = body8; c < d; ++c) {
-    const float xa = ToF32(ka[c]), xb = ToF32(kb[c]);
-    for (int j = 0; j < rg; ++j) out_a[j * kMaxSlots] += q[j * d + c] * xa, out_b[j * kMaxSlots] += q[j * d + c] * xb;
-  }
+  DotPairTail(q, rg, ka, kb, d, body8, out_a, out_b);
 }
 
 // The largest of row[0, padded) (a multiple of 8) and whether any is NaN.
@@ -425,10 +439,7 @@ SPLASH_AVX512 void DotPairAvx512(const float* q, int rg, const T* ka, const T* k
                                     _mm256_hadd_ps(Halves(a[2]), Halves(a[3])));
     const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(Halves(a[4]), Halves(a[5])),
                                     _mm256_hadd_ps(Halves(a[6]), Halves(a[7])));
-    alignas(16) float sa[4], sb[4];
-    _mm_store_ps(sa, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-    _mm_store_ps(sb, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
-    for (int x = 0; x < 4; ++x) out_a[(i + x) * kMaxSlots] = sa[x], out_b[(i + x) * kMaxSlots] = sb[x];
+    StoreFours(t, u, out_a + i * kMaxSlots, out_b + i * kMaxSlots);
   }
   for (; i < rg; ++i) {
     __m512 x = _mm512_setzero_ps(), y = _mm512_setzero_ps();
@@ -439,10 +450,7 @@ SPLASH_AVX512 void DotPairAvx512(const float* q, int rg, const T* ka, const T* k
     }
     out_a[i * kMaxSlots] = _mm512_reduce_add_ps(x), out_b[i * kMaxSlots] = _mm512_reduce_add_ps(y);
   }
-  for (int c = body; c < d; ++c) {
-    const float xa = ToF32(ka[c]), xb = ToF32(kb[c]);
-    for (int j = 0; j < rg; ++j) out_a[j * kMaxSlots] += q[j * d + c] * xa, out_b[j * kMaxSlots] += q[j * d + c] * xb;
-  }
+  DotPairTail(q, rg, ka, kb, d, body, out_a, out_b);
 }
 
 // AxpyBlockAvx2 sixteen lanes wide: 32 columns a pass (2 * kNi FMA chains), then 16, then the
