@@ -80,10 +80,10 @@ sn::Block<T> Share(sn::Block<T> b, int x, int n) {
 
 // One item: rows `rows[0..nrows)` (flat query rows) x kv heads [h0, h0 + nh) over `nblocks`
 // blocks, block e of head h given by desc(e, h), its visibility (the same for every head) by
-// vis(e, block, visible) -> Seen. The heads of a block are read one after
-// the other (a fixed cache's token rows hold every head's keys: read once, while in cache); the
-// heads share the prefetch of the next block's rows, whole rows (every head's share of a
-// token row at once), a run of rows each.
+// vis(e, block, visible) -> Seen. The heads of a block are read one after the other (a fixed
+// cache's token rows hold every head's keys: read once, while in cache); the heads share the
+// prefetch of the next block's rows, whole rows (every head's share of a token row at once),
+// a run of rows each.
 template <typename T, int kSimd, typename Desc, typename Vis>
 void Item(const Common& c, const int* rows, int nrows, int h0, int nh, int nblocks, Desc desc,
           Vis vis) {
@@ -96,12 +96,13 @@ void Item(const Common& c, const int* rows, int nrows, int h0, int nh, int nbloc
     const int seen = vis(e, desc(e, h0), visible);
     if (seen == kNone) continue;
     const int ahead = e + sn::kPrefetchBlocks;  // the block read ahead (prefetched) meanwhile
+    const sn::Block<T> span = desc(std::min(ahead, nblocks - 1), h0);  // every head's rows
     for (int x = 0; x < nh; ++x) {
       Head& hd = heads[x];
       const sn::ItemShape shape{hd.q.data(), rg, c.d, c.dv, c.soft_cap,
                                 c.slopes ? hd.slopes : nullptr, hd.q_pos};
       const sn::Block<T> b = desc(e, h0 + x);
-      const sn::Block<T> next = ahead < nblocks ? Share(desc(ahead, h0), x, nh) : b;
+      const sn::Block<T> next = Share(span, x, nh);
       sn::FoldBlock<T, kSimd>(shape, b, seen == kAll ? nullptr : visible, hd.st,
                               ahead < nblocks ? &next : nullptr);
     }

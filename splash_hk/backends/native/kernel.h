@@ -28,11 +28,11 @@
 namespace splash_native {
 
 constexpr int kMaxSlots = 64;   // keys of a block (pages larger than this are read in parts)
-constexpr int kMaxRows = 8;
+constexpr int kMaxRows = 8;     // query rows of one item
 #ifndef SPLASH_PREFETCH_BLOCKS
 #define SPLASH_PREFETCH_BLOCKS 1
 #endif
-constexpr int kPrefetchBlocks = SPLASH_PREFETCH_BLOCKS;  // how far ahead blocks are prefetched     // query rows of one item
+constexpr int kPrefetchBlocks = SPLASH_PREFETCH_BLOCKS;  // how far ahead blocks are prefetched
 constexpr int kMaxGroup = 16;   // query heads per kv head
 constexpr int kMaxRG = kMaxRows * kMaxGroup;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
