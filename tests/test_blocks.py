@@ -280,3 +280,47 @@ def test_a_visible_nan_shows_in_exactly_the_rows_that_see_it():
   assert np.isnan(want).any() and not np.isnan(want).all()
   np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
   np.testing.assert_allclose(got, want, equal_nan=True, **harness.tol())
+
+
+# Every path that serves a choice: (platform, interpret, case).
+CHOICE_PATHS = [("xla", False, "gqa_shared_partial_blocks"), ("xla", False, "window_beside_the_choice"),
+                ("reference", False, "gqa_shared_partial_blocks"),
+                ("splash", True, "window_beside_the_choice")]  # the block-list kernel: bk 128
+
+
+@pytest.mark.parametrize("platform,interpret,name", CHOICE_PATHS)
+def test_a_visible_nan_key_shows_in_exactly_the_rows_that_see_it_values_and_gradients(
+    platform, interpret, name):
+  (q, k, v, _), mask, kwargs, _, rules = _case(name)
+  seen = oracle.visible(*q.shape[:2], k.shape[1], q.shape[2], **{
+      r: rules[r] for r in ("causal", "window", "mask") if r in rules})  # [B, Hq, T, S]
+  group = q.shape[2] // k.shape[2]
+  half = k.shape[1] // 2  # a key of the second half that many rows of kv head 0 see
+  j = half + int(np.argmax(seen[0, :group, :, half:].sum(axis=(0, 1))))
+  k = k.copy()
+  k[0, j, 0, 1] = np.nan
+  nan_rows = seen[:, :, :, j] & (np.arange(q.shape[2]) // group == 0)[None, :, None]
+  nan_rows[1:] = False  # [B, Hq, T]: the rows that see it
+  config = sh.AttentionConfig(platform=platform, interpret=interpret, allow_fallback=False)
+  f = lambda q, k, v: sh.attention(q, k, v, mask=mask, config=config,
+                                   **kwargs).attention_outputs
+  cot = np.random.default_rng(5).standard_normal(q.shape[:3] + v.shape[-1:]).astype(np.float32)
+  out, grads = harness.values_and_grads(f, (q, k, v), cot)  # jitted
+  want, _ = oracle.attention(q, k, v, **rules)
+  for out in (out, np.asarray(f(q, k, v))):  # jitted, eager
+    np.testing.assert_array_equal(np.isnan(out).any(-1), np.swapaxes(nan_rows, 1, 2))
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    np.testing.assert_allclose(out, want, equal_nan=True, **harness.tol())
+  # Gradients: NaN in dq of the rows that see it and in dk, dv of every key those rows see; the
+  # rest is the oracle's with those rows' cotangents zeroed (then the NaN reaches nothing).
+  clean_cot = np.where(np.swapaxes(nan_rows, 1, 2)[..., None], 0.0, cot)
+  _, want_grads = harness.oracle_values_and_grads(q, np.nan_to_num(k), v, clean_cot, **rules)
+  hit = (nan_rows[..., None] & seen).reshape(q.shape[0], k.shape[2], group, *seen.shape[2:])
+  hit_keys = np.swapaxes(hit.any(axis=(2, 3)), 1, 2)  # [B, S, Hkv]
+  for name, g, w, bad in zip("qkv", grads, want_grads,
+                             (np.swapaxes(nan_rows, 1, 2), hit_keys, hit_keys)):
+    read = np.ones(bad.shape, bool)
+    if name == "k":  # the NaN key's own gradient: NaN, or none (0) on the reference: not read
+      read[0, j, 0] = False
+    np.testing.assert_array_equal(np.isnan(g).any(-1)[read], bad[read])
+    harness.assert_near(g[read & ~bad], w[read & ~bad])

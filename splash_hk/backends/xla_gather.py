@@ -155,8 +155,10 @@ def _item_forward(it: Item, sink, cap) -> tuple[jax.Array, jax.Array]:
   pv = jnp.einsum("blrqs,blrsd->blrqd", kept.astype(it.v.dtype), base.finite(it.v),
                   preferred_element_type=jnp.float32)
   pv = _visible_garbage(pv, it)
-  out = jnp.where((l > 0)[..., None], pv / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
-  lse = jnp.where(l_all > 0, safe + jnp.log(jnp.where(l_all > 0, l_all, 1.0)), -jnp.inf)
+  # `!= 0`, not `> 0`: a visible NaN logit leaves NaN sums, which must show (not read as empty).
+  has_key, has_mass = l != 0, l_all != 0
+  out = jnp.where(has_key[..., None], pv / jnp.where(has_mass, l_all, 1.0)[..., None], 0.0)
+  lse = jnp.where(has_mass, safe + jnp.log(jnp.where(has_mass, l_all, 1.0)), -jnp.inf)
   return out, lse
 
 
@@ -246,7 +248,8 @@ def _item_grads(it: Item, do, lse, delta, cap) -> tuple[jax.Array, ...]:
   """(dq unscaled [B, L, R, Gl * bq, D], dk, dv [B, L, R, K * bk, ...], ds: the logits'
   cotangent before the soft cap, the bias's) of one item, f32."""
   s, t = _logits(it, cap)
-  p = jnp.exp(s - lse[..., None])  # [B, L, R, Gl * bq, K * bk]
+  # [B, L, R, Gl * bq, K * bk]; masked pairs 0 even in a row whose lse is NaN (it sees a NaN)
+  p = jnp.where(it.mask, jnp.exp(s - lse[..., None]), 0.0)
   kept = p if it.drop is None else p * it.drop  # what the forward multiplied v by
   dv = jnp.einsum("blrqs,blrqd->blrsd", kept, do)
   dp = jnp.einsum("blrqd,blrsd->blrqs", do, base.finite(it.v).astype(jnp.float32))
