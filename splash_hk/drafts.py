@@ -93,3 +93,28 @@ def keys_seen(tree: TreeRows, at: jax.Array, rows: jax.Array,
   a = jnp.clip(tree.first_row[rows] + kv_pos - first_new, 0, at.shape[0] - 1)  # the key's row
   seen = ~new | is_ancestor(tree.enter[a], tree.leave[a], tree.enter[rows])
   return jnp.where(new, at[a], kv_pos), seen
+
+
+def bad_paths(path: jax.Array, path_lens: jax.Array, rows: jax.Array,
+              parent: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Which accepted paths are not paths of their tree: the one check of `sh.accept_drafts` and
+  `KVCache.accept`.
+
+  Args:
+    path: [R, L] int32, each sequence's kept rows (indices among its rows), root to leaf.
+    path_lens: [R] int32, how many of them it keeps.
+    rows: [R] int32, the rows the sequence has in the call.
+    parent: [R, L] int32, the parent of each path entry among the sequence's rows (-1: a root;
+      any value where the entry is out of range).
+
+  Returns:
+    (bad_len, outside, off_tree), [R] bool each: a length outside [0, min(L, rows)]; a kept row
+    outside [0, rows); a kept row whose parent is not the entry before it (-1 for the first).
+  """
+  width = path.shape[1]
+  bad_len = (path_lens < 0) | (path_lens > jnp.minimum(width, rows))
+  used = jnp.arange(width)[None, :] < path_lens[:, None]  # [R, L]
+  inside = (path >= 0) & (path < rows[:, None])
+  before = jnp.concatenate([jnp.full((path.shape[0], 1), -1, jnp.int32), path[:, :-1]], axis=1)
+  return (bad_len, jnp.any(used & ~inside, axis=1),
+          jnp.any(used & inside & (parent != before), axis=1))

@@ -21,13 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from splash_hk import drafts
 from splash_hk import owners
 from splash_hk import quant
 from splash_hk.config import known_now
 from splash_hk.types import Extras
 
 
-@functools.partial(owners.register, data_fields=("key", "value", "length", "appended"))
+@functools.partial(owners.register, data_fields=("key", "value", "length", "appended",
+                                                            "parents"))
 @dataclasses.dataclass(frozen=True, eq=False)
 class KVCache:
   """A fixed-capacity key/value cache for one attention layer (a pytree).
@@ -44,6 +46,9 @@ class KVCache:
       this cache raises a ValueError naming both.
     appended: [B] int32, the tokens the last call wrote in each row (what `accept` keeps of),
       or None for a cache built by hand that no call has written.
+    parents: [B, S_max] int32: at the slot of each token the last call wrote, its parent among
+      that call's tokens (-1: a root; a call without `masks.Tree` is a chain), so `accept` keeps
+      only paths of the call's tree; None for a cache built by hand that no call has written.
   """
 
   key: jax.Array
@@ -51,6 +56,7 @@ class KVCache:
   length: jax.Array
   owner: str | None = None
   appended: jax.Array | None = None
+  parents: jax.Array | None = None
 
   @classmethod
   def zeros(cls, batch: int, max_len: int, num_kv_heads: int, key_size: int,
@@ -70,6 +76,7 @@ class KVCache:
         length=jnp.zeros((batch,), jnp.int32),
         owner=owners.checked(owner),
         appended=jnp.zeros((batch,), jnp.int32),
+        parents=jnp.full((batch, max_len), -1, jnp.int32),
     )
 
   @property
@@ -240,7 +247,19 @@ def _append(cache: KVCache, k: jax.Array, v: jax.Array, lengths: jax.Array,
       kv_segment_ids=jnp.where(slots < end[:, None], 0, -1),  # [B, S_max]
   )
   written = jnp.where(failed, 0, lengths)  # [B]
-  return Append(keys, values, extras, KVCache(keys, values, end, layer, written), failed)
+  chain = jnp.broadcast_to(jnp.arange(query_len, dtype=jnp.int32) - 1, (batch, query_len))
+  parents = record_parents(cache.parents, target, chain, max_len)  # [B, S_max]
+  return Append(keys, values, extras, KVCache(keys, values, end, layer, written, parents), failed)
+
+
+def record_parents(held: jax.Array | None, slots: jax.Array, parents: jax.Array,
+                   max_len: int) -> jax.Array:
+  """`held` [B, S_max] (None: a cache built by hand) with a call's tokens' parents [B, T]
+  (indices among the call's tokens, -1 a root) written at their slots [B, T] (S_max: dropped)."""
+  if held is None:
+    held = jnp.full((slots.shape[0], max_len), -1, jnp.int32)
+  rows = jnp.arange(slots.shape[0])[:, None]
+  return held.at[rows, slots].set(parents.astype(jnp.int32), mode="drop")
 
 
 def _accept(cache: KVCache, path: ArrayLike, path_lens: ArrayLike) -> KVCache:
@@ -259,23 +278,36 @@ def _accept(cache: KVCache, path: ArrayLike, path_lens: ArrayLike) -> KVCache:
   path, kept = path.astype(jnp.int32), path_lens.astype(jnp.int32)
   written = jnp.asarray(cache.appended, jnp.int32)  # [B]
   start = cache.lengths() - written  # [B]: the length before the call
-  used = jnp.arange(path.shape[1])[None, :] < kept[:, None]  # [B, L]
-  bad = ((kept < 0) | (kept > jnp.minimum(written, path.shape[1])) | (start < 0)
-         | jnp.any(used & ((path < 0) | (path >= written[:, None])), axis=1))  # [B]
-  known = known_now(bad)
-  if known is not None and known.any():
-    bad_rows = np.flatnonzero(known).tolist()
-    wrote = np.asarray(written)[bad_rows].tolist()
-    raise ValueError(f"`path`/`path_lens` name tokens outside the last call's for rows "
-                     f"{bad_rows} (it wrote {wrote} tokens in them): each kept index must lie "
-                     "in [0, tokens written) and path_lens in [0, min(L, that)].")
   rows = jnp.arange(batch)[:, None]
+  held = cache.parents if cache.parents is not None else jnp.broadcast_to(
+      jnp.arange(max_len, dtype=jnp.int32) - start[:, None] - 1, (batch, max_len))  # a chain
   src = jnp.clip(start[:, None] + path, 0, max_len - 1)  # [B, L]
+  bad_len, outside, off_tree = drafts.bad_paths(path, kept, written, held[rows, src])
+  bad = bad_len | outside | off_tree | (start < 0)  # [B]
+  _refuse(bad, off_tree, written)
+  used = jnp.arange(path.shape[1])[None, :] < kept[:, None]  # [B, L]
   dst = jnp.where(used & ~bad[:, None], start[:, None] + jnp.arange(path.shape[1]), max_len)
   move = lambda a: a.at[rows, dst].set(a[rows, src], mode="drop")
   length = jnp.where(bad, -1, start + kept)
   return cache.replace(key=jax.tree.map(move, cache.key), value=jax.tree.map(move, cache.value),
                        length=length, appended=jnp.zeros_like(written))
+
+
+def _refuse(bad: jax.Array, off_tree: jax.Array, written: jax.Array) -> None:
+  """`accept`'s misuse, when concrete, as a ValueError naming `path` / `path_lens`."""
+  known, off = known_now(bad), known_now(off_tree)
+  if known is None or not known.any():
+    return
+  bad_rows = np.flatnonzero(known).tolist()
+  wrote = np.asarray(written)[bad_rows].tolist()
+  if off is not None and off.any():
+    raise ValueError(f"`path` is not a root-to-leaf path of the last call's tree for rows "
+                     f"{np.flatnonzero(off).tolist()}: each kept token's parent (its masks.Tree; "
+                     "a call without one is a chain) must be the token kept before it, the "
+                     "first's a root (-1).")
+  raise ValueError(f"`path`/`path_lens` name tokens outside the last call's for rows "
+                   f"{bad_rows} (it wrote {wrote} tokens in them): each kept index must lie "
+                   "in [0, tokens written) and path_lens in [0, min(L, that)].")
 
 
 def _check_cache(cache: KVCache, k: jax.Array, v: jax.Array, layer: str) -> jax.Array:

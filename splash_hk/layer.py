@@ -121,7 +121,12 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, call: Call, setti
     failed = step.failed if tree is None else step.failed | misused(tree)  # [B]
     out = jnp.where(failed[:, None, None, None], jnp.nan, out)  # [B, T, H, V]
   out = out.reshape(*lead, *out.shape[1:])  # [..., T, H, V]
-  return out, None if step is None else step.cache
+  if step is None:
+    return out, None
+  if tree is None:
+    return out, step.cache
+  return out, step.cache.replace(parents=kv_cache_lib.record_parents(  # what `accept` checks
+      step.cache.parents, step.extras.q_positions, tree.parents, k.shape[1]))
 
 
 def _tree_of(mask: Any) -> Tree | None:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from splash_hk import drafts
 from splash_hk import quant
 from splash_hk.config import known_now
 from splash_hk.pages import PagedKVCache, RaggedBatch
@@ -50,16 +51,14 @@ def _misuse(batch: RaggedBatch, path: jax.Array, path_lens: jax.Array,
   cu = batch.cu_q_lens.astype(jnp.int32)
   rows = jnp.maximum(cu[1:] - cu[:-1], 0)  # [max_seqs]
   live = jnp.arange(max_seqs) < jnp.reshape(batch.num_seqs, (-1,))[0]
-  bad_len = live & ((path_lens < 0) | (path_lens > jnp.minimum(width, rows)))
   used = jnp.arange(width)[None, :] < path_lens[:, None]  # [max_seqs, L]
-  inside = (path >= 0) & (path < rows[:, None])
   if batch.tree is None:
     parent = path - 1  # a chain: row i's parent is row i - 1
   else:
     n = batch.tree.shape[0]
     parent = batch.tree.astype(jnp.int32)[jnp.clip(cu[:-1, None] + path, 0, n - 1)]
-  before = jnp.concatenate([jnp.full((max_seqs, 1), -1, jnp.int32), path[:, :-1]], axis=1)
-  bad_path = live & jnp.any(used & (~inside | (parent != before)), axis=1)
+  bad_len, outside, off_tree = drafts.bad_paths(path, path_lens, rows, parent)
+  bad_len, bad_path = live & bad_len, live & (outside | off_tree)
   kv = batch.kv_lens.astype(jnp.int32)[:, None]
   last = (kv + jnp.max(jnp.where(used, path, 0), axis=1, keepdims=True)) // page_size  # [., 1]
   logical = jnp.arange(batch.pages_per_seq)[None, :]

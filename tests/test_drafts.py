@@ -282,6 +282,26 @@ def test_a_haiku_module_takes_the_tree_with_its_cache_and_accept_keeps_the_path(
     cache.replace(appended=None).accept(np.zeros((2, 1), np.int32), np.zeros(2, np.int32))
 
 
+def test_accept_keeps_only_a_path_of_the_calls_tree():
+  """The one path check of `accept_drafts`, on the fixed cache: seen failing when `accept` read
+  only the indices' range (it kept [0, 1, 4] of the tree below, whose 4 hangs off 3)."""
+  cache, q, k, v, parents = _cache_case(13, parents=((-1, 0, 1, 0, 3), (-1, 0, 1, 2, 3)))
+  settings = layer_lib.Settings(sh.AttentionConfig(platform="xla"), None, sh.MeshAxes(), "mha")
+  _, after = layer_lib.attend(q, k, v, layer_lib.Call(mask=sh.masks.Tree(parents),
+                                                      kv_cache=cache), settings)
+  off_tree, lens = np.array([[0, 1, 4], [0, 1, 2]]), np.array([3, 3])
+  with pytest.raises(ValueError, match=r"`path` is not a root-to-leaf path .* rows \[0\]"):
+    after.accept(off_tree, lens)
+  failed = jax.jit(lambda c, p, n: c.accept(p, n))(after, off_tree, lens)
+  np.testing.assert_array_equal(failed.length, [-1, 15])
+  kept = after.accept(np.array([[0, 3, 4], [0, 1, 2]]), lens)
+  np.testing.assert_array_equal(kept.length, [10, 15])
+  np.testing.assert_allclose(np.asarray(kept.key)[0, 7:10], k[0, [0, 3, 4]], **tol())
+  _, chained = layer_lib.attend(q, k, v, layer_lib.Call(kv_cache=cache), settings)  # no Tree
+  with pytest.raises(ValueError, match=r"not a root-to-leaf path .* rows \[1\]"):
+    chained.accept(np.array([[0, 1, 2], [0, 2, 3]]), lens)
+
+
 def test_a_tree_parent_not_earlier_is_refused_naming_the_mask():
   cache, q, k, v, _ = _cache_case(12)
   settings = layer_lib.Settings(sh.AttentionConfig(), None, sh.MeshAxes(), "mha")
