@@ -165,21 +165,13 @@ def attend_paged(query: jax.Array, key: jax.Array, value: jax.Array, call: Call,
   # them in the query's: narrower pools are a choice, not a mismatch.
   if not isinstance(call.kv_cache.key, Quantized):  # a quantized pool quantizes as it writes
     key, value = key.astype(call.kv_cache.key.dtype), value.astype(call.kv_cache.value.dtype)
-  if call.page_top_k is not None:  # Quest: this layer's queries choose its pages
+  if call.page_top_k is not None:  # Quest: this layer's queries choose its pages (and their own)
     batch = dataclasses.replace(batch, selection=sparse.top_k_pages(
-        query, call.kv_cache, batch, top_k=call.page_top_k,
-        local=own_pages(query.shape[0], call.kv_cache.page_size)))
+        query, call.kv_cache, batch, top_k=call.page_top_k))
   result = paged_attention(query, key, value, call.kv_cache, batch, config=settings.config,
                            softmax_aux=sinks, mesh=settings.mesh, axes=settings.axes,
                            owner=settings.layer, **rules)
   return result[0], result[1]  # [N, H, V], the cache
-
-
-def own_pages(num_tokens: int, page_size: int) -> int:
-  """The most pages one sequence's rows of a step of `num_tokens` can write: the modules'
-  `local` for `top_k_pages`, so a prefill chunk always sees its own tokens (a decode step of one
-  row: its last page)."""
-  return -(-(num_tokens - 1) // page_size) + 1
 
 
 def _check_cache_dtype(cache: Any, key: jax.Array, config: AttentionConfig) -> None:

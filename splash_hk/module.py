@@ -232,9 +232,8 @@ class MultiHeadAttention(hk.Module):
         are then objects over positions.
       page_top_k: with `batch`, each sequence reads only the pages this layer's queries
         choose (Quest: `splash_hk.sparse.top_k_pages` with `top_k=page_top_k`, on a pool
-        built with `page_summaries=True`), and its last pages: as many as one sequence's rows
-        of the step can write (ceil((N - 1) / page_size) + 1: a step of one row reads its
-        last page), so a prefill chunk sees its own tokens; None reads every page.
+        built with `page_summaries=True`), its last page and every page the step writes (a
+        prefill chunk sees its own tokens); None reads every page.
       is_training: apply the module's `dropout_rate` (a key from `hk.next_rng_key()`, so
         the transform needs an rng); False (the default) computes without dropout.
 

@@ -148,11 +148,11 @@ def top_k_pages(q: jax.Array, cache: PagedKVCache, batch: RaggedBatch, top_k: in
   A page's bound for a query is `sum_d max(q_d * key_min_d, q_d * key_max_d)` over the page's
   key summaries (`PagedKVCache.zeros(..., page_summaries=True)`), an upper bound of every
   logit the page holds; a page's score for a sequence and kv head is its bound's max over the
-  sequence's rows and the kv head's group of query heads. The `local` last pages of the length
-  after the step (the rows' own, newest tokens) are always chosen; the candidates are the other
-  pages holding cached tokens (`kv_lens`); pages that only this step writes, other than the
-  local ones, are not chosen (a chunk longer than `local` pages: pass a larger `local`). Then
-  the `top_k` highest candidates, ties to the lower index; count = what was chosen. No gradient.
+  sequence's rows and the kv head's group of query heads. Every page this step writes (the
+  rows' own keys: a prefill chunk's, a draft tree's) and the `local` last pages of the length
+  after the step are always chosen; the candidates are the other pages holding cached tokens
+  (`kv_lens`). Then the `top_k` highest candidates, ties to the lower index; count = what was
+  chosen. No gradient.
 
   Args:
     q: [N, Hq, D], the step's query rows (`paged_attention`'s `query`).
@@ -162,8 +162,9 @@ def top_k_pages(q: jax.Array, cache: PagedKVCache, batch: RaggedBatch, top_k: in
     local: the last pages always chosen (>= 0).
 
   Returns:
-    PageSelection(pages [max_seqs, Hkv, top_k' + local] int32 logical pages (-1 past each
-    count), counts [max_seqs, Hkv]), top_k' = min(top_k, pages_per_seq).
+    PageSelection(pages [max_seqs, Hkv, top_k' + own'] int32 logical pages (-1 past each
+    count), counts [max_seqs, Hkv]), top_k' = min(top_k, pages_per_seq) and own' = the larger
+    of `local` and the most pages one sequence's rows of this step can write.
   """
   _check_pages(q, cache, batch, top_k, local)
   q = jax.lax.stop_gradient(jnp.asarray(q))
@@ -172,14 +173,18 @@ def top_k_pages(q: jax.Array, cache: PagedKVCache, batch: RaggedBatch, top_k: in
   score = _page_scores(q, cache, batch, lay)  # [max_seqs, Hkv, pps]
   kv = batch.kv_lens.astype(jnp.int32)[:, None, None]  # [max_seqs, 1, 1]
   after = -(-lay.kv_len_after // page_size)[:, None, None]  # pages after the step
+  written = jnp.where(after * page_size > kv, kv // page_size, after)  # first page it writes
+  first = jnp.minimum(after - local, written)  # [max_seqs, 1, 1]: the first page always chosen
   logical = jnp.arange(batch.pages_per_seq, dtype=jnp.int32)
-  own = (logical >= after - local) & (logical < after)  # [max_seqs, 1, pps]
+  own = (logical >= first) & (logical < after)  # [max_seqs, 1, pps]
   candidate = (logical < -(-kv // page_size)) & ~own
   values, top = jax.lax.top_k(jnp.where(candidate, score, -jnp.inf),
                               min(top_k, batch.pages_per_seq))  # ties to the lower index
   chosen_top = jnp.take_along_axis(jnp.broadcast_to(candidate, score.shape), top, axis=-1)
-  firsts = after - local + jnp.arange(local, dtype=jnp.int32)  # [max_seqs, 1, local]
-  firsts = jnp.broadcast_to(firsts, (*score.shape[:2], local))
+  most = max(local, min(batch.pages_per_seq, -(-(n - 1) // page_size) + 1))  # static
+  firsts = first + jnp.arange(most, dtype=jnp.int32)  # [max_seqs, 1, own']
+  firsts = jnp.where(firsts < after, firsts, -1)
+  firsts = jnp.broadcast_to(firsts, (*score.shape[:2], most))
   listed = jnp.concatenate([firsts, top.astype(jnp.int32)], axis=-1)  # [max_seqs, Hkv, K]
   valid = jnp.concatenate([(firsts >= 0) & (firsts < batch.pages_per_seq), chosen_top], axis=-1)
   live = jnp.arange(batch.max_seqs) < jnp.reshape(batch.num_seqs, (-1,))[0]
