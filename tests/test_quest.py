@@ -259,8 +259,8 @@ def test_the_haiku_module_reads_the_pages_its_queries_choose():
     np.testing.assert_allclose(np.asarray(out[start:start + n]), want, **harness.tol())
     start += n
   out, _ = step(params, np.stack([xs[0][37], xs[1][22]]), pool, decode)
-  for s, x in enumerate(xs):  # each decode row: its last 2 pages and the 2 it bounds highest
-    mask = _quest_mask(params, x, top_k=2, local=2)
+  for s, x in enumerate(xs):  # each decode row: its last page and the 2 it bounds highest
+    mask = _quest_mask(params, x, top_k=2, local=1)
     assert not mask.all()
     want = oracle.mha(params, x[None], num_heads=HQ, num_kv_heads=HKV, key_size=8,
                       value_size=8, mask=mask)[0, -1]
