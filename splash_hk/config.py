@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -118,6 +119,9 @@ class AttentionConfig:
       visible pair kept with probability 1 - rate and scaled by 1 / (1 - rate), decided by
       `splash_hk.dropout_mask`'s hash (a call passes `dropout_rng`); 0 is the program of a
       call without dropout.
+    causal_stated: whether `causal` was stated (given to the constructor or to `replace`)
+      rather than left at its default: a mask object is the whole rule, and a stated `causal`
+      beside one is refused, never ignored. Set by the constructor; not for callers.
   """
 
   causal: bool = True
@@ -132,9 +136,11 @@ class AttentionConfig:
   interpret: bool = False
   fused_backward: bool = False
   dropout_rate: float = 0.0
+  causal_stated: bool = dataclasses.field(default=False, repr=False)
 
   def __post_init__(self) -> None:
     set_ = lambda name, value: object.__setattr__(self, name, value)
+    set_("causal_stated", bool(self.causal_stated))
     for name in ("causal", "chunk_size", "logits_soft_cap", "softmax_scale"):
       set_(name, static(name, getattr(self, name), _INSTEAD.get(name, "")))
     if not isinstance(self.causal, bool):
@@ -181,8 +187,26 @@ class AttentionConfig:
     return dict(causal=self.causal, window=self.window, chunk_size=self.chunk_size)
 
   def replace(self, **changes: Any) -> AttentionConfig:
-    """This config with the given fields replaced (and checked again)."""
+    """This config with the given fields replaced (and checked again); `causal` given here is
+    stated."""
+    if "causal" in changes:
+      changes.setdefault("causal_stated", True)
     return dataclasses.replace(self, **changes)
+
+
+def _noting_causal(init: Any) -> Any:
+  """The dataclass's `__init__`, noting whether `causal` was given (`causal_stated`); a copy by
+  `dataclasses.replace` passes the old note along."""
+
+  @functools.wraps(init)
+  def __init__(self, *args: Any, **kwargs: Any) -> None:
+    kwargs.setdefault("causal_stated", bool(args) or "causal" in kwargs)
+    init(self, *args, **kwargs)
+
+  return __init__
+
+
+AttentionConfig.__init__ = _noting_causal(AttentionConfig.__init__)  # type: ignore[method-assign]
 
 
 _INSTEAD = {"softmax_scale": "; for a learnable temperature, multiply the query by it and "

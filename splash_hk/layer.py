@@ -89,6 +89,11 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, call: Call, setti
   """
   if isinstance(call.kv_cache, PagedKVCache) or call.batch is not None:
     return attend_paged(query, key, value, call, settings, sinks)
+  if call.page_top_k is not None:
+    raise ValueError(f"`page_top_k={call.page_top_k}` chooses pages of a paged cache: pass it "
+                     "with kv_cache=sh.PagedKVCache(..., page_summaries=True) and batch=; with "
+                     "a fixed KVCache or no cache, choose key blocks with "
+                     "mask=sh.sparse.top_k_blocks(...) instead.")
   *lead, query_len, num_heads, _ = query.shape
   flat = lambda x: x.reshape(-1, *x.shape[len(lead):])  # [..., X] -> [B, X]
   q, k, v = flat(query), flat(key), flat(value)  # [B, T, H, K], [B, S, Hkv, K], [B, S, Hkv, V]

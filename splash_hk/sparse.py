@@ -12,8 +12,11 @@ most blocks a query block lists (local + top_k).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from splash_hk import pages
 from splash_hk import ragged
@@ -39,88 +42,146 @@ def _block_means(x: jax.Array, valid: jax.Array, block: int) -> jax.Array:
 
 def _segment_ranges(ids: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
   """Per block (min, max) [B, n] of its non-negative segment ids (empty: (big, -big))."""
-  batch, length = ids.shape
+  return _block_range(ids, ids >= 0, block)
+
+
+def _block_range(a: jax.Array, valid: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+  """Per block (min, max) [B, n] of int32 `a` [B, L] over its `valid` entries (none: (big,
+  -big))."""
+  batch, length = a.shape
   n = -(-length // block)
-  ids = jnp.pad(ids, [(0, 0), (0, n * block - length)], constant_values=-1).reshape(batch, n, block)
+  pad = lambda x, fill: jnp.pad(x, [(0, 0), (0, n * block - length)],
+                                constant_values=fill).reshape(batch, n, block)
+  a, valid = pad(a.astype(jnp.int32), 0), pad(valid, False)
   far = jnp.iinfo(jnp.int32).max
-  return (jnp.min(jnp.where(ids >= 0, ids, far), axis=-1),
-          jnp.max(jnp.where(ids >= 0, ids, -far), axis=-1))
+  return (jnp.min(jnp.where(valid, a, far), axis=-1), jnp.max(jnp.where(valid, a, -far), axis=-1))
 
 
-def _candidates(query_len: int, kv_len: int, block_size: tuple[int, int], causal: bool,
-                q_seg: jax.Array | None, kv_seg: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-  """(candidate [B|1, nq, nk] bool, last [nq] int32): the key blocks a query block may choose, and
-  the key block holding its last query's (end-aligned) position."""
+class _Sides(NamedTuple):
+  """What the gate reads of each side's tokens: [B, T] / [B, S] each (`seg` None: one document)."""
+
+  q_pos: jax.Array
+  kv_pos: jax.Array
+  q_valid: jax.Array
+  kv_valid: jax.Array
+  q_seg: jax.Array | None
+  kv_seg: jax.Array | None
+
+
+def _sides(batch: int, query_len: int, kv_len: int, q_segment_ids, kv_segment_ids, q_positions,
+           kv_positions) -> _Sides:
+  """Segment ids and positions with `attention`'s defaults: kv ids default to the queries' (T ==
+  S), positions end-aligned (`S - T + i` and `j`), or one side given alone serving both (T == S)."""
+  as_int = lambda a: None if a is None else jnp.asarray(a, jnp.int32)
+  q_seg, kv_seg = as_int(q_segment_ids), as_int(kv_segment_ids)
+  kv_seg = q_seg if kv_seg is None else kv_seg
+  q_pos, kv_pos = as_int(q_positions), as_int(kv_positions)
+  if query_len == kv_len:
+    q_pos, kv_pos = (q_pos if q_pos is not None else kv_pos), (kv_pos if kv_pos is not None
+                                                                 else q_pos)
+  if q_pos is None:
+    q_pos = jnp.arange(kv_len - query_len, kv_len, dtype=jnp.int32)
+  if kv_pos is None:
+    kv_pos = jnp.arange(kv_len, dtype=jnp.int32)
+  valid = lambda seg, n: jnp.ones((batch, n), jnp.bool_) if seg is None else seg >= 0
+  return _Sides(jnp.broadcast_to(q_pos, (batch, query_len)),
+                jnp.broadcast_to(kv_pos, (batch, kv_len)), valid(q_seg, query_len),
+                valid(kv_seg, kv_len), q_seg, kv_seg)
+
+
+def _candidates(sides: _Sides, block_size: tuple[int, int],
+                causal: bool) -> tuple[jax.Array, jax.Array]:
+  """(candidate [B, nq, nk] bool, anchor [B, nq] int32): the key blocks a query block may choose
+  (they hold a key it can see: not padding, its documents, under `causal` at or before one of
+  its positions), and the last key block holding a key at or before its last position that it
+  can see otherwise (-1: none): where its local blocks end."""
   bq, bk = block_size
-  nq, nk = -(-query_len // bq), -(-kv_len // bk)
-  last_query = jnp.minimum((jnp.arange(nq) + 1) * bq, query_len) - 1  # [nq]
-  last = jnp.floor_divide(kv_len - query_len + last_query, bk).astype(jnp.int32)  # [nq]
-  blocks = jnp.arange(nk)
-  candidate = (blocks[None, :] <= last[:, None]) if causal else jnp.ones((nq, nk), jnp.bool_)
-  candidate = candidate[None]  # [1, nq, nk]
-  if q_seg is not None and kv_seg is not None:  # a key block is a candidate only if its documents meet the query block's
-    (q_lo, q_hi), (kv_lo, kv_hi) = _segment_ranges(q_seg, bq), _segment_ranges(kv_seg, bk)
-    candidate = candidate & ((kv_lo[:, None, :] <= q_hi[:, :, None]) &
-                             (q_lo[:, :, None] <= kv_hi[:, None, :]))
-  return candidate, last
+  _, q_last = _block_range(sides.q_pos, sides.q_valid, bq)  # [B, nq]
+  kv_first, _ = _block_range(sides.kv_pos, sides.kv_valid, bk)  # [B, nk]
+  seen = (kv_first < jnp.iinfo(jnp.int32).max)[:, None, :]  # [B, 1, nk]: a key not padding
+  if sides.q_seg is not None:  # a key block is a candidate only if its documents meet the query's
+    (q_lo, q_hi), (kv_lo, kv_hi) = (_segment_ranges(sides.q_seg, bq),
+                                    _segment_ranges(sides.kv_seg, bk))
+    seen = seen & ((kv_lo[:, None, :] <= q_hi[:, :, None]) & (q_lo[:, :, None] <= kv_hi[:, None, :]))
+  before = kv_first[:, None, :] <= q_last[:, :, None]  # [B, nq, nk]
+  candidate = seen & before if causal else jnp.broadcast_to(seen, before.shape)
+  blocks = jnp.arange(kv_first.shape[1], dtype=jnp.int32)
+  anchor = jnp.max(jnp.where(seen & before, blocks, -1), axis=-1)  # [B, nq]
+  return candidate, anchor
 
 
 def top_k_blocks(q: jax.Array, k: jax.Array, top_k: int, block_size: tuple[int, int], *,
                  causal: bool = True, local: int = 1, q_segment_ids: jax.Array | None = None,
-                 kv_segment_ids: jax.Array | None = None) -> Blocks:
+                 kv_segment_ids: jax.Array | None = None, q_positions: jax.Array | None = None,
+                 kv_positions: jax.Array | None = None) -> Blocks:
   """MoBA's gate: for each query block and kv head, its `local` own blocks and the `top_k` key
   blocks scoring highest, as a `masks.Blocks` with H = Hkv (one choice per GQA group).
 
   The score of key block c for query block r is `mean(q[r's rows, the group's heads]) .
-  mean(k[c's rows])` (padding rows, segment id < 0, left out of the means). The `local` blocks
-  ending at the one holding r's last query position (end-aligned: S - T + i) are always chosen;
-  under `causal` only key blocks holding a key at or before one of r's positions are candidates;
-  with segment ids, only blocks whose ids meet r's (packed documents: the blocks sharing one).
-  Then the `top_k` highest other candidates, ties to the lower index; a row's count is what it
-  chose (fewer when fewer candidates). No gradient flows through the choice.
+  mean(k[c's rows])` (padding rows, segment id < 0, left out of the means). The candidates are
+  the key blocks holding a key r can see: not padding, of a document r's rows are in, and under
+  `causal` at or before one of r's positions. The `local` blocks ending at the last key block
+  holding such a key at or before r's last position are always chosen (a decode row over a
+  partly filled cache: the block of its newest key, not the end of the key axis). Then the
+  `top_k` highest other candidates, ties to the lower index; a row's count is what it chose
+  (fewer when fewer candidates). No gradient flows through the choice. Segment ids and positions
+  have `attention`'s meaning and defaults (end-aligned positions): pass the call's own.
 
   Args:
     q: [B, T, Hq, D]; k: [B, S, Hkv, D].
     top_k: key blocks chosen beyond the local ones (>= 0).
     block_size: (bq, bk).
+    causal: choose under the causal rule; the choice then holds it (`Blocks.causal`: a query
+      never sees a later key of its own block).
     local: the query block's own blocks always chosen (>= 0).
+    q_segment_ids, kv_segment_ids: [B, T], [B, S] ints (negative: padding).
+    q_positions, kv_positions: [B, T], [B, S] ints.
 
   Returns:
-    Blocks(kv_blocks [B, Hkv, nq, local + top_k] int32 (-1 past each count), counts [B, Hkv, nq]).
+    Blocks(kv_blocks [B, Hkv, nq, local + top_k] int32 (-1 past each count), counts [B, Hkv, nq],
+    causal=causal).
   """
-  _check(q, k, top_k, block_size, local, q_segment_ids, kv_segment_ids)
+  _check(q, k, top_k, block_size, local, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+  top_k, local = int(top_k), int(local)
+  block_size = (int(block_size[0]), int(block_size[1]))
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
   batch, query_len, num_heads, dim = q.shape
   kv_len, num_kv = k.shape[1], k.shape[2]
-  q_seg = None if q_segment_ids is None else jnp.asarray(q_segment_ids, jnp.int32)  # [B, T]
-  kv_seg = q_seg if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32)  # [B, S]
-  q_valid = jnp.ones((batch, query_len), jnp.bool_) if q_seg is None else q_seg >= 0
-  kv_valid = jnp.ones((batch, kv_len), jnp.bool_) if kv_seg is None else kv_seg >= 0
+  sides = _sides(batch, query_len, kv_len, q_segment_ids, kv_segment_ids, q_positions,
+                 kv_positions)
   grouped = q.reshape(batch, query_len, num_kv, num_heads // num_kv, dim).mean(axis=3)
-  q_means = _block_means(grouped, q_valid, block_size[0])  # [B, Hkv, nq, D]
-  k_means = _block_means(k, kv_valid, block_size[1])  # [B, Hkv, nk, D]
+  q_means = _block_means(grouped, sides.q_valid, block_size[0])  # [B, Hkv, nq, D]
+  k_means = _block_means(k, sides.kv_valid, block_size[1])  # [B, Hkv, nk, D]
   scores = jnp.einsum("bhrd,bhcd->bhrc", q_means, k_means)  # [B, Hkv, nq, nk]
-  candidate, last = _candidates(query_len, kv_len, block_size, causal, q_seg, kv_seg)
+  candidate, anchor = _candidates(sides, block_size, causal)  # [B, nq, nk], [B, nq]
+  listed, counts = _choose(scores, candidate, anchor, top_k, local)
+  return Blocks(listed, counts, block_size, causal=causal)
+
+
+def _choose(scores: jax.Array, candidate: jax.Array, anchor: jax.Array, top_k: int,
+            local: int) -> tuple[jax.Array, jax.Array]:
+  """(lists [B, Hkv, nq, K] int32, -1 past each count; counts [B, Hkv, nq]): the `local` blocks
+  ending at `anchor` [B, nq], then the `top_k` best other candidates [B, nq, nk]."""
   nk = scores.shape[-1]
-  own = last[:, None] - jnp.arange(local)  # [nq, local]: the local blocks, newest first
-  is_own = jnp.any((jnp.arange(nk)[None, None, :] == own[:, :, None]) & (own[:, :, None] >= 0),
-                   axis=1)  # [nq, nk]
-  others = jnp.where(candidate[:, None] & ~is_own, scores, -jnp.inf)  # [B, Hkv, nq, nk]
+  own = anchor[..., None] - jnp.arange(local)  # [B, nq, local]: newest first
+  is_own = jnp.any((jnp.arange(nk) == own[..., None]) & (own[..., None] >= 0), axis=-2)
+  others = jnp.where((candidate & ~is_own)[:, None], scores, -jnp.inf)  # [B, Hkv, nq, nk]
   values, top = jax.lax.top_k(others, min(top_k, nk))  # [B, Hkv, nq, k'], ties to the lower index
-  n_own = jnp.clip(last + 1, 0, local)  # [nq]
+  n_own = jnp.clip(anchor + 1, 0, local)[:, None]  # [B, 1, nq]
   n_top = jnp.sum(values > -jnp.inf, axis=-1, dtype=jnp.int32)  # [B, Hkv, nq]
-  slot = jnp.arange(local + top_k)  # [K]
-  from_top = jnp.take_along_axis(
-      jnp.pad(top, [(0, 0)] * 3 + [(0, local + top_k - top.shape[-1])], constant_values=-1),
-      jnp.clip(slot - n_own[:, None], 0, local + top_k - 1)[None, None], axis=-1)
-  listed = jnp.where(slot < n_own[:, None], jnp.pad(own, [(0, 0), (0, top_k)])[..., :local + top_k],
-                     from_top)  # [B, Hkv, nq, K]
-  counts = n_own[None, None] + n_top  # [B, Hkv, nq]
+  width = local + top_k
+  slot = jnp.arange(width)  # [K]
+  top = jnp.pad(top, [(0, 0)] * 3 + [(0, width - top.shape[-1])], constant_values=-1)
+  from_top = jnp.take_along_axis(top, jnp.clip(slot - n_own[..., None], 0, width - 1), axis=-1)
+  own = jnp.pad(own, [(0, 0), (0, 0), (0, top_k)])[:, None]  # [B, 1, nq, K]
+  listed = jnp.where(slot < n_own[..., None], own, from_top)  # [B, Hkv, nq, K]
+  counts = n_own + n_top  # [B, Hkv, nq]
   listed = jnp.where(slot < counts[..., None], listed, -1).astype(jnp.int32)
-  return Blocks(listed, counts.astype(jnp.int32), (int(block_size[0]), int(block_size[1])))
+  return listed, counts.astype(jnp.int32)
 
 
-def _check(q, k, top_k, block_size, local, q_segment_ids, kv_segment_ids) -> None:
+def _check(q, k, top_k, block_size, local, q_segment_ids, kv_segment_ids, q_positions,
+           kv_positions) -> None:
   """Arguments of `top_k_blocks`, each refusal naming its argument."""
   if q.ndim != 4 or k.ndim != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
     raise ValueError(f"`q` must be [B, T, Hq, D] and `k` [B, S, Hkv, D] with the same B and D, "
@@ -128,16 +189,42 @@ def _check(q, k, top_k, block_size, local, q_segment_ids, kv_segment_ids) -> Non
   if q.shape[2] % k.shape[2]:
     raise ValueError(f"`q`'s {q.shape[2]} heads must be a multiple of `k`'s {k.shape[2]}.")
   for name, n in (("top_k", top_k), ("local", local)):
-    if not isinstance(n, int) or n < 0:
-      raise ValueError(f"`{name}` must be an int >= 0, got {n!r}.")
+    count(name, n)
   if top_k + local < 1:
     raise ValueError("`top_k` + `local` must be at least 1: a choice of no block sees nothing.")
-  if (len(block_size) != 2 or not all(isinstance(b, int) and b >= 1 for b in block_size)):
-    raise ValueError(f"`block_size` must be (bq, bk), two ints >= 1, got {block_size!r}.")
+  if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
+      or not all(_is_count(b) and b >= 1 for b in block_size)):
+    raise ValueError(f"`block_size` must be (bq, bk), two ints >= 1 (a query block's rows and a "
+                     f"key block's keys), got {block_size!r}; for square blocks of n pass (n, n).")
   if q_segment_ids is None and kv_segment_ids is not None:
     raise ValueError("`kv_segment_ids` needs `q_segment_ids` (the queries' documents) too.")
   if kv_segment_ids is None and q_segment_ids is not None and q.shape[1] != k.shape[1]:
     raise ValueError("`kv_segment_ids` is required when T != S and `q_segment_ids` is given.")
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  for name, a, n, axis in (("q_segment_ids", q_segment_ids, t, "T"),
+                           ("kv_segment_ids", kv_segment_ids, s, "S"),
+                           ("q_positions", q_positions, t, "T"),
+                           ("kv_positions", kv_positions, s, "S")):
+    if a is not None and (jnp.ndim(a) != 2 or tuple(jnp.shape(a)) not in ((b, n), (1, n))
+                          or not jnp.issubdtype(jnp.asarray(a).dtype, jnp.integer)):
+      raise ValueError(f"`{name}` must be ints [B, {axis}] = [{b}, {n}], got "
+                       f"{jnp.asarray(a).dtype}{list(jnp.shape(a))}.")
+
+
+def _is_count(n: Any) -> bool:
+  """An int (a Python int or a NumPy integer scalar), not a bool."""
+  return isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_))
+
+
+def count(name: str, n: Any) -> None:
+  """A static count >= 0 (`top_k`, `local`): an int or a NumPy integer; a traced or other value
+  is a ValueError naming it and saying what to pass."""
+  if isinstance(n, jax.core.Tracer):
+    raise ValueError(f"`{name}` must be a static int >= 0 (it sets the choice's shape), got a "
+                     f"traced value ({n.aval}): pass a Python int, e.g. through "
+                     "jax.jit(..., static_argnames=...).")
+  if not _is_count(n) or n < 0:
+    raise ValueError(f"`{name}` must be an int >= 0, got {n!r}.")
 
 
 def top_k_pages(q: jax.Array, cache: PagedKVCache, batch: RaggedBatch, top_k: int, *,
@@ -167,6 +254,7 @@ def top_k_pages(q: jax.Array, cache: PagedKVCache, batch: RaggedBatch, top_k: in
     of `local` and the most pages one sequence's rows of this step can write.
   """
   _check_pages(q, cache, batch, top_k, local)
+  top_k, local = int(top_k), int(local)
   q = jax.lax.stop_gradient(jnp.asarray(q))
   n, page_size = q.shape[0], cache.page_size
   lay = ragged.layout(batch, n, cache.num_pages, page_size)
@@ -236,8 +324,7 @@ def _check_pages(q, cache, batch, top_k, local) -> None:
     raise ValueError(f"`q` must be [N, Hq, D] with D = {cache.key_min.shape[-1]} and Hq a "
                      f"multiple of the cache's {cache.num_kv_heads} kv heads, got "
                      f"{tuple(jnp.shape(q))}.")
-  for name, count in (("top_k", top_k), ("local", local)):
-    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-      raise ValueError(f"`{name}` must be an int >= 0, got {count!r}.")
+  for name, n in (("top_k", top_k), ("local", local)):
+    count(name, n)
   if top_k + local < 1:
     raise ValueError("`top_k` + `local` must be at least 1: a choice of no page sees nothing.")

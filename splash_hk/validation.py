@@ -162,7 +162,8 @@ def validate_mesh(mesh: Any, axes: MeshAxes) -> tuple[str, ...]:
 def one_rule_place(rule: _objects.Mask, config: AttentionConfig) -> None:
   """A mask object is the whole rule: the config states none beside it."""
   stated = [f"{name}={value!r}" for name, value, default in (
-      ("causal", config.causal, True), ("sliding_window", config.sliding_window, None),
+      ("causal", config.causal, None if config.causal_stated else True),
+      ("sliding_window", config.sliding_window, None),
       ("chunk_size", config.chunk_size, None)) if value != default]
   if stated:
     fail(f"`mask` is a mask object ({type(rule).__name__}), the whole position rule, and "

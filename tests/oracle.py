@@ -180,26 +180,32 @@ def chosen_blocks(kv_blocks, counts, block_size, b, hq, t, s):
   return out
 
 
-def moba_choice(q, k, top_k, block_size, causal=True, local=1):
-  """DESIGN's `top_k_blocks` in NumPy loops: (sets of chosen blocks [B][Hkv][nq], counts)."""
+def moba_choice(q, k, top_k, block_size, causal=True, local=1, kv_valid=None, q_pos=None):
+  """DESIGN's `top_k_blocks` in NumPy loops: sets of chosen blocks [B][Hkv][nq].
+
+  kv_valid [B, S] bool (False: a padding key, left out of the means and never a candidate) and
+  q_pos [B, T] (default end-aligned); keys sit at their index. A query block's local blocks end
+  at the last block holding a valid key at or before its last position."""
   q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
   b, t, hq, _ = q.shape
   s, hkv = k.shape[1], k.shape[2]
   bq, bk = block_size
   nq, nk = -(-t // bq), -(-s // bk)
   g = hq // hkv
+  kv_valid = np.ones((b, s), bool) if kv_valid is None else np.asarray(kv_valid)
+  q_pos = np.broadcast_to(np.arange(s - t, s) if q_pos is None else q_pos, (b, t))
   chosen = [[[None] * nq for _ in range(hkv)] for _ in range(b)]
-  for row in range(b):
-    for h in range(hkv):
-      for r in range(nq):
-        qm = q[row, r * bq:(r + 1) * bq, h * g:(h + 1) * g].mean(axis=(0, 1))
-        last_pos = s - t + min((r + 1) * bq, t) - 1
-        last = last_pos // bk
-        own = [c for c in range(last - local + 1, last + 1) if 0 <= c < nk]
-        scored = []
-        for c in range(nk):
-          if c in own or (causal and c * bk > last_pos):
-            continue
-          scored.append((-(qm @ k[row, c * bk:(c + 1) * bk, h].mean(axis=0)), c))
-        chosen[row][h][r] = set(own) | {c for _, c in sorted(scored)[:top_k]}
+  for row, h, r in np.ndindex(b, hkv, nq):
+    qm = q[row, r * bq:(r + 1) * bq, h * g:(h + 1) * g].mean(axis=(0, 1))
+    last_pos = q_pos[row, r * bq:(r + 1) * bq].max()
+    keys = [np.flatnonzero(kv_valid[row, c * bk:(c + 1) * bk]) + c * bk for c in range(nk)]
+    reach = [c for c in range(nk) if len(keys[c]) and keys[c].min() <= last_pos]
+    last = max(reach, default=-1)
+    own = [c for c in range(last - local + 1, last + 1) if 0 <= c < nk]
+    scored = []
+    for c in range(nk):
+      if c in own or not len(keys[c]) or (causal and c not in reach):
+        continue
+      scored.append((-(qm @ k[row, keys[c], h].mean(axis=0)), c))
+    chosen[row][h][r] = set(own) | {c for _, c in sorted(scored)[:top_k]}
   return chosen

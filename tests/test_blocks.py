@@ -160,6 +160,52 @@ def test_top_k_blocks_is_mobas_gate(causal, local, top_k, size):
     assert len(want[b][h][r]) == counts[b, h, r] and (lists[b, h, r, counts[b, h, r]:] == -1).all()
 
 
+def test_top_k_blocks_over_a_partly_filled_cache_keeps_the_block_of_the_newest_key():
+  """Decoding against 512 slots holding 300 tokens: the local block is block 4 (the last key),
+  not block 7 (empty slots); seen failing when the gate anchored at the end of the key axis."""
+  rng = np.random.default_rng(8)
+  q = rng.standard_normal((2, 1, 4, 16)).astype(np.float32)
+  k, v = (rng.standard_normal((2, 512, 2, 16)).astype(np.float32) for _ in range(2))
+  filled = np.arange(512)[None] < np.array([[300], [451]])  # [B, S]
+  kv_seg, q_seg = np.where(filled, 0, -1).astype(np.int32), np.zeros((2, 1), np.int32)
+  for q_pos in (None, np.array([[299], [450]], np.int32)):  # end-aligned, or the cache's own
+    pos = {} if q_pos is None else dict(q_positions=q_pos)
+    chosen = sh.sparse.top_k_blocks(q, k, 1, (1, 64), q_segment_ids=q_seg,
+                                    kv_segment_ids=kv_seg, **pos)
+    want = oracle.moba_choice(q, k, 1, (1, 64), kv_valid=filled, q_pos=q_pos)
+    lists, counts = np.asarray(chosen.kv_blocks), np.asarray(chosen.counts)
+    for b, h in np.ndindex(2, 2):
+      assert set(lists[b, h, 0, :counts[b, h, 0]].tolist()) == want[b][h][0]
+    assert lists[0, 0, 0, 0] == 4 and lists[1, 0, 0, 0] == 7
+    out = sh.attention(q, k, v, mask=chosen, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                       **pos).attention_outputs
+    allowed = oracle.chosen_blocks(lists, counts, (1, 64), 2, 4, 1, 512)
+    ref, _ = oracle.attention(q, k, v, mask=allowed, q_seg=q_seg, kv_seg=kv_seg,
+                              q_pos=np.arange(511, 512)[None] if q_pos is None else q_pos)
+    np.testing.assert_allclose(np.asarray(out), ref, **harness.tol())
+
+
+def test_a_causal_gate_returns_a_causal_choice_and_a_stated_rule_beside_it_is_refused():
+  """`top_k_blocks(causal=True)` as `mask` alone keeps a query from later keys of its block
+  (seen failing: query 0 moved when key 63 changed); `causal=True` stated beside a mask
+  object is refused naming both, as `causal=False` is (it was ignored)."""
+  rng = np.random.default_rng(9)
+  q, k, v = (rng.standard_normal((1, 256, 2, 8)).astype(np.float32) for _ in range(3))
+  chosen = sh.sparse.top_k_blocks(q, k, 1, (64, 64))
+  assert chosen.causal and not sh.sparse.top_k_blocks(q, k, 1, (64, 64), causal=False).causal
+  run = lambda k: np.asarray(sh.attention(q, k, v, mask=chosen).attention_outputs)
+  moved = k.copy()
+  moved[0, 63] += 100.0
+  np.testing.assert_array_equal(run(k)[0, :63], run(moved)[0, :63])
+  allowed = oracle.chosen_blocks(chosen.kv_blocks, chosen.counts, (64, 64), 1, 2, 256, 256)
+  np.testing.assert_allclose(run(k), oracle.attention(q, k, v, mask=allowed)[0], **harness.tol())
+  for causal in (True, False):
+    with pytest.raises(ValueError, match=rf"mask object .*AttentionConfig also states "
+                                         rf"causal={causal}"):
+      sh.attention(q, k, v, mask=chosen, config=sh.AttentionConfig(causal=causal))
+  sh.attention(q, k, v, mask=chosen, config=sh.AttentionConfig().replace(platform="xla"))
+
+
 def test_top_k_blocks_breaks_ties_to_the_lower_index_and_has_no_gradient():
   q, k = jnp.ones((1, 256, 2, 4)), jnp.ones((1, 256, 1, 4))  # every score equal
   got = sh.sparse.top_k_blocks(q, k, 2, (32, 32))

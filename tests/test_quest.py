@@ -265,3 +265,14 @@ def test_the_haiku_module_reads_the_pages_its_queries_choose():
     want = oracle.mha(params, x[None], num_heads=HQ, num_kv_heads=HKV, key_size=8,
                       value_size=8, mask=mask)[0, -1]
     np.testing.assert_allclose(np.asarray(out[s]), want, **harness.tol())
+
+
+def test_page_top_k_without_a_paged_cache_is_refused_naming_it():
+  """It was ignored (every key read) by the modules with a fixed KVCache or no cache."""
+  x = np.zeros((2, 4, 16), np.float32)
+  for cache in (None, sh.KVCache.zeros(2, 8, HKV, 8)):
+    f = hk.without_apply_rng(hk.transform(lambda x: sh.MultiHeadAttention(
+        HQ, 8, num_kv_heads=HKV, w_init=hk.initializers.VarianceScaling(1.0))(
+            x, kv_cache=cache, page_top_k=2)))
+    with pytest.raises(ValueError, match=r"`page_top_k=2` chooses pages of a paged cache"):
+      f.init(jax.random.PRNGKey(0), x)

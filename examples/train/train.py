@@ -155,7 +155,7 @@ def make_task_and_model(axes: sh.MeshAxes) -> tuple[recall.RecallTask, model_lib
   try:
     task = recall.RecallTask.for_seq_len(_SEQ_LEN.value)
     window = None if _SLIDING_WINDOW.value is None else (_SLIDING_WINDOW.value, 0)
-    attention_config = sh.AttentionConfig(causal=True, platform=_PLATFORM.value,
+    attention_config = sh.AttentionConfig(platform=_PLATFORM.value,  # causal by default
                                           sliding_window=window)
     config = model_lib.ModelConfig(
         vocab_size=task.vocab_size, max_len=task.seq_len, num_layers=_NUM_LAYERS.value,

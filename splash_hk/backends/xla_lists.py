@@ -16,16 +16,17 @@ import jax.numpy as jnp
 from splash_hk.backends import base
 from splash_hk.masks._chosen import Blocks
 from splash_hk.masks._mask import And, Mask
+from splash_hk.masks._objects import Causal
 from splash_hk.tiles import MIN_CHOSEN_ROWS
 from splash_hk.types import Facts, KernelInputs
 
 
 
 def split_choice(rule: Mask | None) -> tuple[Blocks, Mask | None] | None:
-  """(the choice, the rest of the rule) of a rule `Blocks` or `Blocks & rest` (& chains), or
-  None for any other rule."""
+  """(the choice by index, the rest of the rule) of a rule `Blocks` or `Blocks & rest` (&
+  chains), or None for any other rule; a causal choice's rule joins the rest."""
   if isinstance(rule, Blocks):
-    return rule, None
+    return (rule.choice(), Causal()) if rule.causal else (rule, None)
   if not isinstance(rule, And):
     return None
   for this, other in ((rule.a, rule.b), (rule.b, rule.a)):

@@ -24,6 +24,7 @@ import numpy as np
 from splash_hk.masks._blocks import ArrayLike, blocks, ranges
 from splash_hk.masks._blocks import Blocks as Summaries
 from splash_hk.masks._mask import Mask, Shaped, array_field
+from splash_hk.masks._objects import Causal
 
 __all__ = ("Blocks", "CallIndex", "misused_rows")
 
@@ -49,6 +50,8 @@ def _xp(*arrays: Any) -> Any:
 class Blocks(Mask):
   """Key blocks chosen per query block: `kv_blocks` [B|1, H, nq, K] int, `counts` [B|1, H, nq]
   int, `block_size` (bq, bk); H is 1, Hkv (one choice per GQA group) or Hq, nq = ceil(T / bq).
+  `causal`: inside the chosen blocks, the causal rule too (`kv_pos <= q_pos`): what a gate that
+  chose causally returns (`sparse.top_k_blocks`), the same as `& masks.Causal()`.
 
   Entries past a row's count are never read. A count outside [0, K], a listed block outside
   [0, ceil(S / bk)) or one listed twice for a query block is misuse: a ValueError naming
@@ -63,8 +66,11 @@ class Blocks(Mask):
   q_index: ArrayLike = array_field("q", None)
   kv_index: ArrayLike = array_field("kv", None)
   query_len: int = 0  # normal form: the call's T (q_index holds b * T + i)
+  causal: bool = False
 
   def __post_init__(self) -> None:
+    if not isinstance(self.causal, bool):
+      raise ValueError(f"Blocks.causal must be a bool, got {self.causal!r}.")
     size = self.block_size
     if (not isinstance(size, tuple) or len(size) != 2 or
         not all(isinstance(n, (int, np.integer)) and n >= 1 for n in size)):
@@ -124,16 +130,27 @@ class Blocks(Mask):
     row = q_index // self.query_len if self.chosen.shape[0] > 1 else xp.zeros_like(q_index)
     return row, (q_index % self.query_len) // self.block_size[0]
 
+  def choice(self) -> Blocks:
+    """The choice alone (by index), without its causal rule."""
+    return dataclasses.replace(self, causal=False)
+
   def visible(self, q_pos: ArrayLike, kv_pos: ArrayLike) -> ArrayLike:
-    del q_pos, kv_pos  # the choice is by index
     xp = _xp(self.chosen, self.q_index, self.kv_index)
     row, r = self.query_rows(xp)
     heads = xp.arange(self.chosen.shape[1])[None, :, None, None]
     c = xp.clip(self.kv_index // self.block_size[1], 0, self.chosen.shape[3] - 1)
-    return self.chosen[row[:, None, :, None], heads, r[:, None, :, None], c[:, None, None, :]]
+    seen = self.chosen[row[:, None, :, None], heads, r[:, None, :, None], c[:, None, None, :]]
+    return seen & (kv_pos <= q_pos) if self.causal else seen  # the choice is by index
 
   def classify(self, b: Summaries) -> tuple[ArrayLike, ArrayLike]:
     """From each plan block's range of chosen rows and key blocks, by prefix sums of the map."""
+    may, full = self._classify_choice(b)
+    if not self.causal:
+      return may, full
+    may_c, full_c = Causal().classify(b)
+    return may & may_c, full & full_c
+
+  def _classify_choice(self, b: Summaries) -> tuple[ArrayLike, ArrayLike]:
     xp = b.xp
     q = blocks(self.q_index, b.block_q, -1, xp)  # [B, nq', bq']
     kv = blocks(self.kv_index, b.block_kv, -1, xp)  # [B, nk', bk']
