@@ -13,7 +13,7 @@ from splash_hk.config import AttentionConfig
 from splash_hk.masks import _objects
 from splash_hk.masks._chosen import Blocks
 from splash_hk.pages import PageSelection, PagedKVCache, RaggedBatch, SharedPrefix
-from splash_hk.quant import Quantized, as_quantized, shaped
+from splash_hk.quant import Quantized, as_quantized, is_quantized, shaped
 from splash_hk.scores import Score
 from splash_hk.validation import (Shaped, array, fail, integer, one_rule_place, rank,
                                   validate_sinks)
@@ -33,6 +33,7 @@ def validate_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch:
           f"got {type(batch).__name__}.")
   quantized = isinstance(cache.key, Quantized)
   _quantized_pool(cache)
+  written_quantized = {name for a, name in ((key, "key"), (value, "value")) if is_quantized(a)}
   query, key, value = (shaped(a, name) for a, name in ((query, "query"), (key, "key"),
                                                        (value, "value")))
   rank(shaped(cache.key, "cache.key"), 4, "cache.key",
@@ -52,7 +53,7 @@ def validate_paged(query: Shaped, key: Shaped, value: Shaped, cache: Any, batch:
     if tuple(x.shape) != want:
       fail(f"`{name}` must be [num_tokens, num_kv_heads (the cache's), size (the cache's)] = "
             f"{want}, got {tuple(x.shape)}{_token_major_hint(x.shape, cached.shape)}.")
-    if not quantized and x.dtype != cached.dtype:
+    if not quantized and name not in written_quantized and x.dtype != cached.dtype:
       fail(f"`{name}` is {x.dtype} and the cache holds {cached.dtype}: pass "
             f"{name}.astype(cache.{name}.dtype).")
   if not jnp.issubdtype(query.dtype, jnp.floating) or num_heads % num_kv_heads:

@@ -329,9 +329,30 @@ def test_a_paged_steps_new_tokens_and_queries_may_come_quantized():
   out, cache = jax.jit(sh.paged_attention)(q8, k8, v8, step.cache, step.batch)
   step.q = _dequantized(q8)
   np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step), **harness.tol())
-  float_pool = sh.PagedKVCache.zeros(40, 4, HKV, paged_cases.D)
-  out, cache = jax.jit(sh.paged_attention)(q8, k8, v8, float_pool, step.batch)
-  assert cache.key.dtype == jnp.float32  # a float pool takes them dequantized
+
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_quantized_new_tokens_go_into_every_float_pool_and_cache(dtype):
+  """Dequantized and cast as written: a bf16 / f16 pool refused them before (seen failing:
+  "`key` is float32 and the cache holds bfloat16")."""
+  step = paged_cases.step(seed=6, dtype=dtype)
+  k8, v8 = (sh.quantize(jnp.asarray(a, jnp.float32), jnp.int8) for a in (step.k, step.v))
+  stored = lambda x: np.asarray(jnp.asarray(_dequantized(x), dtype), np.float64)  # as written
+  start = 0
+  for s, (hk, hv, ql) in enumerate(zip(step.history_k, step.history_v, step.q_lens)):
+    kv = len(hk) - ql  # each sequence's new rows as the pool holds them
+    hk[kv:], hv[kv:] = stored(k8)[start:start + ql], stored(v8)[start:start + ql]
+    start += ql
+  out, cache = jax.jit(sh.paged_attention)(jnp.asarray(step.q), k8, v8, step.cache, step.batch)
+  assert cache.key.dtype == dtype and out.dtype == dtype
+  np.testing.assert_allclose(np.asarray(out, np.float32), paged_cases.attend(step),
+                             **harness.tol(dtype=jnp.float32 if dtype == jnp.float32
+                                           else jnp.bfloat16))
+  fixed = sh.KVCache.zeros(2, 8, HKV, paged_cases.D, dtype=dtype)
+  rows = lambda x: sh.Quantized(x.values[None, :3].repeat(2, 0), x.scale[None, :3].repeat(2, 0))
+  appended = fixed.append(rows(k8), rows(v8), jnp.array([3, 2]), "layer")
+  np.testing.assert_array_equal(np.asarray(appended.key[1, :2], np.float64), stored(k8)[:2])
 
 
 def test_paged_sinks_gqa_bias_and_the_cascade_over_an_int8_pool():
