@@ -302,6 +302,28 @@ def test_accept_keeps_only_a_path_of_the_calls_tree():
     chained.accept(np.array([[0, 1, 2], [0, 2, 3]]), lens)
 
 
+@pytest.mark.parametrize("platform", ["xla", "reference"])
+def test_a_tree_over_more_keys_than_queries_sees_the_earlier_keys_whole(platform):
+  """`attention(q [B, T], k [B, S > T], mask=Tree(p))`: a row sees every key before the last T
+  and, of the last T, itself and its ancestors (it raised "needs query_len == kv_len")."""
+  cache, q, k, v, parents = _cache_case(14, lens=(19, 19))
+  keys = lambda c, new: np.concatenate([np.asarray(c)[:, :19], new], axis=1)  # [B, S = 24, ...]
+  k_all, v_all = keys(cache.key, k), keys(cache.value, v)
+  config = sh.AttentionConfig(platform=platform, allow_fallback=False)
+  for jit in (False, True):
+    run = lambda q, k, v: sh.attention(q, k, v, mask=sh.masks.Tree(parents),
+                                       config=config).attention_outputs
+    out = (jax.jit(run) if jit else run)(q, k_all, v_all)
+    for b in range(2):
+      _, sees = ancestry(list(parents[b]))
+      mask = np.concatenate([np.ones((5, 19), bool), sees], axis=1)[None, None]  # [1, 1, T, S]
+      want, _ = oracle.attention(q[b][None], k_all[b][None], v_all[b][None], mask=mask,
+                                 causal=False)
+      np.testing.assert_allclose(np.asarray(out[b]), want[0], **tol())
+  with pytest.raises(ValueError, match=r"Tree without a cache needs kv_len >= query_len"):
+    sh.attention(k_all[:, :5], q[:, :4, :2], q[:, :4, :2], mask=sh.masks.Tree(parents))
+
+
 def test_a_tree_parent_not_earlier_is_refused_naming_the_mask():
   cache, q, k, v, _ = _cache_case(12)
   settings = layer_lib.Settings(sh.AttentionConfig(), None, sh.MeshAxes(), "mha")

@@ -5,14 +5,16 @@ the row), or -1 when its parent is what came before the call (a root). Query i s
 call's tokens, itself and its ancestors; with a `KVCache` it also sees every cached key (under
 the config's rule), and the layer gives the call positions by depth (`positions`): query i at
 the cache's length plus its depth, and its key there too, though it is written at slot length
-+ i. Ancestry is two comparisons of the depth-first walk's times (`splash_hk.drafts`). A
-parent not earlier in its row is a ValueError naming `mask` when concrete; under `jit` that
-batch row outputs NaN.
++ i. Without a cache the last T keys are the call's tokens (end-aligned, at the default
+positions) and every earlier key is seen by every row. Ancestry is two comparisons of the
+depth-first walk's times (`splash_hk.drafts`). A parent not earlier in its row is a ValueError
+naming `mask` when concrete; under `jit` that batch row outputs NaN.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,9 +69,9 @@ class Tree(Mask):
                        f"query's parent among the call's tokens), got {tuple(p.shape)}.")
     if not jnp.issubdtype(p.dtype, jnp.integer):
       raise ValueError(f"`mask` Tree.parents must be integers, got {p.dtype}.")
-    if self.kv_enter is None and query_len != kv_len:
-      raise ValueError(f"`mask` Tree without a cache needs query_len == kv_len (the call's own "
-                       f"tokens), got {query_len} and {kv_len}; pass it with a kv_cache.")
+    if self.kv_enter is None and query_len > kv_len:
+      raise ValueError(f"`mask` Tree without a cache needs kv_len >= query_len (the last T keys "
+                       f"are the call's own tokens), got {query_len} queries and {kv_len} keys.")
     if not isinstance(p, (jax.core.Tracer, jax.ShapeDtypeStruct)):
       known = np.asarray(p)
       bad = (known < -1) | (known >= np.arange(query_len)[None, :])
@@ -78,15 +80,13 @@ class Tree(Mask):
         raise ValueError(f"`mask` Tree.parents[{b}, {i}] is {int(known[b, i])}: a parent must be "
                          f"an earlier token of the call (0..{i - 1}) or -1 (a root).")
 
-  def normal(self) -> Tree:
-    """Without a cache: the keys are the call's tokens, their walk the queries'."""
-    if self.enter is not None:
+  def for_call(self, call: Any) -> Mask:
+    """Without a cache (`over_slots` not applied): the last T keys are the call's tokens, in
+    order (end-aligned, as the default positions), the keys before them seen by every row."""
+    if self.kv_enter is not None:
       return self
-    w = _walk(jnp.asarray(self.parents))
-    kv_enter = w.enter if self.kv_enter is None else self.kv_enter
-    kv_leave = w.leave if self.kv_leave is None else self.kv_leave
-    return dataclasses.replace(self, enter=w.enter, depth=w.depth, kv_enter=kv_enter,
-                               kv_leave=kv_leave)
+    slots = jnp.arange(call.kv_len - call.query_len, call.kv_len, dtype=jnp.int32)
+    return self.over_slots(jnp.broadcast_to(slots, (call.batch, call.query_len)), call.kv_len)
 
   def over_slots(self, slots: ArrayLike, kv_len: int) -> Mask:
     """Over a cache of `kv_len` slots, the call's tokens written at `slots` [B, T]."""
