@@ -112,6 +112,20 @@ def test_asking_for_splash_on_a_cpu_host_exports_it_for_tpu():
     jax.jit(forward)(q, k, v)
 
 
+@pytest.mark.parametrize("extra,reason", [
+    ("mask", "on tpu: .*splash: the mask holds a Dense part"),
+    ("bias", "on tpu: .*splash: a `bias` was given")])
+def test_a_splash_export_no_platform_serves_says_the_tpus_reason(extra, reason):
+  """platform="splash" and no fallback, with what the TPU kernel does not take: the TPU's own
+  reason (it said only "needs a TPU (this is cpu)")."""
+  specs = _specs(CASE)[:3]
+  dense = jnp.ones((1, 1, 256, 256), bool if extra == "mask" else jnp.float32)
+  config = CASE.config.replace(platform="splash", allow_fallback=False)
+  forward = lambda q, k, v: sh.attention(q, k, v, config=config, **{extra: dense}).attention_outputs
+  with pytest.raises(ValueError, match=f"on cpu: .*needs a TPU .*{reason}"):
+    jax.export.export(jax.jit(forward), platforms=["tpu"])(*specs)
+
+
 def test_the_gpu_export_from_a_cpu_host_names_the_triton_kernel_and_what_to_do():
   forward = lambda q, k, v: sh.attention(q, k, v).attention_outputs
   with pytest.raises(ValueError, match="triton.*platform='xla'"):

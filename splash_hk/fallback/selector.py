@@ -62,8 +62,20 @@ def per_platform(select_on: Callable[[str], Decision]) -> dict[str, Decision | s
     else:
       decisions[hardware] = decision
   if all(isinstance(d, str) for d in decisions.values()):
-    raise ValueError(decisions[jax.default_backend()])
+    raise ValueError(_every_refusal(decisions))
   return decisions
+
+
+def _every_refusal(reasons: dict[str, Decision | str]) -> str:
+  """One message of every hardware's refusal (this host's first): exported for another
+  platform, the call must say that platform's reason, not only this host's."""
+  host = jax.default_backend()
+  said: dict[str, list[str]] = {}
+  for hardware in sorted(reasons, key=lambda h: h != host):  # this host first
+    said.setdefault(str(reasons[hardware]), []).append(hardware)
+  if len(said) == 1:
+    return str(reasons[host])
+  return "; ".join(f"on {' and '.join(where)}: {why}" for why, where in said.items())
 
 
 def same_program(decisions: dict[str, Decision | str]) -> bool:
