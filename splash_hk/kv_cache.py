@@ -334,7 +334,12 @@ def _check_room(start: jax.Array, lengths: jax.Array, max_len: int) -> None:
   known_start = known_now(start)
   if known_start is None:
     return
-  if known_start.min() < 0 or known_start.max() > max_len:
+  failed = np.flatnonzero(known_start < 0).tolist()
+  if failed:
+    raise ValueError(f"`kv_cache` rows {failed} are marked failed (length -1: a `rollback` or "
+                     "`accept` out of range under jit): they write nothing and output NaN until "
+                     f"cleared; pass kv_cache.reset({failed}) to start them again at length 0.")
+  if known_start.max() > max_len:
     raise ValueError(f"`kv_cache.length` must lie in [0, max_len] = [0, {max_len}], got "
                      f"{known_start.tolist()}.")
   known = known_now(lengths)

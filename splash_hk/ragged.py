@@ -90,6 +90,19 @@ def _tree_rows(batch: RaggedBatch, seq: jax.Array, start: jax.Array, kv: jax.Arr
                                               enter=walk.enter, leave=walk.leave)
 
 
+def sequences_of(batch: RaggedBatch, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+  """(seq [N] int32: each row's sequence, row_in [N] bool: whether a sequence from 0 to
+  `num_seqs` holds it) of a flat batch of `num_tokens` rows (no misuse checks: `layout`'s)."""
+  max_seqs = batch.max_seqs
+  cu = batch.cu_q_lens.astype(jnp.int32)  # [max_seqs + 1]
+  count = jnp.clip(jnp.reshape(batch.num_seqs, ()).astype(jnp.int32), 0, max_seqs)
+  in_use = jnp.arange(max_seqs, dtype=jnp.int32) < count
+  rows = jnp.arange(num_tokens, dtype=jnp.int32)  # [N]
+  ends = jnp.where(in_use, cu[1:], jnp.iinfo(jnp.int32).max)  # non-decreasing if valid
+  seq = jnp.clip(jnp.searchsorted(ends, rows, side="right"), 0, max_seqs - 1).astype(jnp.int32)
+  return seq, (rows >= cu[0]) & (rows < cu[count])
+
+
 def layout(batch: RaggedBatch, num_tokens: int, num_pages: int, page_size: int) -> Layout:
   """The rows and sequences of `batch` over a flat batch of `num_tokens` new tokens."""
   max_seqs, pages_per_seq = batch.max_seqs, batch.pages_per_seq
@@ -115,9 +128,7 @@ def layout(batch: RaggedBatch, num_tokens: int, num_pages: int, page_size: int) 
   table = batch.page_table.astype(jnp.int32)
   out_of_range = jnp.any(listed & ((table < 0) | (table >= num_pages)), axis=1)
   rows = jnp.arange(num_tokens, dtype=jnp.int32)  # [N]
-  ends = jnp.where(in_use, end, jnp.iinfo(jnp.int32).max)  # [max_seqs], non-decreasing if valid
-  seq = jnp.clip(jnp.searchsorted(ends, rows, side="right"), 0, max_seqs - 1).astype(jnp.int32)
-  row_in = (rows >= cu[0]) & (rows < cu[count])
+  seq, row_in = sequences_of(batch, num_tokens)
   bad_tree, depth, tree = _tree_rows(batch, seq, start, kv, row_in)
   misuse = Misuse(
       rows=in_use & bad_rows, num_seqs=jnp.broadcast_to(bad_count, (max_seqs,)),

@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from splash_hk import pages
+from splash_hk import lowering
 from splash_hk import ragged
+from splash_hk.backends import native
+from splash_hk.backends import native_build
 from splash_hk.masks._chosen import Blocks
 from splash_hk.pages import PagedKVCache, PageSelection, RaggedBatch
 
@@ -257,10 +259,11 @@ def top_k_pages(q: jax.Array, cache: PagedKVCache, batch: RaggedBatch, top_k: in
   top_k, local = int(top_k), int(local)
   q = jax.lax.stop_gradient(jnp.asarray(q))
   n, page_size = q.shape[0], cache.page_size
-  lay = ragged.layout(batch, n, cache.num_pages, page_size)
-  score = _page_scores(q, cache, batch, lay)  # [max_seqs, Hkv, pps]
+  seq, row_in = ragged.sequences_of(batch, n)  # [N] each (misused rows: NaN in the step)
+  score = _page_scores(q, cache, batch, seq, row_in)  # [max_seqs, Hkv, pps]
   kv = batch.kv_lens.astype(jnp.int32)[:, None, None]  # [max_seqs, 1, 1]
-  after = -(-lay.kv_len_after // page_size)[:, None, None]  # pages after the step
+  cu = batch.cu_q_lens.astype(jnp.int32)
+  after = -(-(kv + jnp.maximum(cu[1:] - cu[:-1], 0)[:, None, None]) // page_size)  # pages after
   written = jnp.where(after * page_size > kv, kv // page_size, after)  # first page it writes
   first = jnp.minimum(after - local, written)  # [max_seqs, 1, 1]: the first page always chosen
   logical = jnp.arange(batch.pages_per_seq, dtype=jnp.int32)
@@ -283,31 +286,50 @@ def top_k_pages(q: jax.Array, cache: PagedKVCache, batch: RaggedBatch, top_k: in
   return PageSelection(listed, jnp.sum(valid, axis=-1, dtype=jnp.int32))
 
 
-def _page_scores(q: jax.Array, cache: PagedKVCache, batch: RaggedBatch,
-                 lay: pages.Layout) -> jax.Array:
+def _page_scores(q: jax.Array, cache: PagedKVCache, batch: RaggedBatch, seq: jax.Array,
+                 row_in: jax.Array) -> jax.Array:
   """[max_seqs, Hkv, pps] f32: each page's Quest bound, maxed over its sequence's live rows
-  and each kv head's group (-inf: no row). `ROWS_PER_STEP` rows a loop step."""
+  and each kv head's group (-inf: no row): on CPU the native kernel's (one read of each
+  sequence's summaries for all its rows) where it is built, else XLA's."""
+  table = jnp.clip(batch.page_table.astype(jnp.int32), 0, cache.num_pages - 1)  # [S, pps]
+  args = (q.astype(jnp.float32), cache.key_min, cache.key_max, table, seq, row_in)
+  portable = lambda a: _xla_page_scores(*a)
+  if native_build.unavailable() is not None:
+    return portable(args)
+  return lowering.per_platform({"cpu": lambda a: native.page_bounds(*a), "gpu": portable,
+                                "tpu": portable}, args)
+
+
+def _xla_page_scores(q: jax.Array, key_min: jax.Array, key_max: jax.Array, table: jax.Array,
+                     seq: jax.Array, live: jax.Array) -> jax.Array:
+  """`_page_scores` in XLA: `ROWS_PER_STEP` rows a loop step, each gathering its sequence's
+  summaries."""
   n, num_heads, dim = q.shape
-  kv_heads = cache.num_kv_heads
+  kv_heads = key_min.shape[1]
   size = min(ROWS_PER_STEP, n)
   steps = -(-n // size)
   pad = lambda a, fill: jnp.pad(a, [(0, steps * size - n)] + [(0, 0)] * (a.ndim - 1),
                                 constant_values=fill)
-  grouped = pad(q.astype(jnp.float32), 0).reshape(-1, kv_heads, num_heads // kv_heads, dim)
-  seq, live = pad(lay.seq, 0), pad(lay.row_live, False)
-  table = jnp.clip(batch.page_table.astype(jnp.int32), 0, cache.num_pages - 1)  # [S, pps]
-  best = jnp.full((batch.max_seqs, kv_heads, batch.pages_per_seq), -jnp.inf)
+  grouped = pad(q, 0).reshape(-1, kv_heads, num_heads // kv_heads, dim)
+  seq, live = pad(seq, 0), pad(live, False)
+  best = jnp.full((table.shape[0], kv_heads, table.shape[1]), -jnp.inf)
+
+  flat = lambda a: a.reshape(a.shape[0], -1)  # [P, Hkv * D]: a page's summaries one row
 
   def step(i, best):
     rows = jax.lax.dynamic_slice_in_dim(grouped, i * size, size)  # [R, Hkv, G, D]
     seqs = jax.lax.dynamic_slice_in_dim(seq, i * size, size)  # [R]
-    lo, hi = cache.key_min[table[seqs]], cache.key_max[table[seqs]]  # [R, pps, Hkv, D]
-    rows = rows[:, None]  # [R, 1, Hkv, G, D]: a multiply and a sum (no transposed copies)
-    bound = jnp.sum(jnp.maximum(rows * hi[:, :, :, None], rows * lo[:, :, :, None]), axis=-1)
+    pages_of = table[seqs]  # [R, pps], inside the pool (clipped)
+    lo, hi = (flat(a).at[pages_of].get(mode="promise_in_bounds").reshape(
+        *pages_of.shape, kv_heads, dim) for a in (key_min, key_max))  # [R, pps, Hkv, D]
+    bound = None  # sum_d max(q_d lo_d, q_d hi_d) = max(q, 0) . hi + min(q, 0) . lo, max over G
+    for g in range(num_heads // kv_heads):  # a head at a time: no [R, pps, Hkv, G, D] product
+      q_g = rows[:, None, :, g]  # [R, 1, Hkv, D]
+      b = jnp.sum(jnp.maximum(q_g, 0.0) * hi + jnp.minimum(q_g, 0.0) * lo, axis=-1)
+      bound = b if bound is None else jnp.maximum(bound, b)  # [R, pps, Hkv]
     ok = jax.lax.dynamic_slice_in_dim(live, i * size, size)
-    at = jnp.where(ok, seqs, batch.max_seqs)  # dead rows: dropped
-    best_rows = jnp.swapaxes(jnp.max(bound, axis=3), 1, 2)  # [R, Hkv, pps]
-    return best.at[at].max(best_rows, mode="drop")
+    at = jnp.where(ok, seqs, table.shape[0])  # dead rows: dropped
+    return best.at[at].max(jnp.swapaxes(bound, 1, 2), mode="drop")  # [R, Hkv, pps] in
 
   return jax.lax.fori_loop(0, steps, step, best)
 

@@ -206,6 +206,18 @@ def test_a_causal_gate_returns_a_causal_choice_and_a_stated_rule_beside_it_is_re
   sh.attention(q, k, v, mask=chosen, config=sh.AttentionConfig().replace(platform="xla"))
 
 
+def test_the_gates_arguments_are_refused_by_name_with_what_to_pass():
+  q, k = jnp.ones((1, 128, 2, 8)), jnp.ones((1, 128, 1, 8))
+  with pytest.raises(ValueError, match=r"`block_size` must be \(bq, bk\).*pass \(n, n\)"):
+    sh.sparse.top_k_blocks(q, k, 1, 64)
+  with pytest.raises(ValueError, match=r"`q_segment_ids` must be ints \[B, T\] = \[1, 128\]"):
+    sh.sparse.top_k_blocks(q, k, 1, (64, 64), q_segment_ids=jnp.zeros((1, 100), jnp.int32))
+  with pytest.raises(ValueError, match=r"`top_k` must be a static int >= 0 .*static_argnames"):
+    jax.jit(lambda n: sh.sparse.top_k_blocks(q, k, n, (64, 64)))(2)
+  np.testing.assert_array_equal(sh.sparse.top_k_blocks(q, k, np.int64(1), (64, 64)).kv_blocks,
+                                sh.sparse.top_k_blocks(q, k, 1, (64, 64)).kv_blocks)
+
+
 def test_top_k_blocks_breaks_ties_to_the_lower_index_and_has_no_gradient():
   q, k = jnp.ones((1, 256, 2, 4)), jnp.ones((1, 256, 1, 4))  # every score equal
   got = sh.sparse.top_k_blocks(q, k, 2, (32, 32))

@@ -324,6 +324,14 @@ def test_a_tree_over_more_keys_than_queries_sees_the_earlier_keys_whole(platform
     sh.attention(k_all[:, :5], q[:, :4, :2], q[:, :4, :2], mask=sh.masks.Tree(parents))
 
 
+def test_tree_parents_of_another_length_than_the_calls_tokens_are_refused_naming_them():
+  cache, q, k, v, _ = _cache_case(15)
+  settings = layer_lib.Settings(sh.AttentionConfig(), None, sh.MeshAxes(), "mha")
+  call = layer_lib.Call(mask=sh.masks.Tree(np.array([[-1, 0, 1], [-1, 0, 0]])), kv_cache=cache)
+  with pytest.raises(ValueError, match=r"Tree.parents must be \[B, T\] = \(2, 5\).*got \(2, 3\)"):
+    layer_lib.attend(q, k, v, call, settings)
+
+
 def test_a_tree_parent_not_earlier_is_refused_naming_the_mask():
   cache, q, k, v, _ = _cache_case(12)
   settings = layer_lib.Settings(sh.AttentionConfig(), None, sh.MeshAxes(), "mha")

@@ -202,6 +202,11 @@ def test_rollback_drops_each_rows_last_tokens_and_refuses_below_zero(how):
   np.testing.assert_array_equal(bad.length, [1, -1])
   out, _ = CALLS["jit"](params, x[:, :1], bad)
   assert np.isfinite(out[0]).all() and np.isnan(out[1]).all()
+  with pytest.raises(ValueError, match=r"rows \[1\] are marked failed \(length -1.*"
+                                       r"kv_cache.reset\(\[1\]\)"):
+    CALLS["eager"](params, x[:, :1], bad)  # the failed row, used eagerly: what -1 means
+  out, _ = CALLS["eager"](params, x[:, :1], bad.reset([1]))
+  assert np.isfinite(out).all()
 
 
 VOCAB, LM_HEADS, LM_SIZE, LM_MODEL, LM_LAYERS = 16, 4, 8, 32, 2

@@ -201,6 +201,19 @@ def test_a_quantization_inside_the_differentiated_function_reaches_its_input():
   harness.assert_near(got, want, "grad", err_msg="dk through the scale")
 
 
+def test_a_scale_tiling_an_axis_other_than_the_channels_is_refused_naming_it():
+  """What the quantized guide says: only the channel axis may be tiled."""
+  k = jnp.ones((2, 64, 2, 16), jnp.int8)
+  for scale, ok in (((2, 64, 2, 4), True), ((2, 32, 2, 1), False)):
+    quantized = sh.Quantized(k, jnp.ones(scale, jnp.float32))
+    call = lambda: sh.attention(jnp.ones((2, 64, 2, 16)), quantized, quantized)
+    if ok:
+      call()
+    else:
+      with pytest.raises(ValueError, match=r"`key.scale` \(2, 32, 2, 1\) must broadcast"):
+        call()
+
+
 @pytest.mark.parametrize("scale,meant", [((B, 64), r"\(2, 64, 1, 1\)"), ((64,), r"\(1, 64, 1, 1\)")])
 def test_a_scale_of_lower_rank_than_its_values_is_refused_with_the_shapes_meant(scale, meant):
   # S == D: a [B, S] or [S] per-token scale would broadcast as a per-channel one.

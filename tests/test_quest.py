@@ -13,6 +13,7 @@ import pytest
 import harness
 import oracle
 import splash_hk as sh
+from splash_hk.backends import native_build
 
 HQ, HKV, D, PAGE, PAGES_PER_SEQ, NUM_PAGES = 4, 2, 16, 4, 24, 80
 LENS = (37, 5, 60)  # cached tokens of each sequence (mid-page ends)
@@ -95,8 +96,17 @@ def _choice(q, hist, q_lens, top_k, local):
   return out
 
 
+@pytest.mark.parametrize("bounds", ["native", "native_portable", "xla"])
 @pytest.mark.parametrize("top_k,local", [(3, 1), (2, 3), (40, 1)])
-def test_top_k_pages_chooses_as_the_rule_says(top_k, local):
+def test_top_k_pages_chooses_as_the_rule_says(top_k, local, bounds, monkeypatch):
+  """The page bounds of the native kernel (CPU, where it is built; its SIMD code and its
+  portable code) and of XLA (elsewhere)."""
+  if bounds.startswith("native") and harness.NATIVE_MISSING:
+    pytest.skip(f"the native kernel is unavailable: {harness.NATIVE_MISSING}")
+  if bounds == "native_portable":
+    monkeypatch.setenv("SPLASH_HK_NATIVE_SIMD", "portable")
+  if bounds == "xla":
+    monkeypatch.setattr(native_build, "unavailable", lambda: "XLA's page bounds asked for")
   pool, table, hist, rng = _prefilled(3)
   q, _, _, batch, q_lens = _decode_step(rng, table)
   chosen = jax.jit(lambda *a: sh.sparse.top_k_pages(*a, top_k=top_k, local=local))(q, pool, batch)

@@ -196,6 +196,21 @@ def _local_heads(lists: pages.BlockLists, heads: jax.Array, group: int,
                              count=cut(lists.count))
 
 
+def page_bounds(q: jax.Array, key_min: jax.Array, key_max: jax.Array, table: jax.Array,
+                seq: jax.Array, live: jax.Array) -> jax.Array:
+  """Quest's bound of every page of every sequence: q [N, Hq, D], key_min / key_max [P, Hkv, D]
+  f32, table [S, pps] (clipped into the pool), seq / live [N] (each row's sequence, whether it
+  is live) -> [S, Hkv, pps] f32, maxed over each sequence's live rows and the kv head's group
+  (-inf: none). One read of each sequence's summaries for all its rows (`sparse.top_k_pages`
+  on CPU, where the kernel is available)."""
+  shape = jax.ShapeDtypeStruct((table.shape[0], key_min.shape[1], table.shape[1]), jnp.float32)
+  call = jax.ffi.ffi_call("splash_hk_page_bounds", shape, vmap_method="sequential")
+  ints = lambda a: a.astype(jnp.int32)
+  return call(q.astype(jnp.float32), key_min.astype(jnp.float32), key_max.astype(jnp.float32),
+              ints(table), ints(seq), ints(live), threads=np.int32(threads()),
+              simd=np.int32(simd()))
+
+
 def _cache_call(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array]:
   """(out [B, T, Hq, Dv] float32, lse [B, T, Hq]) of a short run over whole rows of keys."""
   b, t, hq, _ = x.query.shape

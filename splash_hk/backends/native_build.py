@@ -32,7 +32,8 @@ SOURCE_DIR = Path(__file__).parent / "native"
 SOURCES = ("kernel.h", "handlers.cc")
 # FFI target name -> the handler symbol in handlers.cc.
 TARGETS = {"splash_hk_paged_decode": "SplashPagedDecode",
-           "splash_hk_cache_decode": "SplashCacheDecode"}
+           "splash_hk_cache_decode": "SplashCacheDecode",
+           "splash_hk_page_bounds": "SplashPageBounds"}
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 600
 

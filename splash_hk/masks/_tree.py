@@ -90,6 +90,9 @@ class Tree(Mask):
 
   def over_slots(self, slots: ArrayLike, kv_len: int) -> Mask:
     """Over a cache of `kv_len` slots, the call's tokens written at `slots` [B, T]."""
+    if tuple(jnp.shape(self.parents)) != tuple(slots.shape):
+      raise ValueError(f"`mask` Tree.parents must be [B, T] = {tuple(slots.shape)} (each of the "
+                       f"call's tokens' parent), got {tuple(jnp.shape(self.parents))}.")
     w = _walk(jnp.asarray(self.parents))
     rows = jnp.arange(slots.shape[0])[:, None]
     fill = lambda value, at: jnp.full((slots.shape[0], kv_len), value, jnp.int32).at[

@@ -1,8 +1,11 @@
-// The native decode kernel's XLA FFI handlers: `PagedDecode` over a paged pool's lists of pages
-// and `CacheDecode` over a fixed cache's rows. The Python side (splash_hk/backends/native.py)
+// The native decode kernel's XLA FFI handlers: `PagedDecode` over a paged pool's lists of pages,
+// `CacheDecode` over a fixed cache's rows, and `PageBounds`, Quest's bound of every page of a
+// step's sequences (`sparse.top_k_pages`). The Python side (splash_hk/backends/native.py)
 // owns shapes and checks; these read the buffers as it lays them out and split the work into
 // items (rows of one owner x one kv head) run on `threads` threads.
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "kernel.h"
@@ -271,6 +274,113 @@ void Cache(const Common& c, const Rows& r) {
   });
 }
 
+// ---- Quest's page bounds (sparse.top_k_pages): q [N, Hq, D], key_min/max [P, Hkv, D] ----
+// A page's bound for a query vector: sum_d max(q_d min_d, q_d max_d) = max(q, 0) . max +
+// min(q, 0) . min; eight lanes of partial sums (vectorised at each SIMD level's width).
+template <int kSimd>
+struct SignedDot {
+  float operator()(const float* qp, const float* qn, const float* hi, const float* lo, int d) const {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= d; i += 8)
+      for (int j = 0; j < 8; ++j) acc[j] += qp[i + j] * hi[i + j] + qn[i + j] * lo[i + j];
+    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < d; ++i) sum += qp[i] * hi[i] + qn[i] * lo[i];
+    return sum;
+  }
+};
+#if SPLASH_X86
+template <>
+struct SignedDot<sn::kAvx2> {
+  SPLASH_AVX2 float operator()(const float* qp, const float* qn, const float* hi, const float* lo,
+                               int d) const {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= d; i += 8) {
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(qp + i), _mm256_loadu_ps(hi + i), acc);
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(qn + i), _mm256_loadu_ps(lo + i), acc);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (; i < d; ++i) sum += qp[i] * hi[i] + qn[i] * lo[i];
+    return sum;
+  }
+};
+#endif
+
+struct Bounds {
+  const float *query, *key_min, *key_max;
+  const int32_t *table, *seq, *live;
+  float* out;  // [S, Hkv, pps]
+  int rows, hq, hkv, d, seqs, pps, pages, threads;
+};
+
+// One item per sequence: each of its pages' bound per kv head, maxed over its live rows and
+// the kv head's group of query heads (-inf: no live row). A page's summaries (every kv head's)
+// are one run of the pool's rows; pages come in any order, so the one `kAhead` later is
+// prefetched while one is read.
+template <int kSimd>
+void PageBounds(const Bounds& b) {
+  constexpr int kAhead = 4;
+  const int g = b.hq / b.hkv, row = b.hkv * b.d;  // floats of a page's summaries
+  std::vector<std::vector<int>> rows_of(b.seqs);
+  for (int r = 0; r < b.rows; ++r)
+    if (b.live[r] && b.seq[r] >= 0 && b.seq[r] < b.seqs) rows_of[b.seq[r]].push_back(r);
+  std::vector<int64_t> cost(b.seqs);
+  for (int s = 0; s < b.seqs; ++s) cost[s] = static_cast<int64_t>(rows_of[s].size());
+  sn::RunItems(cost, b.threads, [&](int s) {
+    float* out = b.out + static_cast<int64_t>(s) * b.hkv * b.pps;  // [Hkv, pps]
+    std::fill(out, out + static_cast<int64_t>(b.hkv) * b.pps,
+              -std::numeric_limits<float>::infinity());
+    const int n = static_cast<int>(rows_of[s].size());
+    if (n == 0) return;
+    std::vector<float> pos(static_cast<size_t>(n) * b.hq * b.d), neg(pos.size());
+    for (int i = 0; i < n; ++i) {  // the rows' query vectors [n, Hq, D], split by sign
+      const float* q = b.query + static_cast<int64_t>(rows_of[s][i]) * b.hq * b.d;
+      for (int x = 0; x < b.hq * b.d; ++x)
+        pos[i * b.hq * b.d + x] = std::max(q[x], 0.0f), neg[i * b.hq * b.d + x] = std::min(q[x], 0.0f);
+    }
+    const int32_t* table = b.table + static_cast<int64_t>(s) * b.pps;
+    auto page = [&](int p) { return std::min(std::max(table[p], 0), b.pages - 1); };
+    const SignedDot<kSimd> dot;
+    for (int p = 0; p < b.pps; ++p) {
+      if (p + kAhead < b.pps) {
+        const int64_t next = static_cast<int64_t>(page(p + kAhead)) * row;
+        sn::Prefetch(b.key_max + next, row * sizeof(float));
+        sn::Prefetch(b.key_min + next, row * sizeof(float));
+      }
+      const int64_t at = static_cast<int64_t>(page(p)) * row;
+      for (int h = 0; h < b.hkv; ++h) {
+        float best = -std::numeric_limits<float>::infinity();
+        for (int i = 0; i < n; ++i)
+          for (int x = 0; x < g; ++x) {
+            const int64_t v = (static_cast<int64_t>(i) * b.hq + h * g + x) * b.d;
+            best = std::max(best, dot(&pos[v], &neg[v], b.key_max + at + h * b.d,
+                                      b.key_min + at + h * b.d, b.d));
+          }
+        out[static_cast<int64_t>(h) * b.pps + p] = best;
+      }
+    }
+  });
+}
+
+ffi::Error BoundsImpl(ffi::Buffer<ffi::F32> query, ffi::Buffer<ffi::F32> key_min,
+                      ffi::Buffer<ffi::F32> key_max, ffi::Buffer<ffi::S32> table,
+                      ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> live,
+                      ffi::ResultBuffer<ffi::F32> out, int32_t threads, int32_t simd) {
+  const auto qd = query.dimensions(), kd = key_min.dimensions(), td = table.dimensions();
+  const Bounds b{query.typed_data(), key_min.typed_data(), key_max.typed_data(),
+                 table.typed_data(), seq.typed_data(), live.typed_data(), out->typed_data(),
+                 static_cast<int>(qd[0]), static_cast<int>(qd[1]), static_cast<int>(kd[1]),
+                 static_cast<int>(qd[2]), static_cast<int>(td[0]), static_cast<int>(td[1]),
+                 static_cast<int>(kd[0]), std::max(1, static_cast<int>(threads))};
+  if (std::min(simd, sn::CpuSimd()) >= sn::kAvx2) PageBounds<sn::kAvx2>(b);
+  else PageBounds<sn::kPortable>(b);
+  return ffi::Error::Success();
+}
+
 // The storage type of a buffer, and the kernel for it: the highest SIMD level the CPU has, up
 // to `simd` (sn::Simd; lower levels are asked for by tests and comparisons).
 template <template <typename, int> class Run, typename T, typename Args>
@@ -397,3 +507,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("quantized")
         .Attr<int32_t>("alibi").Attr<int32_t>("causal").Attr<int32_t>("left").Attr<int32_t>("right")
         .Attr<int32_t>("chunk"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    SplashPageBounds, BoundsImpl,
+    ffi::Ffi::Bind()
+        .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+        .Ret<ffi::Buffer<ffi::F32>>()
+        .Attr<int32_t>("threads").Attr<int32_t>("simd"));
