@@ -256,10 +256,9 @@ def record_parents(held: jax.Array | None, slots: jax.Array, parents: jax.Array,
                    max_len: int) -> jax.Array:
   """`held` [B, S_max] (None: a cache built by hand) with a call's tokens' parents [B, T]
   (indices among the call's tokens, -1 a root) written at their slots [B, T] (S_max: dropped)."""
-  if held is None:
-    held = jnp.full((slots.shape[0], max_len), -1, jnp.int32)
-  rows = jnp.arange(slots.shape[0])[:, None]
-  return held.at[rows, slots].set(parents.astype(jnp.int32), mode="drop")
+  held = jnp.full((slots.shape[0], max_len), -1, jnp.int32) if held is None else held
+  return held.at[jnp.arange(slots.shape[0])[:, None], slots].set(parents.astype(jnp.int32),
+                                                                 mode="drop")
 
 
 def _accept(cache: KVCache, path: ArrayLike, path_lens: ArrayLike) -> KVCache:
@@ -298,8 +297,7 @@ def _refuse(bad: jax.Array, off_tree: jax.Array, written: jax.Array) -> None:
   known, off = known_now(bad), known_now(off_tree)
   if known is None or not known.any():
     return
-  bad_rows = np.flatnonzero(known).tolist()
-  wrote = np.asarray(written)[bad_rows].tolist()
+  bad_rows, wrote = np.flatnonzero(known).tolist(), np.asarray(written)[known].tolist()
   if off is not None and off.any():
     raise ValueError(f"`path` is not a root-to-leaf path of the last call's tree for rows "
                      f"{np.flatnonzero(off).tolist()}: each kept token's parent (its masks.Tree; "

@@ -213,8 +213,7 @@ def _check(q, k, top_k, block_size, local, q_segment_ids, kv_segment_ids, q_posi
                        f"{jnp.asarray(a).dtype}{list(jnp.shape(a))}.")
 
 
-def _is_count(n: Any) -> bool:
-  """An int (a Python int or a NumPy integer scalar), not a bool."""
+def _is_count(n: Any) -> bool:  # an int (Python's or a NumPy integer scalar), not a bool
   return isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_))
 
 
@@ -292,8 +291,8 @@ def _page_scores(q: jax.Array, cache: PagedKVCache, batch: RaggedBatch, seq: jax
   and each kv head's group (-inf: no row): on CPU the native kernel's (one read of each
   sequence's summaries for all its rows) where it is built, else XLA's."""
   table = jnp.clip(batch.page_table.astype(jnp.int32), 0, cache.num_pages - 1)  # [S, pps]
-  args = (q.astype(jnp.float32), cache.key_min, cache.key_max, table, seq, row_in)
-  portable = lambda a: _xla_page_scores(*a)
+  args, portable = (q.astype(jnp.float32), cache.key_min, cache.key_max, table, seq, row_in), (
+      lambda a: _xla_page_scores(*a))
   if native_build.unavailable() is not None:
     return portable(args)
   return lowering.per_platform({"cpu": lambda a: native.page_bounds(*a), "gpu": portable,
@@ -304,8 +303,7 @@ def _xla_page_scores(q: jax.Array, key_min: jax.Array, key_max: jax.Array, table
                      seq: jax.Array, live: jax.Array) -> jax.Array:
   """`_page_scores` in XLA: `ROWS_PER_STEP` rows a loop step, each gathering its sequence's
   summaries."""
-  n, num_heads, dim = q.shape
-  kv_heads = key_min.shape[1]
+  (n, num_heads, dim), kv_heads = q.shape, key_min.shape[1]
   size = min(ROWS_PER_STEP, n)
   steps = -(-n // size)
   pad = lambda a, fill: jnp.pad(a, [(0, steps * size - n)] + [(0, 0)] * (a.ndim - 1),

@@ -33,9 +33,9 @@ class Case:
 
   @property
   def config(self) -> sh.AttentionConfig:
-    return sh.AttentionConfig(causal=self.causal, sliding_window=self.window,
-                              chunk_size=self.chunk, logits_soft_cap=self.soft_cap,
-                              softmax_scale=self.scale)
+    stated = {} if self.causal else {"causal": False}  # the default: causal, not stated
+    return sh.AttentionConfig(sliding_window=self.window, chunk_size=self.chunk,
+                              logits_soft_cap=self.soft_cap, softmax_scale=self.scale, **stated)
 
   def arrays(self, seed: int = 0, dtype=np.float32):
     """(q, k, v, extras) with extras the keyword arrays of sh.attention."""
