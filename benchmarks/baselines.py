@@ -19,7 +19,7 @@ import numpy as np
 
 import splash_hk as sh
 from splash_hk import inputs
-from splash_hk.backends import _ejkernel
+from splash_hk.backends.gpu import ejkernel as _ejkernel
 from splash_hk.backends import base
 from splash_hk.types import Extras
 

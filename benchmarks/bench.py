@@ -41,7 +41,7 @@ import tqdm
 
 import splash_hk as sh
 from splash_hk import kernel
-from splash_hk.backends import xla
+from splash_hk.backends.xla import backend as xla
 from splash_hk.types import Facts
 from benchmarks import baselines
 from benchmarks import bench_report

@@ -22,7 +22,7 @@ import numpy as np
 
 from benchmarks import timing
 import splash_hk as sh
-from splash_hk.backends import xla_paged_items as items_lib
+from splash_hk.backends.xla import paged_items as items_lib
 
 HQ, HKV, PAGE, RUN, STEP = 8, 2, 16, 8, 16  # RUN pages an item, STEP items a loop step
 

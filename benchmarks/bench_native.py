@@ -34,7 +34,7 @@ import numpy as np
 
 from benchmarks import bench_paged
 from benchmarks import timing
-from splash_hk.backends import native
+from splash_hk.backends.native import backend as native
 import splash_hk as sh
 
 HQ, HKV, D = bench_paged.HQ, bench_paged.HKV, 128

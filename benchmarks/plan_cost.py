@@ -19,7 +19,7 @@ from benchmarks import bench_workloads
 from benchmarks import timing
 from splash_hk import inputs
 from splash_hk import kernel
-from splash_hk.backends import splash
+from splash_hk.backends.tpu import backend as splash
 from splash_hk.types import Extras
 
 

@@ -38,7 +38,7 @@ print('devices', jax.devices())
 import triton; print('triton', triton.__version__)"
 step ejkernel_import 60 python3 -c "
 import splash_hk as sh
-from splash_hk.backends import _ejkernel
+from splash_hk.backends.gpu import ejkernel as _ejkernel
 print('ejkernel available:', _ejkernel.available(), type(_ejkernel.blocksparse_op()).__name__)
 import jax; q = jax.ShapeDtypeStruct((1, 1024, 8, 128), 'bfloat16')
 print(sh.explain(q, q, q))"

@@ -66,7 +66,7 @@ class BlockSizes:
   `block_q`/`block_kv` tile the forward pass, `*_bwd` the backward pass. The
   defaults: XLA path, `splash_hk.tiles.default_tiles` (why: docs/guide/performance.md);
   splash, 128 up to 2048 blocks per sequence, then doubled (512 at 2^20 tokens:
-  `splash_hk.backends.splash.default_block`; multiples of 128, clamped to the
+  `splash_hk.backends.tpu.backend.default_block`; multiples of 128, clamped to the
   padded sequence); Triton, ejkernel's GPU heuristics (64 forward, 32 backward).
   """
 

@@ -14,12 +14,12 @@ from typing import Mapping
 import jax
 
 from splash_hk.backends import base
-from splash_hk.backends import native
+from splash_hk.backends.native import backend as native
 from splash_hk.backends import reference
 from splash_hk import platforms
-from splash_hk.backends import splash
-from splash_hk.backends import triton
-from splash_hk.backends import xla
+from splash_hk.backends.tpu import backend as splash
+from splash_hk.backends.gpu import backend as triton
+from splash_hk.backends.xla import backend as xla
 from splash_hk.pages import PagedFacts, PagedInputs
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from splash_hk import lowering
 from splash_hk import ragged
-from splash_hk.backends import native
-from splash_hk.backends import native_build
+from splash_hk.backends.native import backend as native
+from splash_hk.backends.native import build as native_build
 from splash_hk.masks._chosen import Blocks
 from splash_hk.pages import PagedKVCache, PageSelection, RaggedBatch
 

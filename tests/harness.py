@@ -17,7 +17,7 @@ import numpy as np
 import oracle
 import pytest
 import splash_hk as sh
-from splash_hk.backends import native_build
+from splash_hk.backends.native import build as native_build
 
 # Why the native CPU kernel cannot be built here (no C++ compiler, a failed build), or None: the
 # tests that need it skip with that reason, as GPU tests skip on a CPU.

@@ -12,7 +12,7 @@ import pytest
 
 import splash_hk as sh
 from splash_hk.masks import _rules
-from splash_hk.backends import splash as splash_tpu
+from splash_hk.backends.tpu import backend as splash_tpu
 import harness
 from cases import Case, GRAD_CASES, SPLASH_CASES
 
@@ -202,7 +202,7 @@ def test_mask_info_equals_jax_per_block_loop(rule, padded, offset, balanced, blo
   # the forward/dq and dK/dV grids, shrunk and not.
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
       splash_attention_mask as splash_mask, splash_attention_mask_info as info_lib)
-  from splash_hk.backends import splash_plan  # pylint: disable=g-import-not-at-top
+  from splash_hk.backends.tpu import plan as splash_plan  # pylint: disable=g-import-not-at-top
   head = splash_tpu.PositionMask(padded, offset, rule, balanced)
   place = (lambda i: i) if balanced is None else (
       lambda i: _rules.load_balanced_position(i, *balanced))
@@ -227,7 +227,7 @@ def test_horizon_plan_equals_jax_per_block_loop():
   # and dK/dV (not shrunk: a traced plan keeps the whole grid).
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
       splash_attention_mask as splash_mask, splash_attention_mask_info as info_lib)
-  from splash_hk.backends import splash_horizon  # pylint: disable=g-import-not-at-top
+  from splash_hk.backends.tpu import horizon as splash_horizon  # pylint: disable=g-import-not-at-top
   place = np.arange(384)
   h = np.stack([np.maximum(place, np.where(place < 150, 149, -1)),  # a prefix over a block edge
                 np.where((place >= 100) & (place < 300), 299, place)])  # a span to the end

@@ -14,8 +14,8 @@ import pytest
 
 import splash_hk as sh
 from splash_hk import inputs
-from splash_hk.backends import _ejkernel
-from splash_hk.backends import triton
+from splash_hk.backends.gpu import ejkernel as _ejkernel
+from splash_hk.backends.gpu import backend as triton
 from splash_hk.types import Extras
 
 

@@ -1,4 +1,4 @@
-"""The xla backend (splash_hk/backends/xla.py): many tiles per call, the static plan, memory."""
+"""The xla backend (splash_hk/backends/xla/backend.py): many tiles per call, the static plan, memory."""
 
 import dataclasses
 import functools
@@ -11,8 +11,8 @@ import pytest
 import splash_hk as sh
 from splash_hk import inputs
 from splash_hk import tiles
-from splash_hk.backends import xla_blocks
-from splash_hk.backends import xla_plan
+from splash_hk.backends.xla import blocks as xla_blocks
+from splash_hk.backends.xla import plan as xla_plan
 from splash_hk.types import Extras
 import harness
 from cases import CASES, Case

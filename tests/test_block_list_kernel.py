@@ -13,7 +13,7 @@ import harness
 import oracle
 import paged_cases
 import splash_hk as sh
-from splash_hk.backends import splash_lists
+from splash_hk.backends.tpu import lists as splash_lists
 from cases import blocks_case, random_choice
 
 TPU = dict(platform="splash", interpret=True, allow_fallback=False)

@@ -16,7 +16,7 @@ import pytest
 import splash_hk as sh
 from splash_hk.masks import _plan
 from splash_hk.masks import _rules
-from splash_hk.backends import splash_horizon
+from splash_hk.backends.tpu import horizon as splash_horizon
 import harness
 import oracle
 

@@ -20,7 +20,7 @@ import paged_cases
 import processes
 import splash_hk as sh
 from splash_hk import layer
-from splash_hk.backends import native
+from splash_hk.backends.native import backend as native
 
 NATIVE = sh.AttentionConfig(platform="native", allow_fallback=False)
 # Five sequences at page edges and real lengths (pages of 16): a short one, one ending a page,

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 import splash_hk as sh
-from splash_hk.backends import _ejkernel
+from splash_hk.backends.gpu import ejkernel as _ejkernel
 import processes
 
 

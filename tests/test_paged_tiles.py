@@ -12,8 +12,8 @@ import pytest
 import harness
 import paged_cases
 import splash_hk as sh
-from splash_hk.backends import xla_paged as xla_paged_tiles
-from splash_hk.backends import xla_paged_items
+from splash_hk.backends.xla import paged as xla_paged_tiles
+from splash_hk.backends.xla import paged_items as xla_paged_items
 
 PAGE = paged_cases.PAGE
 # A step of 530 rows (every width tiled) whose sequences' rows cross every tile width (256, 16,

@@ -13,7 +13,7 @@ import pytest
 import harness
 import oracle
 import splash_hk as sh
-from splash_hk.backends import native_build
+from splash_hk.backends.native import build as native_build
 
 HQ, HKV, D, PAGE, PAGES_PER_SEQ, NUM_PAGES = 4, 2, 16, 4, 24, 80
 LENS = (37, 5, 60)  # cached tokens of each sequence (mid-page ends)

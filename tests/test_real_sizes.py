@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import splash_hk as sh
-from splash_hk.backends import splash_horizon
+from splash_hk.backends.tpu import horizon as splash_horizon
 import harness
 import oracle
 

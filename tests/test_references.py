@@ -26,7 +26,7 @@ FILES = ({p.name for d in ("splash_hk", "tests", "benchmarks", "examples", "scri
 EXTENSIONS = ("py", "sh", "bzl", "json", "png", "md", "txt")
 FILE = re.compile(r"(?<![\w.:/])((?:[\w-]+/)*[\w-]+\.(?:" + "|".join(EXTENSIONS) + r"))\b")
 BACKTICKED = re.compile(r"`([A-Za-z_][\w.]*\.[A-Za-z_]\w*)[`(\[]")
-# Our modules by their last name ("xla_plan" -> "splash_hk.backends.xla_plan"), for references
+# Our modules by their last name ("xla_plan" -> "splash_hk.backends.xla.plan"), for references
 # that start with one;
 # names that are also parameters (`config.block_sizes`, `kv_cache.length`) are left out.
 PARAMETERS = {"config", "kv_cache"}

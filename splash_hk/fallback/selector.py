@@ -15,7 +15,7 @@ import jax
 
 from splash_hk import kernel
 from splash_hk.backends import base
-from splash_hk.backends import xla_lists
+from splash_hk.backends.xla import lists as xla_lists
 from splash_hk import platforms
 from splash_hk.config import AttentionConfig
 from splash_hk.pages import PagedFacts

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-from splash_hk.backends import tpu_lists
+from splash_hk.backends.tpu import list_kernel as tpu_lists
 from splash_hk.masks._mask import Mask
 
 LANES, SUBLANES = tpu_lists.LANES, tpu_lists.SUBLANES

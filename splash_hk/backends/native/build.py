@@ -28,7 +28,7 @@ from absl import logging
 import jax
 import jaxlib
 
-SOURCE_DIR = Path(__file__).parent / "native"
+SOURCE_DIR = Path(__file__).parent  # kernel.h and handlers.cc beside this file
 SOURCES = ("kernel.h", "handlers.cc")
 # FFI target name -> the handler symbol in handlers.cc.
 TARGETS = {"splash_hk_paged_decode": "SplashPagedDecode",

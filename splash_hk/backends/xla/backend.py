@@ -23,12 +23,12 @@ import jax.numpy as jnp
 
 from splash_hk import quant
 from splash_hk.backends import base
-from splash_hk.backends import xla_bias
-from splash_hk.backends import xla_gather
-from splash_hk.backends import xla_lists
-from splash_hk.backends import xla_paged
-from splash_hk.backends import xla_plan
-from splash_hk.backends.xla_blocks import Pair, Views
+from splash_hk.backends.xla import bias as xla_bias
+from splash_hk.backends.xla import gather as xla_gather
+from splash_hk.backends.xla import lists as xla_lists
+from splash_hk.backends.xla import paged as xla_paged
+from splash_hk.backends.xla import plan as xla_plan
+from splash_hk.backends.xla.blocks import Pair, Views
 from splash_hk.masks import _plan
 from splash_hk.tiles import Tiles, tiles_for
 from splash_hk.types import Facts, KernelInputs, KernelOutput

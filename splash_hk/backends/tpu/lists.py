@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk.backends import base
-from splash_hk.backends import tpu_lists
-from splash_hk.backends import xla_lists
+from splash_hk.backends.tpu import list_kernel as tpu_lists
+from splash_hk.backends.xla import lists as xla_lists
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 

@@ -24,12 +24,12 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from splash_hk.masks import _objects
 from splash_hk.masks import _rules
 from splash_hk.backends import base
-from splash_hk.backends import splash_horizon
-from splash_hk.backends import splash_lists
-from splash_hk.backends import splash_paged
-from splash_hk.backends import splash_plan
-from splash_hk.backends import xla
-from splash_hk.backends import xla_lists
+from splash_hk.backends.tpu import horizon as splash_horizon
+from splash_hk.backends.tpu import lists as splash_lists
+from splash_hk.backends.tpu import paged as splash_paged
+from splash_hk.backends.tpu import plan as splash_plan
+from splash_hk.backends.xla import backend as xla
+from splash_hk.backends.xla import lists as xla_lists
 from splash_hk.config import AttentionConfig, BlockSizes
 from splash_hk.types import Facts, KernelInputs, KernelOutput, Mode
 

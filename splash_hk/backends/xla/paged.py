@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk import pages
-from splash_hk.backends import xla_paged_items as items_lib
-from splash_hk.backends.xla_paged_items import Tiles
+from splash_hk.backends.xla import paged_items as items_lib
+from splash_hk.backends.xla.paged_items import Tiles
 
 # Tile rows, widest first, and the fewest rows a partial tile of each width takes: an owner's
 # rows left over after its whole tiles go into one partial tile when there are at least that

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk import dropout as dropout_lib
-from splash_hk.backends.xla_lists import Layout
+from splash_hk.backends.xla.lists import Layout
 from splash_hk.dropout import Dropout
 from splash_hk.scores import Score
 

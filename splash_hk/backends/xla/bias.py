@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk.backends import base
-from splash_hk.backends.xla_blocks import Pair, Views
+from splash_hk.backends.xla.blocks import Pair, Views
 from splash_hk.scores import Score
 from splash_hk.types import KernelInputs
 

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from splash_hk import pages
 from splash_hk.backends import base
-from splash_hk.backends import tpu_lists
-from splash_hk.backends import tpu_paged
+from splash_hk.backends.tpu import list_kernel as tpu_lists
+from splash_hk.backends.tpu import paged_kernel as tpu_paged
 
 
 

@@ -31,7 +31,7 @@ from splash_hk.masks import _objects
 from splash_hk.masks import _rules
 from splash_hk.scores import Score
 from splash_hk.backends import base
-from splash_hk.backends import xla_plan
+from splash_hk.backends.xla import plan as xla_plan
 from splash_hk.types import Facts, KernelInputs
 
 # Transposing all of K/V once pays off only when a key block is read by more than

@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from splash_hk.masks import _objects
-from splash_hk.backends import _ejkernel
+from splash_hk.backends.gpu import ejkernel as _ejkernel
 from splash_hk.backends import base
-from splash_hk.backends import xla
+from splash_hk.backends.xla import backend as xla
 from splash_hk.types import Facts, KernelInputs, KernelOutput, Mode
 
 

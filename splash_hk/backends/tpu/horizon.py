@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info_lib
 
 from splash_hk.masks import _objects
-from splash_hk.backends import splash_plan
+from splash_hk.backends.tpu import plan as splash_plan
 
 
 def serves(rule: _objects.Mask | None) -> bool:

@@ -30,8 +30,8 @@ import numpy as np
 from splash_hk import pages
 from splash_hk import quant
 from splash_hk.backends import base
-from splash_hk.backends import native_build
-from splash_hk.backends import xla
+from splash_hk.backends.native import build as native_build
+from splash_hk.backends.xla import backend as xla
 from splash_hk.masks import _objects
 from splash_hk.scores import Alibi
 from splash_hk.types import Facts, KernelInputs, KernelOutput

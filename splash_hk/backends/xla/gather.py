@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk.backends import base
-from splash_hk.backends import xla_tile_extras as extras
-from splash_hk.backends.xla_lists import Layout, Tables, choice_of, layout, tables
+from splash_hk.backends.xla import tile_extras as extras
+from splash_hk.backends.xla.lists import Layout, Tables, choice_of, layout, tables
 from splash_hk.masks._mask import Mask
 from splash_hk.scores import Score
 from splash_hk.types import Facts, KernelInputs, KernelOutput

@@ -1,0 +1,1 @@
+"""The GPU backend: ejkernel's Triton block-sparse kernel (`backend`), adapted (`ejkernel`)."""
