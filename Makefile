@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test docs typecheck wheel-check bazel-install bazel-test bazel-smoke demo multihost-demo serve-demo bench quickcheck clean gpu-wheels gpu-check
+.PHONY: setup test docs typecheck wheel-check bazel-install bazel-test bazel-smoke demo multihost-demo serve-demo bench quickcheck clean gpu-wheels gpu-check tpu-wheels tpu-check tpu-tune
 
 LOCK := requirements-lock.txt
 
@@ -91,6 +91,32 @@ gpu-wheels:
 
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# Wheels the lent TPU machine lacks (Python 3.11, jax 0.10.2 installed), carried there in
+# .whl-tpu (ignored by git: `carry` it), at the lock's versions: the library's own needs and the
+# TPU bench's peer tokamax with what it imports (tokamax is not in the lock: its version is here).
+TPU_PACKAGES := dm-haiku jmp tabulate chex toolz absl-py typing_extensions qwix flax optax msgpack \
+	PyYAML treescope rich Pygments etils jaxtyping wadler_lindig pydantic pydantic_core \
+	annotated-types typing-inspection tqdm markdown-it-py mdurl protobuf packaging
+TPU_EXTRA := tokamax==0.0.12 einshape==1.0 typeguard==2.13.3 immutabledict==4.3.1 tensorboardx==2.6.5
+tpu-wheels:
+	rm -rf .whl-tpu
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl-tpu \
+	  $$(for p in $(TPU_PACKAGES); do grep -i "^$$p==" $(LOCK); done) $(TPU_EXTRA)
+
+# On the TPU machine (the wheels beside the checkout): the tpu-marked tests compiled on the chip,
+# the quickcheck and the TPU bench, into $$OUT (or tpu_out/); summary.txt a line per step.
+tpu-check:
+	bash scripts/tpu_check.sh
+
+# On the TPU machine: measures the TPU kernel's tiles (python -m splash_hk.tune) for the bench's
+# shapes into $$OUT/tiles.json; the shipped table (splash_hk/backends/tpu/tiles_v5e.json) is its
+# output on the lent v5e.
+TPU_TUNE_SHAPES := 4x4096x16x16x128:causal,1x16384x16x16x128:causal,1x16384x16x16x128:window:1024,1x16384x16x16x128:segments:8,2x8192x8x4x256:causal
+tpu-tune:
+	TPU_STEPS="environment tune" TPU_TUNE="--shapes=$(TPU_TUNE_SHAPES)" bash scripts/tpu_check.sh
 
 clean:
 	if command -v bazel >/dev/null; then bazel clean --expunge; fi

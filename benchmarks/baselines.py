@@ -41,7 +41,7 @@ def ejkernel_xla(q: jax.Array, k: jax.Array, v: jax.Array, config: sh.AttentionC
       logits_soft_cap=config.logits_soft_cap,
       softmax_scale=facts.scale,
       causal=False,
-      fused_backward=config.fused_backward,
+      fused_backward=bool(config.fused_backward),
       platform="xla",
       cfg=_ejkernel.blocksparse_config(config, "xla"),
   )  # [B, Hq, T, Dv]

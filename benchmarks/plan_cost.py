@@ -20,6 +20,7 @@ from benchmarks import timing
 from splash_hk import inputs
 from splash_hk import kernel
 from splash_hk.backends.tpu import backend as splash
+from splash_hk.backends.tpu import tiles as tiles_lib
 from splash_hk.types import Extras
 
 
@@ -43,11 +44,11 @@ def splash_build_seconds(workload: bench_workloads.Workload, repeats: int) -> fl
   facts = inputs.facts(zeros, keys, keys, config=config, extras=Extras(**workload.extras(1)))
   if splash.why_not(facts, "tpu") is not None:
     return None
-  blocks, t_pad, s_pad = splash.padded_layout(workload.query_len, workload.kv_len,
-                                              config.block_sizes)
+  tiles, t_pad, s_pad = splash.padded_layout(workload.query_len, workload.kv_len,
+                                             tiles_lib.for_call(facts))
   build = lambda: splash.build_kernel.__wrapped__(
       padded=(t_pad, s_pad), offset=workload.kv_len - workload.query_len, is_mqa=False,
-      config=config, rule=facts.rule, blocks=blocks)
+      config=config, rule=facts.rule, tiles=tiles)
   return timing.median_seconds(build, repeats=repeats)
 
 

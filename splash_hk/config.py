@@ -63,17 +63,22 @@ def require_int(name: str, value: Any, minimum: int = 1, allow_none: bool = Fals
 class BlockSizes:
   """Tile sizes of the block-sparse kernels; None lets each backend use its tuned default.
 
-  `block_q`/`block_kv` tile the forward pass, `*_bwd` the backward pass. The
-  defaults: XLA path, `splash_hk.tiles.default_tiles` (why: docs/guide/performance.md);
-  splash, 128 up to 2048 blocks per sequence, then doubled (512 at 2^20 tokens:
-  `splash_hk.backends.tpu.backend.default_block`; multiples of 128, clamped to the
-  padded sequence); Triton, ejkernel's GPU heuristics (64 forward, 32 backward).
+  `block_q`/`block_kv` tile the forward pass, `*_bwd` the backward pass;
+  `block_kv_compute` (`_bwd`: the backward's dK/dV) is the run of keys the TPU
+  kernel computes at once inside a `block_kv` tile (it divides it; unset: the
+  whole tile, or the table's). The defaults: XLA path,
+  `splash_hk.tiles.default_tiles` (why: docs/guide/performance.md); TPU, the
+  table measured on the chip (`splash_hk.backends.tpu.tiles`: the tuning cache
+  of `python -m splash_hk.tune`, then the shipped table, then its rule); Triton,
+  ejkernel's GPU heuristics (64 forward, 32 backward).
   """
 
   block_q: int | None = None
   block_kv: int | None = None
   block_q_bwd: int | None = None
   block_kv_bwd: int | None = None
+  block_kv_compute: int | None = None
+  block_kv_compute_bwd: int | None = None
 
   def __post_init__(self) -> None:
     for field in dataclasses.fields(self):
@@ -114,7 +119,9 @@ class AttentionConfig:
       "splash", "triton", "xla", "reference" (`splash_hk.platforms`).
     allow_fallback: if False, any fallback raises ValueError with its reason.
     interpret: run the Pallas splash kernel in interpret mode (CPU).
-    fused_backward: ask kernels that have one for their fused backward pass.
+    fused_backward: ask kernels that have one for their fused backward pass (True) or for
+      dq and dK/dV apart (False); None (default): each kernel's measured choice (on TPU the
+      tile table's, fused where it measured faster; elsewhere apart).
     dropout_rate: attention dropout on the normalised probabilities, in [0, 1): each
       visible pair kept with probability 1 - rate and scaled by 1 / (1 - rate), decided by
       `splash_hk.dropout_mask`'s hash (a call passes `dropout_rng`); 0 is the program of a
@@ -134,7 +141,7 @@ class AttentionConfig:
   platform: Platform = "auto"
   allow_fallback: bool = True
   interpret: bool = False
-  fused_backward: bool = False
+  fused_backward: bool | None = None
   dropout_rate: float = 0.0
   causal_stated: bool = dataclasses.field(default=False, repr=False)
 
@@ -167,6 +174,9 @@ class AttentionConfig:
         or not 0 <= rate < 1):
       raise ValueError(f"dropout_rate must be a number in [0, 1), got {rate!r}.")
     set_("dropout_rate", float(rate))
+    if self.fused_backward is not None and not isinstance(self.fused_backward, bool):
+      raise ValueError(f"fused_backward must be None (the kernel's measured choice) or a bool, "
+                       f"got {self.fused_backward!r}.")
     if self.platform not in platforms.names():
       raise ValueError(f"platform must be one of {platforms.names()}, got {self.platform!r}.")
 

@@ -59,6 +59,7 @@ def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig,
   `need_key=False`: the call is only planned (`explain`), so dropout needs no key."""
   quantized = tuple(name for name, a in zip(QKV, (query, key, value)) if quant.is_quantized(a))
   storage = (quant.storage(key), quant.storage(value))
+  dtype = str(compute_dtype(query, key, value, config))
   query, key, value = as_shapes(query, key, value, config)
   validation.validate_qkv(query, key, value, config)
   validation.validate_extras(query, key, extras)
@@ -84,7 +85,8 @@ def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig,
       return_residuals=return_residuals,
       sequence_shards=sequence_shards,
       load_balanced=axes.load_balanced, sequence_strategy=axes.sequence_strategy,
-      head_shards=head_shards, quantized=quantized, storage=storage, dropped_axes=dropped)
+      head_shards=head_shards, quantized=quantized, storage=storage, dropped_axes=dropped,
+      dtype=dtype, segments=extras.q_segment_ids is not None or extras.kv_segment_ids is not None)
 
 
 def _rule(extras: Extras, config: AttentionConfig, call: Facts) -> _objects.Mask | None:

@@ -1,6 +1,6 @@
 """The xla path's tiles, spelled once: its backend tiles with them, `shard_work` counts with them.
 
-(Splash's tiles are splash's own: `splash_hk.backends.tpu.backend.default_block`.)
+(The TPU kernel's tiles are its own: `splash_hk.backends.tpu.tiles`.)
 Why these sizes (figures in docs/guide/performance.md; the bench's `--tiles` measures them):
 512-row query blocks keep XLA's batched dots on both cores of a small CPU, where
 256-row ones ran on about one; 256-key blocks halve the masked diagonal of causal

@@ -163,6 +163,8 @@ class Facts:
   quantized: tuple[str, ...] = ()  # the arguments given quantized ("query", "key", "value")
   storage: tuple[str, ...] = ()  # how key and value are stored (`quant.storage`); () unknown
   dropped_axes: tuple[str, ...] = ()  # names of `axes` the mesh lacks (dropped, said by explain)
+  dtype: str = ""  # the dtype the call computes in ("bfloat16"; "" where not known)
+  segments: bool = False  # segment ids were given (packed documents, padding)
 
   @classmethod
   def from_shapes(cls, config: AttentionConfig, query_shape: Sequence[int],

@@ -1,7 +1,8 @@
 """Test setup: 8 virtual CPU devices (before jax is imported), a private HOME, slow files first.
 
-`pytest -m gpu` (what `make gpu-check` runs on a GPU machine) leaves JAX_PLATFORMS
-and the device count as the machine has them, so the GPU tests see the GPU.
+`pytest -m gpu` (what `make gpu-check` runs on a GPU machine) and `pytest -m tpu` (`make
+tpu-check` on a TPU machine) leave JAX_PLATFORMS and the device count as the machine has them,
+so the accelerator's tests see it; a test they select that skips fails.
 """
 
 import os
@@ -13,12 +14,14 @@ import processes
 
 
 def _gpu_run(config: pytest.Config) -> bool:
-  """Whether this run selects the GPU tests (`-m gpu`; `-m "not gpu"` is a CPU run)."""
-  return (config.getoption("markexpr", "") or "").strip() == "gpu"
+  """Whether this run selects an accelerator's tests (`-m gpu`, `-m tpu`; `-m "not gpu"` is a
+  CPU run)."""
+  return (config.getoption("markexpr", "") or "").strip() in ("gpu", "tpu")
 
 
 def pytest_configure(config: pytest.Config) -> None:
   config.addinivalue_line("markers", "gpu: needs a GPU (run with -m gpu by make gpu-check)")
+  config.addinivalue_line("markers", "tpu: needs a TPU (run with -m tpu by make tpu-check)")
   gpu = _gpu_run(config)
   if not gpu:
     os.environ["XLA_FLAGS"] = " ".join((os.environ.get("XLA_FLAGS", ""), processes.FAST_COMPILE,
@@ -43,12 +46,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call):
-  """Under -m gpu a skipped test fails: the GPU check must not pass by skipping."""
+  """Under -m gpu or -m tpu a skipped test fails: the check must not pass by skipping."""
   outcome = yield
   report = outcome.get_result()
   if report.skipped and _gpu_run(item.config):
     report.outcome = "failed"
-    report.longrepr = f"skipped under -m gpu (is there a GPU?): {report.longrepr}"
+    report.longrepr = (f"skipped under -m {item.config.getoption('markexpr')} (is the "
+                       f"accelerator there?): {report.longrepr}")
 
 
 # Files whose tests run training binaries or processes (tens of seconds each): run first, so

@@ -13,6 +13,7 @@ import pytest
 import splash_hk as sh
 from splash_hk.masks import _rules
 from splash_hk.backends.tpu import backend as splash_tpu
+from splash_hk.backends.tpu import tiles as tiles_lib
 import harness
 from cases import Case, GRAD_CASES, SPLASH_CASES
 
@@ -160,18 +161,10 @@ def test_kernels_are_built_once_per_static_shape():
     (1000, 1000, 512, ((512, 512, 512, 512), 1024, 1024)),
 ])
 def test_padded_layout_clamps_blocks(t, s, block, expected):
-  blocks = sh.BlockSizes(block_q=block, block_kv=block)
-  assert splash_tpu.padded_layout(t, s, blocks) == expected
-
-
-@pytest.mark.parametrize("t,s,expected", [
-    (256 * 1024, 256 * 1024, ((128, 128, 128, 128), 2**18, 2**18)),
-    (2**18 + 1, 2**20, ((256, 512, 256, 512), 2**18 + 256, 2**20)),
-    (128, 2**20 + 1, ((128, 1024, 128, 1024), 128, 2**20 + 1024)),
-])
-def test_default_blocks_grow_with_the_sequence(t, s, expected):
-  # At most 2048 blocks per side by default: 128-row tiles at 2^20 would be 67M grid steps.
-  assert splash_tpu.padded_layout(t, s, sh.BlockSizes()) == expected
+  tiles = tiles_lib.Tiles(block, block, block, block, block, block, True)
+  got, t_pad, s_pad = splash_tpu.padded_layout(t, s, tiles)
+  assert (got.blocks, t_pad, s_pad) == expected
+  assert got.block_kv % got.block_kv_compute == 0 and got.block_kv_bwd % got.block_kv_compute_bwd == 0
 
 
 def _first_four(q, k):

@@ -56,13 +56,21 @@ def _out_and_grads(f, q, k, v, cot):
 @pytest.mark.parametrize("platform", list(PLATFORMS))
 @pytest.mark.parametrize("name", list(CASES))
 def test_bf16_forward_and_gradients_at_most_twice_jax_nn(name, platform):
+  check_bf16(name, *PLATFORMS[platform])
+
+
+def check_bf16(name, changes, mesh_name, shape=(B, T, HQ, HKV, D)):
+  """Case `name` on the platform `changes` say (under a mesh), held to the bar (also compiled
+  on a TPU: tests/test_tpu.py); `shape` (B, T, Hq, Hkv, D) for the cases without segments."""
+  batch, length, hq, hkv, dim = shape
+  assert CASES[name][1] != "mask" or (batch, length) == (B, T), "packed documents are B x T"
   fields, nn, ours, rules = _keywords(name)
-  changes, mesh_name = PLATFORMS[platform]
   mesh = None if mesh_name is None else harness.mesh(mesh_name, explicit=True)
   config = sh.AttentionConfig(**fields, **changes)
   rng = np.random.default_rng(0)
-  q, k, v = (jnp.asarray(rng.normal(size=(B, T, h, D)), jnp.bfloat16) for h in (HQ, HKV, HKV))
-  cot = rng.normal(size=(B, T, HQ, D))
+  q, k, v = (jnp.asarray(rng.normal(size=(batch, length, h, dim)), jnp.bfloat16)
+             for h in (hq, hkv, hkv))
+  cot = rng.normal(size=(batch, length, hq, dim))
   if "q_seg" in rules:
     cot = np.where(rules["q_seg"][:, :, None, None] >= 0, cot, 0)  # jax.nn gives padding mean(v)
   ours_f = lambda q, k, v: sh.attention(q, k, v, config=config, mesh=mesh,
@@ -72,10 +80,10 @@ def test_bf16_forward_and_gradients_at_most_twice_jax_nn(name, platform):
   plain = _out_and_grads(theirs_f, q, k, v, cot)
   f64 = lambda a: np.asarray(a, np.float64)
   want_out, want_grads = oracle.out_and_vjp(f64(q), f64(k), f64(v), cot, **rules)
-  live = np.ones((B, T), bool) if "q_seg" not in rules else rules["q_seg"] >= 0
+  live = np.ones((batch, length), bool) if "q_seg" not in rules else rules["q_seg"] >= 0
   for what, g, p, w in zip(("out", "dq", "dk", "dv"), got, plain, (want_out, *want_grads)):
     assert g.dtype == jnp.bfloat16, what
-    rows = live if what in ("out", "dq") else np.ones((B, T), bool)
+    rows = live if what in ("out", "dq") else np.ones((batch, length), bool)
     ours_err = np.abs(f64(g) - w)[rows].max()
     plain_err = np.abs(f64(p) - w)[rows].max()
     assert ours_err <= 2 * plain_err, (what, ours_err, plain_err)

@@ -38,7 +38,7 @@ def test_export_for_tpu_from_cpu_holds_the_splash_kernel_forward_and_backward():
   assert exported.mlir_module().count(TPU_KERNEL) == 1
   grad = jax.jit(jax.grad(_loss(CASE.config), argnums=(0, 1, 2, 3)))
   exported = jax.export.export(grad, platforms=["tpu"])(*_specs(CASE))
-  assert exported.mlir_module().count(TPU_KERNEL) >= 3  # forward, dq and dk/dv
+  assert exported.mlir_module().count(TPU_KERNEL) >= 2  # forward, the (fused) backward
   assert sh.explain(*_specs(CASE)[:3], config=CASE.config, softmax_aux=_specs(CASE)[3],
                     for_platform="tpu").backend == "splash"
 
@@ -50,7 +50,7 @@ def test_one_artifact_for_cpu_and_tpu_runs_here_against_the_oracle():
   grad = jax.jit(jax.value_and_grad(_loss(CASE.config), argnums=(0, 1, 2, 3)))
   exported = jax.export.export(grad, platforms=["cpu", "tpu"])(*_specs(CASE))
   assert exported.platforms == ("cpu", "tpu")
-  assert exported.mlir_module().count(TPU_KERNEL) >= 3
+  assert exported.mlir_module().count(TPU_KERNEL) >= 2
   value, grads = exported.call(q, k, v, extras["softmax_aux"])
   with jax.enable_x64(True):
     def theirs(q, k, v, s):

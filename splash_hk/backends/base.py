@@ -117,6 +117,8 @@ class Backend:
     optional: a kernel for some calls only (the native decode kernel), tried first on its
       hardware where it serves: on "auto" its refusal is said beside the next backend's choice,
       not a fallback (that backend is its hardware's first choice for the call).
+    describe: facts -> what the backend runs for a call it serves, in words (the TPU kernel's
+      tiles and where they came from: `explain` says it), or None.
     paged_why_not, paged_attend: the same two for a paged call (`splash_hk.pages`:
       (PagedFacts, hardware) -> reason or None; (PagedInputs, PagedFacts) -> (out
       [N, Hq, Dv], lse [N, Hq]) over the cache with the call's tokens written); `paged_attend`
@@ -134,6 +136,7 @@ class Backend:
   plan: Callable[[KernelInputs, Facts], Any] | None = None
   traces_off_host: bool = True
   optional: bool = False
+  describe: Callable[[Facts], str | None] | None = None
   paged_why_not: Callable[[pages.PagedFacts, str], str | None] | None = None
   paged_attend: Callable[[pages.PagedInputs, pages.PagedFacts],
                          tuple[jax.Array, jax.Array]] | None = None

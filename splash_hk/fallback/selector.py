@@ -113,7 +113,10 @@ def _pick(facts: Facts, hardware: str) -> Decision:
   """The first backend of `candidates` that serves the call; the others' refusals as reason."""
   decision = _first(facts.config, hardware, lambda b: b.why_not(facts, hardware),
                     f"{facts.mode.value} mode")
-  return dataclasses.replace(decision, reason=decision.reason + _plan_note(facts, decision.backend))
+  describe = kernel.backend(decision.backend).describe
+  said = None if describe is None else describe(facts)
+  return dataclasses.replace(decision, reason=decision.reason + _plan_note(
+      facts, decision.backend) + ("" if said is None else f"; {said}"))
 
 
 def select_paged(facts: PagedFacts, hardware: str | None = None) -> Decision:

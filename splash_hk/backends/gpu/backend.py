@@ -66,7 +66,7 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
       softmax_scale=facts.scale,
       sliding_window=rules["window"],
       causal=rules["causal"],
-      fused_backward=config.fused_backward,
+      fused_backward=bool(config.fused_backward),
       platform="triton",
       cfg=_ejkernel.blocksparse_config(config, "triton", num_warps=4, num_stages=2),
   )  # [B, Hq, T, Dv]

@@ -12,6 +12,7 @@ own plan (`splash_horizon`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -28,16 +29,13 @@ from splash_hk.backends.tpu import horizon as splash_horizon
 from splash_hk.backends.tpu import lists as splash_lists
 from splash_hk.backends.tpu import paged as splash_paged
 from splash_hk.backends.tpu import plan as splash_plan
+from splash_hk.backends.tpu import tiles as tiles_lib
 from splash_hk.backends.xla import backend as xla
 from splash_hk.backends.xla import lists as xla_lists
-from splash_hk.config import AttentionConfig, BlockSizes
+from splash_hk.config import AttentionConfig
 from splash_hk.types import Facts, KernelInputs, KernelOutput, Mode
 
-LANE = 128  # splash blocks are multiples of this
-# The default tile is LANE, doubled while a sequence would hold more blocks than this:
-# a grid step costs the same at any tile, and at 2^20 tokens 128-row tiles make 67M
-# steps per head (and MaskInfo arrays of that size); MaxText runs 512 or 1024 there.
-MAX_DEFAULT_BLOCKS = 2048
+LANE = tiles_lib.LANE  # splash blocks are multiples of this
 # A sink this low adds exp(-1e30 - m) == 0 to every real row, but gives a row
 # with no visible key a finite max, so the kernel returns 0 there (not mean(v)).
 _SILENT_SINK = -1e30
@@ -78,9 +76,7 @@ def why_not(facts: Facts, hardware: str) -> str | None:
   if not facts.default_positions:
     return ("explicit q_positions/kv_positions were given and splash masks are static "
             "(built from indices at trace time)")
-  if any(b % LANE for b in config.block_sizes.resolve(LANE, LANE)):
-    return f"splash block sizes must be multiples of {LANE}, got {config.block_sizes}"
-  return None
+  return tiles_lib.refusal(config.block_sizes)
 
 
 # What splash's static masks are made of, in words (the objects say themselves: `is_static`).
@@ -120,44 +116,38 @@ def places(q_ids, kv_ids, offset: int, balanced: tuple[int, int] | None):
           _rules.load_balanced_position(kv_ids, *balanced))
 
 
-def default_block(length: int) -> int:
-  """The default splash tile for a sequence of `length`: LANE, doubled while the sequence
-  would hold more than MAX_DEFAULT_BLOCKS blocks (512 at 2^20 tokens)."""
-  block = LANE
-  while -(-length // block) > MAX_DEFAULT_BLOCKS:
-    block *= 2
-  return block
-
-
 @functools.lru_cache(maxsize=64)
 def padded_layout(query_len: int, kv_len: int,
-                  block_sizes: BlockSizes) -> tuple[tuple[int, int, int, int], int, int]:
-  """Block sizes clamped to the (padded) lengths, and the padded lengths.
-
-  Returns:
-    ((block_q, block_kv, block_q_bwd, block_kv_bwd), padded_query_len, padded_kv_len).
-  """
-  fwd_q, fwd_kv, bwd_q, bwd_kv = block_sizes.resolve(default_block(query_len),
-                                                      default_block(kv_len))
+                  t: tiles_lib.Tiles) -> tuple[tiles_lib.Tiles, int, int]:
+  """The tiles clamped to the (padded) lengths (a compute run that no longer divides its tile:
+  the whole tile), and the padded lengths."""
   q_cap, kv_cap = base.round_up(query_len, LANE), base.round_up(kv_len, LANE)
-  bq, bq_bwd = min(fwd_q, q_cap), min(bwd_q, q_cap)
-  bkv, bkv_bwd = min(fwd_kv, kv_cap), min(bwd_kv, kv_cap)
-  return ((bq, bkv, bq_bwd, bkv_bwd), base.round_up(query_len, math.lcm(bq, bq_bwd)),
+  bq, bq_bwd = min(t.block_q, q_cap), min(t.block_q_bwd, q_cap)
+  bkv, bkv_bwd = min(t.block_kv, kv_cap), min(t.block_kv_bwd, kv_cap)
+  run = lambda c, kv: c if kv % c == 0 else kv
+  t = dataclasses.replace(t, block_q=bq, block_kv=bkv, block_q_bwd=bq_bwd, block_kv_bwd=bkv_bwd,
+                          block_kv_compute=run(t.block_kv_compute, bkv),
+                          block_kv_compute_bwd=run(t.block_kv_compute_bwd, bkv_bwd))
+  return (t, base.round_up(query_len, math.lcm(bq, bq_bwd)),
           base.round_up(kv_len, math.lcm(bkv, bkv_bwd)))
+
+
+def call_tiles(x: KernelInputs, facts: Facts) -> tiles_lib.Tiles:
+  """This call's tiles: `facts`' own, for the dtype its kernel runs in."""
+  return tiles_lib.for_call(facts, str(x.query.dtype))
 
 
 @functools.lru_cache(maxsize=64)
 def build_kernel(*, padded: tuple[int, int], offset: int, is_mqa: bool,
                  config: AttentionConfig, rule: _objects.Mask | None,
-                 blocks: tuple[int, int, int, int],
-                 balanced: tuple[int, int] | None = None):
+                 tiles: tiles_lib.Tiles, balanced: tuple[int, int] | None = None):
   """The splash kernel for one static shape and config (cached: built once).
 
   Its MaskInfo comes from the rule's per-block answers (`splash_plan`), in O(blocks),
   not from JAX's per-block Python loop; partial blocks compute `PositionMask`.
   """
-  bq, bkv, bq_bwd, bkv_bwd = blocks
-  fused = config.fused_backward
+  bq, bkv, bq_bwd, bkv_bwd = tiles.blocks
+  fused = tiles.fused_backward
   q_pos, kv_pos = places(np.arange(padded[0]), np.arange(padded[1]), offset, balanced)
   computed = rule is not None
 
@@ -173,19 +163,19 @@ def build_kernel(*, padded: tuple[int, int], offset: int, is_mqa: bool,
       return jax.tree.map(jnp.array, plan)
 
   return _kernel(info((bq, bkv), False), None if fused else info((bq_bwd, bkv_bwd), False),
-                 info((bq_bwd, bkv_bwd), True, shrink=not fused), config, blocks, is_mqa,
+                 info((bq_bwd, bkv_bwd), True, shrink=not fused), config, tiles, is_mqa,
                  None if rule is None else PositionMask(padded, offset, rule, balanced).mask_function)
 
 
-def _kernel(fwd, dq, dkv, config: AttentionConfig, blocks: tuple[int, int, int, int],
+def _kernel(fwd, dq, dkv, config: AttentionConfig, tiles: tiles_lib.Tiles,
             is_mqa: bool, mask_function) -> splash.SplashAttentionKernel:
-  """JAX's splash kernel over the given (forward, dq, dK/dV) MaskInfo."""
-  bq, bkv, bq_bwd, bkv_bwd = blocks
-  fused = config.fused_backward
+  """JAX's splash kernel over the given (forward, dq, dK/dV) MaskInfo, at `tiles`."""
+  t, fused = tiles, tiles.fused_backward
   block_sizes = splash.BlockSizes(
-      block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq_bwd, block_kv_dkv=bkv_bwd,
-      block_kv_dkv_compute=bkv_bwd, block_q_dq=None if fused else bq_bwd,
-      block_kv_dq=None if fused else bkv_bwd, use_fused_bwd_kernel=fused)
+      block_q=t.block_q, block_kv=t.block_kv, block_kv_compute=t.block_kv_compute,
+      block_q_dkv=t.block_q_bwd, block_kv_dkv=t.block_kv_bwd,
+      block_kv_dkv_compute=t.block_kv_compute_bwd, block_q_dq=None if fused else t.block_q_bwd,
+      block_kv_dq=None if fused else t.block_kv_bwd, use_fused_bwd_kernel=fused)
   return splash.SplashAttentionKernel(
       fwd, dq, dkv, block_sizes=block_sizes, is_mqa=is_mqa, save_residuals=False,
       mask_value=splash.DEFAULT_MASK_VALUE, attn_logits_soft_cap=config.logits_soft_cap,
@@ -232,12 +222,12 @@ def _attend_to_horizon(x: KernelInputs, facts: Facts, h: jax.Array) -> KernelOut
   x = x._replace(query=base.to_bhtd(x.query), key=base.to_bhtd(x.key),
                  value=base.to_bhtd(x.value))  # [B, H, T, D]
   (batch, _, query_len, _), kv_len = x.query.shape, x.key.shape[2]
-  blocks, t_pad, s_pad = padded_layout(query_len, kv_len, facts.config.block_sizes)
+  tiles, t_pad, s_pad = padded_layout(query_len, kv_len, call_tiles(x, facts))
   padding = kv_len + jnp.arange(t_pad - query_len, dtype=jnp.int32)  # padded rows: own place
   h = jnp.concatenate([h, jnp.broadcast_to(padding, (batch, t_pad - query_len))], 1)  # [B, Tp]
-  fwd, dq, dkv = splash_horizon.mask_infos(h, (t_pad, s_pad), blocks,
-                                           facts.config.fused_backward)
-  kernel = _kernel(fwd, dq, dkv, facts.config, blocks, x.query.shape[1] > x.key.shape[1],
+  fwd, dq, dkv = splash_horizon.mask_infos(h, (t_pad, s_pad), tiles.blocks,
+                                           tiles.fused_backward)
+  kernel = _kernel(fwd, dq, dkv, facts.config, tiles, x.query.shape[1] > x.key.shape[1],
                    splash_horizon.within_horizon)
   return KernelOutput(base.to_bhtd(_run(x, facts, kernel, per_example=True)))
 
@@ -245,10 +235,10 @@ def _attend_to_horizon(x: KernelInputs, facts: Facts, h: jax.Array) -> KernelOut
 def _run_at_offset(x: KernelInputs, facts: Facts, offset: int,
                    balanced: tuple[int, int] | None = None) -> jax.Array:
   """Splash with the static mask of queries at places offset + arange(T) (see PositionMask)."""
-  blocks, t_pad, s_pad = padded_layout(x.query.shape[2], x.key.shape[2], facts.config.block_sizes)
+  tiles, t_pad, s_pad = padded_layout(x.query.shape[2], x.key.shape[2], call_tiles(x, facts))
   kernel = build_kernel(padded=(t_pad, s_pad), offset=offset,
                         is_mqa=x.query.shape[1] > x.key.shape[1], config=facts.config,
-                        rule=facts.rule, blocks=blocks, balanced=balanced)
+                        rule=facts.rule, tiles=tiles, balanced=balanced)
   return _run(x, facts, kernel, per_example=False)
 
 
@@ -270,7 +260,7 @@ def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool) -> jax.Array:
   batch, num_heads, query_len, head_dim = x.query.shape
   num_kv_heads, kv_len = x.key.shape[1], x.key.shape[2]
   groups = num_heads // num_kv_heads
-  _, t_pad, s_pad = padded_layout(query_len, kv_len, config.block_sizes)
+  _, t_pad, s_pad = padded_layout(query_len, kv_len, call_tiles(x, facts))
   q = base.pad_axis(x.query * jnp.asarray(config.scale(head_dim), x.query.dtype), 2,
                     t_pad)  # [B, Hq, Tp, D]
   k = base.pad_axis(x.key, 2, s_pad)  # [B, Hkv, Sp, D]
@@ -297,6 +287,14 @@ def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool) -> jax.Array:
   return out.astype(x.query.dtype)
 
 
-BACKEND = base.Backend(name="splash", why_not=why_not,
+def describe(facts: Facts) -> str | None:
+  """The dense kernel's tiles for a call and their source (chosen blocks: the block-list
+  kernel's own)."""
+  if xla_lists.chooses(facts):
+    return None
+  return "JAX's splash kernel at " + tiles_lib.for_call(facts).words()
+
+
+BACKEND = base.Backend(name="splash", why_not=why_not, describe=describe,
                        attend=base.guard_garbage(attend, xla.attend), hardware=("tpu",), rank=0,
                        paged_why_not=splash_paged.why_not, paged_attend=splash_paged.attend)

@@ -1,0 +1,118 @@
+"""The TPU calls, compiled on the chip (`make tpu-check` on the lent v5e: `pytest -m tpu`), against
+the float64 oracle: the cases the rest of the suite checks in interpret mode (the dense splash
+kernel, the block-list kernel, the paged kernel), bf16 at FlashAttention's bar, and the precision
+f32 inputs get. On a machine without a TPU every test here skips with that reason; CI checks the
+same kernels in interpret mode and lowered to Mosaic.
+
+float32 runs under `jax.default_matmul_precision("highest")` (the kernels' f32 products are
+bf16 passes by default on a TPU: `test_float32_precision_by_default_and_under_highest` measures
+both); the oracle runs on the CPU (float64 has no TPU kernels).
+"""
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import harness
+import oracle
+import paged_cases
+import splash_hk as sh
+import test_bf16
+import test_block_list_kernel
+from cases import Case, GRAD_CASES, SPLASH_CASES
+
+pytestmark = [pytest.mark.tpu,
+              pytest.mark.skipif(jax.default_backend() != "tpu",
+                                 reason="needs a TPU: `make tpu-check` runs these compiled on the "
+                                        "lent v5e (CPU checks the same kernels in interpret mode)")]
+COMPILED = dict(platform="splash", interpret=False, allow_fallback=False)
+
+
+@pytest.fixture(autouse=True)
+def oracle_on_the_cpu(monkeypatch):
+  """The float64 oracle's jnp gradients on the CPU (a TPU has no float64 kernels); each test
+  under "highest" matmul precision, the kernels' f32 products exact to f32."""
+  cpu = jax.devices("cpu")[0]
+  original = oracle.out_and_vjp
+
+  def on_cpu(*args, **kwargs):
+    with jax.default_device(cpu):
+      return original(*args, **kwargs)
+
+  monkeypatch.setattr(oracle, "out_and_vjp", on_cpu)
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+def _out_and_grads_vs_oracle(case: Case, config, q, k, v, extras, grads: bool):
+  sinks = extras.get("softmax_aux")
+  rest = {n: a for n, a in extras.items() if n != "softmax_aux"}
+  f = lambda q, k, v, *s: sh.attention(q, k, v, config=config, softmax_aux=s[0] if s else None,
+                                       **rest).attention_outputs
+  if not grads:
+    out = jax.jit(f)(q, k, v, *(() if sinks is None else (sinks,)))
+    np.testing.assert_allclose(np.asarray(out), case.oracle(q, k, v, extras)[0], **harness.tol())
+    return
+  cot = np.random.default_rng(7).normal(size=(*q.shape[:3], v.shape[-1])).astype(np.float32)
+  rules = harness.oracle_rules(config, **rest)
+  harness.check_against_oracle(f, q, k, v, cot, sinks=sinks, **rules)
+
+
+@pytest.mark.parametrize("case", SPLASH_CASES, ids=lambda c: c.name)
+def test_the_dense_kernel_compiled_matches_the_oracle(case):
+  config = case.config.replace(**COMPILED)
+  q, k, v, extras = case.arrays(seed=3)
+  assert sh.explain(q, k, v, config=config, **extras).backend == "splash"
+  _out_and_grads_vs_oracle(case, config, q, k, v, extras, grads=case.name in GRAD_CASES)
+
+
+@pytest.mark.parametrize("name", list(test_bf16.CASES))
+def test_bf16_at_most_twice_a_plain_bf16_implementation(name):
+  test_bf16.check_bf16(name, dict(platform="splash", allow_fallback=False), None)
+
+
+def test_bf16_at_a_real_size_with_the_tables_tiles():
+  """B2 T4096 Hq8 Hkv2 D128 causal at the default tiles (the table's) against the same bar."""
+  test_bf16.check_bf16("causal_gqa", dict(platform="splash", allow_fallback=False), None,
+                       shape=(2, 4096, 8, 2, 128))
+
+
+@pytest.mark.parametrize("name", sorted(test_block_list_kernel.CASES))
+def test_the_block_list_kernel_compiled_matches_the_oracle(name):
+  (q, k, v, sinks), mask, kwargs, rules = test_block_list_kernel._case(name)
+  config = sh.AttentionConfig(logits_soft_cap=rules["soft_cap"], **COMPILED)
+  cot = np.random.default_rng(1).standard_normal((*q.shape[:3], v.shape[-1])).astype(np.float32)
+  harness.check_against_oracle(test_block_list_kernel._attention(config, mask, kwargs), q, k, v,
+                               cot, sinks=sinks, **rules)
+
+
+@pytest.mark.parametrize("rule", list(paged_cases.RULES))
+def test_the_paged_kernel_compiled_matches_the_oracle(rule):
+  config, rules = paged_cases.RULES[rule]
+  step = paged_cases.step(seed=1)
+  config = dataclasses.replace(config, **COMPILED)
+  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
+      step.q, step.k, step.v, step.cache, step.batch)
+  np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())
+
+
+def test_float32_precision_by_default_and_under_highest():
+  """f32 inputs: bf16 passes by default (about 2e-3 off float64), f32 under "highest" (1e-5):
+  what the precision section of the performance guide states."""
+  case = Case("precision", batch=1, query_len=1024, kv_len=1024, num_heads=4, num_kv_heads=2,
+              head_dim=128)
+  q, k, v, extras = case.arrays(seed=4)
+  want = case.oracle(q, k, v, extras)[0]
+  run = jax.jit(functools.partial(sh.attention, config=case.config.replace(**COMPILED)))
+  errors = {}
+  for precision in ("default", "highest"):
+    with jax.default_matmul_precision(precision):
+      errors[precision] = float(np.abs(np.asarray(run(q, k, v).attention_outputs) - want).max())
+  print(f"f32 error against float64: default {errors['default']:.2e}, highest "
+        f"{errors['highest']:.2e}")
+  assert errors["highest"] <= 1e-5 < errors["default"] <= 1e-2, errors
