@@ -11,7 +11,7 @@ LOCK := requirements-lock.txt
 $(STAMP): setup.py $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c $(LOCK) -e '.[test,examples,gpu,flax,quant,docs]'
+	$(PY) -m pip install -q -c $(LOCK) -e '.[test,examples,gpu,flax,quant,docs,tpu]'
 	touch $(STAMP)
 
 setup: $(STAMP)

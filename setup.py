@@ -31,5 +31,7 @@ setuptools.setup(
         "flax": ["flax>=0.12.8"],  # splash_hk.flax only; nothing else imports flax
         "quant": ["qwix>=0.1.8"],  # qwix.QArray inputs; sh.Quantized needs nothing extra
         "docs": ["sphinx>=9.0.4", "myst-parser>=5.2.0"],  # make docs
+        # tokamax's TPU splash kernel: the forward of calls not differentiated, on a TPU
+        "tpu": ["tokamax>=0.0.12"],
     },
 )

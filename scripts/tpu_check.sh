@@ -46,11 +46,11 @@ print('devices', jax.devices(), jax.devices()[0].device_kind)
 import haiku, chex; print('haiku', haiku.__version__, 'chex', chex.__version__)
 import tokamax; print('tokamax', tokamax.__version__)"
 # -m tpu: conftest leaves the TPU visible, and a skipped TPU test fails (no pass by skipping).
-step tests 240 python3 -m pytest -q -p no:cacheprovider -m tpu -rA tests/test_tpu.py
+step tests 300 python3 -m pytest -q -p no:cacheprovider -m tpu -rA tests/test_tpu.py
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED) " "$OUT/tests.log" | sed 's/^/  /' >> "$OUT/summary.txt"
 step quickcheck 60 python3 -m splash_hk.quickcheck
 step tune 360 python3 -m splash_hk.tune --cache="$OUT/tiles.json" ${TPU_TUNE:-}
-step bench 330 python3 -m benchmarks.bench_tpu --out="$OUT" ${TPU_BENCH:-}
+step bench 560 python3 -m benchmarks.bench_tpu --out="$OUT" ${TPU_BENCH:-}
 [ -f "$OUT/bench_tpu.txt" ] && sed 's/^/  /' "$OUT/bench_tpu.txt" >> "$OUT/summary.txt"
 echo "results in $OUT/ (summary.txt, *.log, bench_tpu.json)"
 if [ -n "$FAILED_STEPS" ]; then

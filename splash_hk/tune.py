@@ -37,8 +37,8 @@ from splash_hk.backends.tpu import tiles as tiles_lib
 # (block_q, block_kv, block_kv_compute); (block_q_bwd, block_kv_bwd, block_kv_compute_bwd, fused)
 FORWARD = ((512, 1024, 512), (1024, 1024, 512), (512, 2048, 512), (1024, 2048, 512),
            (512, 512, 512))
-BACKWARD = ((512, 1024, 512, True), (1024, 1024, 512, True), (512, 512, 512, True),
-            (512, 1024, 512, False))
+BACKWARD = ((512, 1024, 512, True), (1024, 1024, 512, True), (1024, 2048, 512, True),
+            (512, 512, 512, True), (512, 1024, 512, False))
 
 _SHAPES = flags.DEFINE_list("shapes", ["4x4096x16x16x128:causal"],
                             "Shapes BxTxHqxHkvxD:mask (mask: causal, window:W, segments:N, full).")

@@ -16,6 +16,8 @@ import dataclasses
 import functools
 import math
 
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +27,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from splash_hk.masks import _objects
 from splash_hk.masks import _rules
 from splash_hk.backends import base
+from splash_hk.backends.tpu import forward as fast_forward
 from splash_hk.backends.tpu import horizon as splash_horizon
 from splash_hk.backends.tpu import lists as splash_lists
 from splash_hk.backends.tpu import paged as splash_paged
@@ -236,10 +239,16 @@ def _run_at_offset(x: KernelInputs, facts: Facts, offset: int,
                    balanced: tuple[int, int] | None = None) -> jax.Array:
   """Splash with the static mask of queries at places offset + arange(T) (see PositionMask)."""
   tiles, t_pad, s_pad = padded_layout(x.query.shape[2], x.key.shape[2], call_tiles(x, facts))
-  kernel = build_kernel(padded=(t_pad, s_pad), offset=offset,
-                        is_mqa=x.query.shape[1] > x.key.shape[1], config=facts.config,
-                        rule=facts.rule, tiles=tiles, balanced=balanced)
-  return _run(x, facts, kernel, per_example=False)
+  is_mqa = x.query.shape[1] > x.key.shape[1]
+  kernel = build_kernel(padded=(t_pad, s_pad), offset=offset, is_mqa=is_mqa,
+                        config=facts.config, rule=facts.rule, tiles=tiles, balanced=balanced)
+  forward = None
+  if fast_forward.serves(facts.rule):
+    mask = (None if facts.rule is None
+            else PositionMask((t_pad, s_pad), offset, facts.rule, balanced))
+    forward = fast_forward.kernel(padded=(t_pad, s_pad), is_mqa=is_mqa, config=facts.config,
+                                  tiles=tiles, mask=mask)
+  return _run(x, facts, kernel, per_example=False, forward=forward)
 
 
 @jax.custom_vjp
@@ -254,37 +263,86 @@ _float32_cotangent.defvjp(lambda sinks: (sinks, None),
                           lambda _, ct: (jnp.asarray(ct, jnp.float32),))
 
 
-def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool) -> jax.Array:
-  """A splash kernel (one for the batch, or one per example: leaves [B, ...]) on x [B, H, T, D]."""
-  config = facts.config
+def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool,
+         forward: Any = None) -> jax.Array:
+  """A splash kernel (one for the batch, or one per example: leaves [B, ...]) on x [B, H, T, D];
+  `forward`: a faster forward-only kernel (`fast_forward`) for the call's primal, JAX's kernel
+  then serving the differentiated call (forward and backward)."""
   batch, num_heads, query_len, head_dim = x.query.shape
   num_kv_heads, kv_len = x.key.shape[1], x.key.shape[2]
-  groups = num_heads // num_kv_heads
   _, t_pad, s_pad = padded_layout(query_len, kv_len, call_tiles(x, facts))
-  q = base.pad_axis(x.query * jnp.asarray(config.scale(head_dim), x.query.dtype), 2,
+  q = base.pad_axis(x.query * jnp.asarray(facts.config.scale(head_dim), x.query.dtype), 2,
                     t_pad)  # [B, Hq, Tp, D]
   k = base.pad_axis(x.key, 2, s_pad)  # [B, Hkv, Sp, D]
   v = base.pad_axis(x.value, 2, s_pad)  # [B, Hkv, Sp, Dv]
-  segment_ids = None
+  seg = None
   if x.q_segment_ids is not None or t_pad != query_len or s_pad != kv_len:
     q_seg, kv_seg = base.disjoint_padding(*base.segment_ids(x))
-    segment_ids = splash.SegmentIds(q=base.pad_axis(q_seg, 1, t_pad, -1),  # [B, Tp]
-                                    kv=base.pad_axis(kv_seg, 1, s_pad, -2))  # [B, Sp]
-  sinks = (jnp.full((num_heads,), _SILENT_SINK, jnp.float32) if x.sinks is None
-           else _float32_cotangent(base.sink_logsumexp(x.sinks)))  # [Hq]
-  seg_axes = None if segment_ids is None else splash.SegmentIds._make((0, 0))  # vmap's in_axes
+    seg = (base.pad_axis(q_seg, 1, t_pad, -1), base.pad_axis(kv_seg, 1, s_pad, -2))  # [B, Tp|Sp]
+  sinks = None  # [Hq]: the call's, or a silent one where a real row may see no key
+  if x.sinks is not None:
+    sinks = _float32_cotangent(base.sink_logsumexp(x.sinks))
+  elif not every_row_sees_a_key(facts, per_example):
+    sinks = jnp.full((num_heads,), _SILENT_SINK, jnp.float32)
+  run = functools.partial(_apply, kernel, num_kv_heads, per_example)
+  if forward is not None:
+    run = _forward_apart(functools.partial(_apply, forward, num_kv_heads, False), run)
+  out = run(q, k, v, sinks, seg)  # [B, Hq, Tp, Dv]
+  return out[:, :, :query_len].astype(x.query.dtype)  # [B, Hq, T, Dv]
+
+
+def _apply(kernel, num_kv_heads: int, per_example: bool, q, k, v, sinks, seg) -> jax.Array:
+  """`kernel` over q [B, Hq, Tp, D], k, v [B, Hkv, Sp, .], sinks [Hq] or None and segment ids
+  (q [B, Tp], kv [B, Sp]) or None: vmapped over the batch and, for GQA, the kv heads."""
+  batch, num_heads, t_pad, head_dim = q.shape
+  groups = num_heads // num_kv_heads
+  if seg is not None:  # JAX's or tokamax's SegmentIds, by the kernel's own module
+    seg = (splash.SegmentIds if isinstance(kernel, splash.SplashAttentionKernel)
+           else fast_forward.segment_ids)(*seg)
+  seg_axes = None if seg is None else type(seg)(0, 0)  # vmap's in_axes
   if groups == 1:
     one = lambda kernel, q, k, v, seg: kernel(q, k, v, segment_ids=seg, sinks=sinks)
   else:
     q = q.reshape(batch, num_kv_heads, groups, t_pad, head_dim)  # [B, Hkv, G, Tp, D]
     per_kv_head = jax.vmap(lambda kern, q, k, v, s, seg: kern(q, k, v, segment_ids=seg, sinks=s),
-                           in_axes=(None, 0, 0, 0, 0, None))
-    grouped_sinks = sinks.reshape(num_kv_heads, groups)  # [Hkv, G]
+                           in_axes=(None, 0, 0, 0, None if sinks is None else 0, None))
+    grouped_sinks = None if sinks is None else sinks.reshape(num_kv_heads, groups)  # [Hkv, G]
     one = lambda kernel, q, k, v, seg: per_kv_head(kernel, q, k, v, grouped_sinks, seg)
-  kernel_axes = 0 if per_example else None
-  out = jax.vmap(one, in_axes=(kernel_axes, 0, 0, 0, seg_axes))(kernel, q, k, v, segment_ids)
-  out = out.reshape(batch, num_heads, t_pad, -1)[:, :, :query_len]  # [B, Hq, T, Dv]
-  return out.astype(x.query.dtype)
+  out = jax.vmap(one, in_axes=(0 if per_example else None, 0, 0, 0, seg_axes))(kernel, q, k, v,
+                                                                              seg)
+  return out.reshape(batch, num_heads, t_pad, -1)  # [B, Hq, Tp, Dv]
+
+
+def _forward_apart(primal: Callable[..., jax.Array],
+                   differentiated: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """`primal` where the call is not differentiated, `differentiated` (its forward and its
+  backward) where it is."""
+
+  @jax.custom_vjp
+  def run(q, k, v, sinks, seg):
+    return primal(q, k, v, sinks, seg)
+
+  def run_fwd(q, k, v, sinks, seg):
+    out, pull = jax.vjp(lambda q, k, v, s: differentiated(q, k, v, s, seg), q, k, v, sinks)
+    return out, (pull, seg)
+
+  def run_bwd(saved, cotangent):
+    pull, seg = saved
+    return (*pull(cotangent), jax.tree.map(lambda _: None, seg))
+
+  run.defvjp(run_fwd, run_bwd)
+  return run
+
+
+def every_row_sees_a_key(facts: Facts, per_example: bool) -> bool:
+  """Whether every real query row sees at least one key, so the kernel needs no silent sink to
+  output 0 for a row that sees none (it gives such a row mean(v)): no segment ids, and a rule
+  of the config's kind (causal, window, chunk or none) over the default positions, each of which
+  shows a row its own position (end-aligned, a key there)."""
+  if facts.segments or per_example or not facts.default_positions or facts.query_slices > 1:
+    return False
+  return facts.query_len <= facts.kv_len and (
+      facts.rule is None or _objects.as_rules(facts.rule) is not None)
 
 
 def describe(facts: Facts) -> str | None:

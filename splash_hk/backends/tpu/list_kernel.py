@@ -125,10 +125,11 @@ def finish(g: int, sink: Any, m_scr: Any, l_scr: Any, acc_scr: Any, o_ref: Any,
   top = jnp.maximum(m, sink)
   top = jnp.where(top == -jnp.inf, 0.0, top)
   norm = l_scr[g] * jnp.exp(m - top) + jnp.exp(sink - top)  # [bq, 128]
-  safe = jnp.where(norm > 0, norm, 1.0)
+  seen = norm != 0  # NaN (a visible NaN) too: it must show, not read as a row seeing nothing
+  safe = jnp.where(seen, norm, 1.0)
   out = acc_scr[g] * (jnp.exp(m - top) / safe)[:, :1]  # [bq, Dv]
-  o_ref[g] = jnp.where(norm[:, :1] > 0, out, 0.0).astype(o_ref.dtype)
-  lse_ref[g] = jnp.where(norm > 0, top + jnp.log(safe), -jnp.inf)
+  o_ref[g] = jnp.where(seen[:, :1], out, 0.0).astype(o_ref.dtype)
+  lse_ref[g] = jnp.where(seen, top + jnp.log(safe), -jnp.inf)
 
 
 def _forward_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref,
