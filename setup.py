@@ -14,7 +14,8 @@ setuptools.setup(
     version="0.1.0",
     description="Block-sparse (splash) attention for JAX and Haiku, with explicit shard_map.",
     packages=setuptools.find_packages(include=["splash_hk", "splash_hk.*"]),
-    package_data={"splash_hk": ["py.typed", "backends/native/*.h", "backends/native/*.cc"]},
+    package_data={"splash_hk": ["py.typed", "backends/native/*.h", "backends/native/*.cc",
+                              "backends/tpu/tiles_*.json"]},
     python_requires=">=3.11",
     install_requires=[
         "jax>=0.10.2",

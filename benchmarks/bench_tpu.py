@@ -91,6 +91,8 @@ _PEERS = flags.DEFINE_list("peers", list(PEERS), f"Peers to run, of {list(PEERS)
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per figure (the median is kept).")
 _OUT = flags.DEFINE_string("out", None, "A folder for bench_tpu.json (None: print only).")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny rows in interpret mode (a CPU check).")
+_PEER_TILES = flags.DEFINE_list("peer_tiles", [], "The peers' candidate tiles, each "
+                                "block_q/block_kv/block_kv_compute (default: tpu_peers.TILES).")
 
 
 class Inputs(NamedTuple):
@@ -163,7 +165,9 @@ def run_row(name: str, row: Row, peers: list[str], repeats: int, peak: float,
   result["splash_hk"] = _figures(ours, flops, peak)
   for peer in peers:
     try:
-      best = tpu_peers.best(peer, row, x, lambda call: timings(call, x, repeats), interpret)
+      candidates = tuple(tuple(int(n) for n in t.split("/")) for t in _PEER_TILES.value)
+      best = tpu_peers.best(peer, row, x, lambda call: timings(call, x, repeats), interpret,
+                            candidates)
     except tpu_peers.CannotServe as why:
       result[peer] = {"skipped": str(why)}
       continue

@@ -40,12 +40,13 @@ class Best(NamedTuple):
 
 def best(peer: str, row: Any, x: Any, time: Callable[[Callable[..., jax.Array]],
                                                       tuple[float, float]],
-         interpret: bool) -> Best:
-  """`peer`'s fastest forward and forward+backward over its candidate tiles."""
+         interpret: bool, candidates: tuple[tuple[int, int, int], ...] = ()) -> Best:
+  """`peer`'s fastest forward and forward+backward over its candidate tiles (`TILES` unless
+  `candidates` are given)."""
   if peer in ("tokamax_mosaic", "xla"):
     return Best(time(_CALLS[peer](row, x)), ["-", "-"])
   found: list[tuple[tuple[float, float], str]] = []
-  for tiles in SMOKE_TILES if interpret else TILES:
+  for tiles in SMOKE_TILES if interpret else candidates or TILES:
     if max(tiles[:2]) > row.length:
       continue
     try:

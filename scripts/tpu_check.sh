@@ -48,7 +48,7 @@ import tokamax; print('tokamax', tokamax.__version__)"
 # -m tpu: conftest leaves the TPU visible, and a skipped TPU test fails (no pass by skipping).
 step tests 300 python3 -m pytest -q -p no:cacheprovider -m tpu -rA tests/test_tpu.py
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED) " "$OUT/tests.log" | sed 's/^/  /' >> "$OUT/summary.txt"
-step quickcheck 60 python3 -m splash_hk.quickcheck
+step quickcheck 150 python3 -m splash_hk.quickcheck
 step tune 360 python3 -m splash_hk.tune --cache="$OUT/tiles.json" ${TPU_TUNE:-}
 step bench 560 python3 -m benchmarks.bench_tpu --out="$OUT" ${TPU_BENCH:-}
 [ -f "$OUT/bench_tpu.txt" ] && sed 's/^/  /' "$OUT/bench_tpu.txt" >> "$OUT/summary.txt"

@@ -31,6 +31,10 @@ pytestmark = [pytest.mark.tpu,
                                  reason="needs a TPU: `make tpu-check` runs these compiled on the "
                                         "lent v5e (CPU checks the same kernels in interpret mode)")]
 COMPILED = dict(platform="splash", interpret=False, allow_fallback=False)
+# float32 on the chip under "highest": its products are exact to f32, its exp and tanh agree with
+# float64 to about five digits (measured on the v5e: soft-capped and sink cases 2e-5 to 5e-5
+# off where products alone are 2e-6), so outputs are held to 1e-4 and gradients to 3e-4.
+CHIP_F32 = harness.Tolerance(out=1e-4, grad=3e-4, sharded_grad=3e-4)
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +49,7 @@ def oracle_on_the_cpu(monkeypatch):
       return original(*args, **kwargs)
 
   monkeypatch.setattr(oracle, "out_and_vjp", on_cpu)
+  monkeypatch.setitem(harness.TOLERANCES, np.dtype(np.float32), CHIP_F32)
   with jax.default_matmul_precision("highest"):
     yield
 

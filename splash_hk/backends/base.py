@@ -17,6 +17,7 @@ sees). Code that recomputes probabilities as exp(s - lse) reads it through
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple, Protocol
@@ -238,6 +239,16 @@ def probability_lse(lse: jax.Array) -> jax.Array:
 def finite(a: jax.Array) -> jax.Array:
   """`a` with its non-finite entries (NaN, Inf) zeroed: what a probability of 0 may multiply."""
   return jnp.where(jnp.isfinite(a), a, 0)
+
+
+def kernel_precision(dtype: Any) -> Any:
+  """The matmul precision a TPU kernel of `dtype` inputs is traced under: the caller's for
+  float32 (`jax.default_matmul_precision("highest")` is honoured), the default for narrower
+  inputs, whose products are exact in the kernels' float32 accumulators anyway (Mosaic refuses
+  a bf16 product asked for at float32 precision: "Bad lhs type")."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return contextlib.nullcontext()
+  return jax.default_matmul_precision("default")
 
 
 def round_up(n: int, multiple: int) -> int:

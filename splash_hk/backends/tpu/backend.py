@@ -308,8 +308,9 @@ def _apply(kernel, num_kv_heads: int, per_example: bool, q, k, v, sinks, seg) ->
                            in_axes=(None, 0, 0, 0, None if sinks is None else 0, None))
     grouped_sinks = None if sinks is None else sinks.reshape(num_kv_heads, groups)  # [Hkv, G]
     one = lambda kernel, q, k, v, seg: per_kv_head(kernel, q, k, v, grouped_sinks, seg)
-  out = jax.vmap(one, in_axes=(0 if per_example else None, 0, 0, 0, seg_axes))(kernel, q, k, v,
-                                                                              seg)
+  with base.kernel_precision(q.dtype):
+    out = jax.vmap(one, in_axes=(0 if per_example else None, 0, 0, 0, seg_axes))(kernel, q, k,
+                                                                                v, seg)
   return out.reshape(batch, num_heads, t_pad, -1)  # [B, Hq, Tp, Dv]
 
 

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from splash_hk.backends import base
 from splash_hk.masks._mask import Mask
 
 LANES, SUBLANES = 128, 8  # a TPU vector register's (sublanes, lanes): Mosaic's tiling
@@ -228,9 +229,10 @@ def _call(kernel: Any, spec: Spec, grid: tuple[int, ...], in_specs: list[Any],
   grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=grid, in_specs=in_specs,
                                            out_specs=out_specs, scratch_shapes=scratch)
   params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",))
-  return pl.pallas_call(functools.partial(kernel, spec), grid_spec=grid_spec,
-                        out_shape=out_shape, compiler_params=params,
-                        interpret=spec.interpret)(*args)
+  with base.kernel_precision(args[2].dtype):  # q's
+    return pl.pallas_call(functools.partial(kernel, spec), grid_spec=grid_spec,
+                          out_shape=out_shape, compiler_params=params,
+                          interpret=spec.interpret)(*args)
 
 
 def _sides(spec: Spec, d: int, dv: int, kv_map: Any, q_spec: Any, q_seg_map: Any,

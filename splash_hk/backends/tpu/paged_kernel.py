@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
+from splash_hk.backends import base
 from splash_hk.backends.tpu import list_kernel as tpu_lists
 from splash_hk.masks._mask import Mask
 
@@ -155,8 +156,9 @@ def attend(spec: Spec, tile_seq: jax.Array, tile_len: jax.Array, blocks: jax.Arr
       out_specs=out_specs, scratch_shapes=scratch)
   params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
   flat = lambda a: a.astype(jnp.int32).reshape(-1)
-  return pl.pallas_call(functools.partial(_kernel, spec), grid_spec=grid_spec,
-                        out_shape=out_shape, compiler_params=params,
-                        interpret=spec.interpret)(tile_seq, tile_len, flat(blocks),
-                                                  flat(first_key), flat(count), q, pos, key,
-                                                  value, sinks)
+  with base.kernel_precision(q.dtype):
+    return pl.pallas_call(functools.partial(_kernel, spec), grid_spec=grid_spec,
+                          out_shape=out_shape, compiler_params=params,
+                          interpret=spec.interpret)(tile_seq, tile_len, flat(blocks),
+                                                    flat(first_key), flat(count), q, pos, key,
+                                                    value, sinks)
