@@ -279,3 +279,37 @@ def test_the_bf16_backward_with_sinks_lowers_to_mosaic_for_tpu():
                                platforms=["tpu"])(*shapes)
   assert exported.platforms == ("tpu",)
   assert exported.mlir_module().count("tpu_custom_call") >= 2  # the forward and the backward
+
+
+def _kernel_dots(jaxpr, inside=False, found=None):
+  """(operand dtypes, precision) of every product inside a Pallas kernel of `jaxpr`."""
+  found = [] if found is None else found
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general" and inside:
+      found.append((tuple(str(v.aval.dtype) for v in eqn.invars), eqn.params["precision"]))
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          _kernel_dots(sub, inside or eqn.primitive.name == "pallas_call", found)
+  return found
+
+
+@pytest.mark.parametrize("mask", [None, "blocks"], ids=["dense", "block_list"])
+def test_bf16_kernels_are_traced_at_the_default_precision_under_a_callers_highest(mask):
+  """Mosaic refuses a bf16 product asked for at fp32 ("Bad lhs type", seen on the v5e when a
+  test ran bf16 calls under "highest"): the kernels, backward too, take the default for bf16
+  (exact in their f32 accumulators anyway) and the caller's precision for f32."""
+  chosen = None if mask is None else sh.masks.Blocks(np.zeros((1, 1, 2, 1), np.int32),
+                                                     np.ones((1, 1, 2), np.int32), (128, 128))
+  for dtype, want in ((jnp.bfloat16, jax.lax.Precision.DEFAULT),
+                      (jnp.float32, jax.lax.Precision.HIGHEST)):
+    q = jnp.ones((1, 256, 2, 128), dtype)
+    loss = lambda q: jnp.sum(sh.attention(q, q, q, config=sh.AttentionConfig(**SPLASH),
+                                          mask=chosen).attention_outputs.astype(jnp.float32))
+    with jax.default_matmul_precision("highest"):
+      dots = _kernel_dots(jax.make_jaxpr(jax.grad(loss))(q).jaxpr)
+    narrow = {precision for dtypes, precision in dots if "bfloat16" in dtypes}
+    assert dots and narrow <= {(jax.lax.Precision.DEFAULT,) * 2}, (dtype, narrow)
+    if dtype == jnp.float32:
+      assert any(p == (want, want) for _, p in dots), dots

@@ -314,7 +314,8 @@ def guard_garbage(kernel: Attend, exact: Attend) -> Attend:
 
     def run_bwd(saved, cotangent):
       y, pull, ok = saved
-      grads = pull(cotangent)
+      with kernel_precision(y.query.dtype):  # the kernel's backward is traced here
+        grads = pull(cotangent)
       grads = jax.lax.cond(ok & finite(grads), lambda: grads,
                            lambda: jax.vjp(outputs(exact, y), *floats(y))[1](cotangent))
       none = jax.tree.map(lambda _: None, y)  # integer and boolean inputs get no cotangent
