@@ -80,20 +80,11 @@ ROWS = {
     "gemma_8k": Row(2, 8192, 8, 4, 256, "causal"),
 }
 SMOKE_ROWS = {  # interpret mode on CPU: the bench's own test
-    "causal_4k": Row(1, 512, 2, 2, 128, "causal"),
-    "window_16k": Row(1, 512, 2, 1, 128, "window"),
-    "packed_16k": Row(1, 512, 2, 2, 128, "packed"),
+    "causal_4k": Row(1, 256, 1, 1, 128, "causal"),
+    "window_16k": Row(1, 256, 2, 1, 128, "window"),
+    "packed_16k": Row(1, 256, 1, 1, 128, "packed"),
 }
 PEERS = ("jax_splash", "tokamax_splash", "tokamax_mosaic", "xla")
-
-_ROWS = flags.DEFINE_list("rows", list(ROWS), f"Rows to run, of {list(ROWS)}.")
-_PEERS = flags.DEFINE_list("peers", list(PEERS), f"Peers to run, of {list(PEERS)}.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per figure (the median is kept).")
-_OUT = flags.DEFINE_string("out", None, "A folder for bench_tpu.json (None: print only).")
-_SMOKE = flags.DEFINE_bool("smoke", False, "Tiny rows in interpret mode (a CPU check).")
-_PEER_TILES = flags.DEFINE_list("peer_tiles", [], "The peers' candidate tiles, each "
-                                "block_q/block_kv/block_kv_compute (default: tpu_peers.TILES).")
-
 
 class Inputs(NamedTuple):
   """A row's arrays: q [B, T, Hq, D], k, v [B, T, Hkv, D], the cotangent [B, T, Hq, D] and
@@ -152,7 +143,7 @@ def matmul_peak(repeats: int, size: int = 8192) -> float:
 
 
 def run_row(name: str, row: Row, peers: list[str], repeats: int, peak: float,
-            interpret: bool) -> dict[str, Any]:
+            interpret: bool, candidates: tuple[tuple[int, int, int], ...] = ()) -> dict[str, Any]:
   """One row's figures: splash_hk's and each peer's times, fractions of the peak, ratios."""
   x = inputs(row)
   flops = row.forward_flops()
@@ -165,7 +156,6 @@ def run_row(name: str, row: Row, peers: list[str], repeats: int, peak: float,
   result["splash_hk"] = _figures(ours, flops, peak)
   for peer in peers:
     try:
-      candidates = tuple(tuple(int(n) for n in t.split("/")) for t in _PEER_TILES.value)
       best = tpu_peers.best(peer, row, x, lambda call: timings(call, x, repeats), interpret,
                             candidates)
     except tpu_peers.CannotServe as why:
@@ -210,27 +200,35 @@ def report(results: list[dict[str, Any]], peak: float) -> str:
 
 def main(argv: list[str]) -> None:
   del argv
-  rows = SMOKE_ROWS if _SMOKE.value else ROWS
-  unknown = [r for r in _ROWS.value if r not in ROWS] + [p for p in _PEERS.value if p not in PEERS]
+  f = flags.FLAGS
+  rows = SMOKE_ROWS if f.smoke else ROWS
+  unknown = [r for r in f.rows if r not in ROWS] + [p for p in f.peers if p not in PEERS]
   if unknown:
     raise app.UsageError(f"unknown rows or peers: {unknown}")
-  peak = matmul_peak(_REPEATS.value, 1024 if _SMOKE.value else 8192)
+  candidates = tuple(tuple(int(n) for n in t.split("/")) for t in f.peer_tiles)
+  peak = matmul_peak(f.repeats, 1024 if f.smoke else 8192)
   results = []
-  for name in _ROWS.value:
-    if name not in rows:
-      continue
-    results.append(run_row(name, rows[name], _PEERS.value, _REPEATS.value, peak, _SMOKE.value))
-    print(report(results[-1:], peak).split("\n", 2)[-1], flush=True)
+  for name in f.rows:
+    if name in rows:
+      results.append(run_row(name, rows[name], f.peers, f.repeats, peak, f.smoke, candidates))
+      print(report(results[-1:], peak).split("\n", 2)[-1], flush=True)
   text = report(results, peak)
   print(text)
-  if _OUT.value:
-    os.makedirs(_OUT.value, exist_ok=True)
-    with open(os.path.join(_OUT.value, "bench_tpu.json"), "w") as f:
+  if f.out:
+    os.makedirs(f.out, exist_ok=True)
+    with open(os.path.join(f.out, "bench_tpu.json"), "w") as out:
       json.dump({"device": str(jax.devices()[0].device_kind), "peak_flops": peak,
-                 "results": results}, f, indent=1)
-    with open(os.path.join(_OUT.value, "bench_tpu.txt"), "w") as f:
-      f.write(text + "\n")
+                 "results": results}, out, indent=1)
+    with open(os.path.join(f.out, "bench_tpu.txt"), "w") as out:
+      out.write(text + "\n")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags defined here: the bench (imported beside) has its own
+  flags.DEFINE_list("rows", list(ROWS), f"Rows to run, of {list(ROWS)}.")
+  flags.DEFINE_list("peers", list(PEERS), f"Peers to run, of {list(PEERS)}.")
+  flags.DEFINE_integer("repeats", 5, "Timed calls per figure (the median is kept).")
+  flags.DEFINE_string("out", None, "A folder for bench_tpu.json (None: print only).")
+  flags.DEFINE_bool("smoke", False, "Tiny rows in interpret mode (a CPU check).")
+  flags.DEFINE_list("peer_tiles", [], "The peers' candidate tiles, each block_q/block_kv/"
+                    "block_kv_compute (default: tpu_peers.TILES).")
   app.run(main)

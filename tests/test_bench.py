@@ -18,6 +18,7 @@ from benchmarks import bench_native
 from benchmarks import bench_paged
 from benchmarks import bench_blocks
 from benchmarks import bench_quant
+from benchmarks import bench_tpu
 from benchmarks import bench_report
 from benchmarks import bench_workloads
 from examples.train import paths
@@ -206,3 +207,16 @@ def test_blocks_bench_prints_its_ratios_and_memory(capsys):
   assert bench_blocks.train_row(1, length=512) > 0
   out = capsys.readouterr().out
   assert "causal / chosen" in out and "GiB of temporaries" in out and "causal / MoBA" in out
+
+
+def test_tpu_bench_rows_compare_each_peer_in_interpret_mode():
+  """The TPU bench's wiring on CPU (`--smoke`: tiny rows, interpret mode): each peer's figures or
+  why it is skipped (tokamax's mosaic attention runs on a TPU only), ratios over ours."""
+  row = bench_tpu.SMOKE_ROWS["window_16k"]
+  result = bench_tpu.run_row("window_16k", row, ["jax_splash", "tokamax_mosaic", "xla"], 1,
+                             peak=1e12, interpret=True)
+  assert result["splash_hk"]["ms"][0] > 0 and len(result["jax_splash"]["ours_over"]) == 2
+  assert result["jax_splash"]["tiles"] == ["128/128/128"] * 2
+  assert "skipped" in result["tokamax_mosaic"] and result["xla"]["ours_over"][1] > 0
+  assert row.visible_pairs() == sum(min(i, bench_tpu.WINDOW) + 1 for i in range(256))
+  assert "window_16k |" in bench_tpu.report([result], 1e12)
