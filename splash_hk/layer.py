@@ -131,7 +131,8 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array, call: Call, setti
   if tree is None:
     return out, step.cache
   return out, step.cache.replace(parents=kv_cache_lib.record_parents(  # what `accept` checks
-      step.cache.parents, step.extras.q_positions, tree.parents, k.shape[1]))
+      step.cache.parents, jnp.asarray(step.extras.q_positions), jnp.asarray(tree.parents),
+      k.shape[1]))
 
 
 def _tree_of(mask: Any) -> Tree | None:

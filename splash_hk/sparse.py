@@ -101,7 +101,7 @@ def _candidates(sides: _Sides, block_size: tuple[int, int],
   _, q_last = _block_range(sides.q_pos, sides.q_valid, bq)  # [B, nq]
   kv_first, _ = _block_range(sides.kv_pos, sides.kv_valid, bk)  # [B, nk]
   seen = (kv_first < jnp.iinfo(jnp.int32).max)[:, None, :]  # [B, 1, nk]: a key not padding
-  if sides.q_seg is not None:  # a key block is a candidate only if its documents meet the query's
+  if sides.q_seg is not None and sides.kv_seg is not None:  # documents meet the query block's
     (q_lo, q_hi), (kv_lo, kv_hi) = (_segment_ranges(sides.q_seg, bq),
                                     _segment_ranges(sides.kv_seg, bk))
     seen = seen & ((kv_lo[:, None, :] <= q_hi[:, :, None]) & (q_lo[:, :, None] <= kv_hi[:, None, :]))

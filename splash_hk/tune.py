@@ -66,7 +66,8 @@ class Shape:
     if len(numbers) != 5 or kind not in ("causal", "window", "segments", "full"):
       raise app.UsageError(f"a shape is BxTxHqxHkvxD:mask (causal, window:W, segments:N, full), "
                            f"got {spec!r}")
-    return cls(*numbers, kind, int(arg or 0))
+    batch, length, heads, kv_heads, dim = numbers
+    return cls(batch, length, heads, kv_heads, dim, kind, int(arg or 0))
 
   def call(self, config: sh.AttentionConfig) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """A jittable attention over this shape's inputs, and the inputs."""

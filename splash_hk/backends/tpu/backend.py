@@ -284,7 +284,7 @@ def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool,
     sinks = _float32_cotangent(base.sink_logsumexp(x.sinks))
   elif not every_row_sees_a_key(facts, per_example):
     sinks = jnp.full((num_heads,), _SILENT_SINK, jnp.float32)
-  run = functools.partial(_apply, kernel, num_kv_heads, per_example)
+  run: Callable[..., jax.Array] = functools.partial(_apply, kernel, num_kv_heads, per_example)
   if forward is not None:
     run = _forward_apart(functools.partial(_apply, forward, num_kv_heads, False), run)
   out = run(q, k, v, sinks, seg)  # [B, Hq, Tp, Dv]
