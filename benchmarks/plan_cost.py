@@ -6,7 +6,7 @@ The plan is everything the xla path builds before its loops (block ranges of
 positions and segment ids, the rule's classification, the order of the blocks);
 it runs inside every call, so its time is a part of each forward's. Where the
 splash (TPU) kernel can serve the workload, its build is timed too: the
-MaskInfo of its forward, dq and dK/dV grids (`backends/splash_plan.py`), built
+MaskInfo of its forward, dq and dK/dV grids (`backends/tpu/plan.py`), built
 once per static shape at trace time.
 """
 

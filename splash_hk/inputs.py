@@ -59,9 +59,10 @@ def facts(query: Shaped, key: Shaped, value: Shaped, *, config: AttentionConfig,
   `need_key=False`: the call is only planned (`explain`), so dropout needs no key."""
   quantized = tuple(name for name, a in zip(QKV, (query, key, value)) if quant.is_quantized(a))
   storage = (quant.storage(key), quant.storage(value))
-  dtype = str(compute_dtype(query, key, value, config))
+  given = (query, key, value)
   query, key, value = as_shapes(query, key, value, config)
   validation.validate_qkv(query, key, value, config)
+  dtype = str(compute_dtype(*given, config))
   validation.validate_extras(query, key, extras)
   validation.validate_dropout(query, key, extras, config, need_key)
   # The facts keep the bias's skeleton: broadcast its shapes, not its arrays.

@@ -1,4 +1,4 @@
-"""The block-list kernel (Pallas TPU, `backends/tpu_lists.py`) on chosen blocks: interpret mode
+"""The block-list kernel (Pallas TPU, `backends/tpu/list_kernel.py`) on chosen blocks: interpret mode
 against the float64 oracle (values, gradients, misuse, garbage in unlisted blocks), and lowered
 to Mosaic for TPU from this host, forward and backward."""
 

@@ -159,7 +159,7 @@ def test_splash_interpret_window_256_at_t2048_gqa():
 
 def test_splash_interpret_prefix_lm_per_row_at_t1500_gqa():
   # Causal | Bidirectional with each row's own prefix (traced ids): splash's per-example plan
-  # (backends/splash_horizon.py), default tiles, a partial last block, prefixes over block edges.
+  # (backends/tpu/horizon.py), default tiles, a partial last block, prefixes over block edges.
   q, k, v, cot = _arrays(2, 1500, 4, 2, 32, seed=10)
   pos = np.arange(1500)
   ids = np.where(pos < np.array([[700], [131]]), 0, -1).astype(np.int32)  # [B, T]

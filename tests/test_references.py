@@ -26,14 +26,18 @@ FILES = ({p.name for d in ("splash_hk", "tests", "benchmarks", "examples", "scri
 EXTENSIONS = ("py", "sh", "bzl", "json", "png", "md", "txt")
 FILE = re.compile(r"(?<![\w.:/])((?:[\w-]+/)*[\w-]+\.(?:" + "|".join(EXTENSIONS) + r"))\b")
 BACKTICKED = re.compile(r"`([A-Za-z_][\w.]*\.[A-Za-z_]\w*)[`(\[]")
-# Our modules by their last name ("xla_plan" -> "splash_hk.backends.xla.plan"), for references
-# that start with one;
+# Our modules (and packages) by their last name ("plan" -> splash_hk.backends.xla.plan and
+# splash_hk.backends.tpu.plan), for references that start with one (any of them may hold it);
 # names that are also parameters (`config.block_sizes`, `kv_cache.length`) are left out.
 PARAMETERS = {"config", "kv_cache"}
-MODULES = {p.stem: ".".join(p.relative_to(ROOT).with_suffix("").parts)
-           for d in ("splash_hk", "benchmarks", "examples") for p in (ROOT / d).rglob("*.py")
-           if p.stem not in PARAMETERS | {"__init__", "__main__"}}
-MODULES.update({"sh": "splash_hk", "splash_hk": "splash_hk", "shx": "splash_hk.flax"})
+MODULES: dict[str, tuple[str, ...]] = {}
+for _path in sorted(p for d in ("splash_hk", "benchmarks", "examples")
+                    for p in (ROOT / d).rglob("*.py")):
+  _parts = _path.relative_to(ROOT).with_suffix("").parts
+  _parts = _parts[:-1] if _parts[-1] == "__init__" else _parts
+  if _parts[-1] not in PARAMETERS | {"__main__"}:
+    MODULES[_parts[-1]] = MODULES.get(_parts[-1], ()) + (".".join(_parts),)
+MODULES.update({"sh": ("splash_hk",), "shx": ("splash_hk.flax",)})
 
 
 def _resolves(name: str) -> bool:
@@ -41,7 +45,10 @@ def _resolves(name: str) -> bool:
   first, *rest = name.split(".")
   if first not in MODULES or name.endswith(tuple("." + e for e in EXTENSIONS)):
     return True
-  module = MODULES[first]
+  return any(_resolves_in(module, rest) for module in MODULES[first])
+
+
+def _resolves_in(module: str, rest: list[str]) -> bool:
   try:
     obj = importlib.import_module(module)
   except ImportError:
@@ -83,9 +90,9 @@ def test_every_reference_resolves():
 
 def test_the_check_can_fail(tmp_path):
   stale = tmp_path / "stale.py"
-  stale.write_text('"""See `xla_blocks.PER_ROW_WORK`, `splash_hk.masks.plan_blocks()` and\n'
-                   'tests/test_triton.py; `xla_plan.PER_ROW_WORK` and test_lse.py are right."""\n'
-                   'x = "`xla_blocks.GONE` in code, not prose"  # but `sh.masks.Gone` here\n')
+  stale.write_text('"""See `blocks.PER_ROW_WORK`, `splash_hk.masks.plan_blocks()` and\n'
+                   'tests/test_triton.py; `plan.PER_ROW_WORK` and test_lse.py are right."""\n'
+                   'x = "`blocks.GONE` in code, not prose"  # but `sh.masks.Gone` here\n')
   assert broken([stale]) == ["stale.py: tests/test_triton.py", "stale.py: sh.masks.Gone",
-                             "stale.py: xla_blocks.PER_ROW_WORK",
+                             "stale.py: blocks.PER_ROW_WORK",
                              "stale.py: splash_hk.masks.plan_blocks"]

@@ -159,7 +159,9 @@ def test_explain_names_another_platforms_choice_from_this_host():
   here = sh.explain(q, k, k)
   assert here.backend == "xla" and "first choice on cpu" in here.reason
   tpu = sh.explain(q, k, k, for_platform="tpu")
-  assert tpu == sh.Decision("splash", "splash is the first choice on tpu (train mode)")
+  assert tpu == sh.Decision("splash", "splash is the first choice on tpu (train mode); JAX's "
+                                      "splash kernel at tiles 512/1024/512, backward "
+                                      "512/1024/512 fused (rule)")
   gpu = sh.explain(q, k, k, for_platform="cuda")  # jax.export's name for a GPU
   assert gpu.backend in ("triton", "xla") and "on gpu" in gpu.reason, gpu
   chosen = sh.masks.Blocks(jax.ShapeDtypeStruct((1, 2, 16, 4), jnp.int32),

@@ -286,7 +286,7 @@ def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool,
     sinks = jnp.full((num_heads,), _SILENT_SINK, jnp.float32)
   run: Callable[..., jax.Array] = functools.partial(_apply, kernel, num_kv_heads, per_example)
   if forward is not None:
-    run = _forward_apart(functools.partial(_apply, forward, num_kv_heads, False), run)
+    run = fast_forward.apart(functools.partial(_apply, forward, num_kv_heads, False), run)
   out = run(q, k, v, sinks, seg)  # [B, Hq, Tp, Dv]
   return out[:, :, :query_len].astype(x.query.dtype)  # [B, Hq, T, Dv]
 
@@ -312,27 +312,6 @@ def _apply(kernel, num_kv_heads: int, per_example: bool, q, k, v, sinks, seg) ->
     out = jax.vmap(one, in_axes=(0 if per_example else None, 0, 0, 0, seg_axes))(kernel, q, k,
                                                                                 v, seg)
   return out.reshape(batch, num_heads, t_pad, -1)  # [B, Hq, Tp, Dv]
-
-
-def _forward_apart(primal: Callable[..., jax.Array],
-                   differentiated: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-  """`primal` where the call is not differentiated, `differentiated` (its forward and its
-  backward) where it is."""
-
-  @jax.custom_vjp
-  def run(q, k, v, sinks, seg):
-    return primal(q, k, v, sinks, seg)
-
-  def run_fwd(q, k, v, sinks, seg):
-    out, pull = jax.vjp(lambda q, k, v, s: differentiated(q, k, v, s, seg), q, k, v, sinks)
-    return out, (pull, seg)
-
-  def run_bwd(saved, cotangent):
-    pull, seg = saved
-    return (*pull(cotangent), jax.tree.map(lambda _: None, seg))
-
-  run.defvjp(run_fwd, run_bwd)
-  return run
 
 
 def every_row_sees_a_key(facts: Facts, per_example: bool) -> bool:

@@ -79,3 +79,24 @@ def _rule_mask() -> type:
       return hash((self.shape, self.rule))
 
   return RuleMask
+
+
+def apart(primal: Callable[..., jax.Array],
+          differentiated: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """`primal` where the call is not differentiated, `differentiated` (its forward and its
+  backward) where it is."""
+
+  @jax.custom_vjp
+  def run(q, k, v, sinks, seg):
+    return primal(q, k, v, sinks, seg)
+
+  def run_fwd(q, k, v, sinks, seg):
+    out, pull = jax.vjp(lambda q, k, v, s: differentiated(q, k, v, s, seg), q, k, v, sinks)
+    return out, (pull, seg)
+
+  def run_bwd(saved, cotangent):
+    pull, seg = saved
+    return (*pull(cotangent), jax.tree.map(lambda _: None, seg))
+
+  run.defvjp(run_fwd, run_bwd)
+  return run
