@@ -177,3 +177,30 @@ SPLASH_CASES = [
 ]
 GRAD_CASES = {"causal_200_mqa_padded", "window_1000_padded", "chunk", "segments_padding",
               "sinks_kv_n_gqa", "soft_cap_scale", "prefill", "everything"}
+
+
+# The block-list kernel's cases (test_block_list_kernel.py; compiled on a TPU: test_tpu.py).
+LIST_CASES = {  # name: (B, T, S, Hq, Hkv, D, Dv, list heads, block_size, K, rest, extras)
+    "gqa_shared_partial_blocks": (2, 320, 320, 4, 2, 64, 64, 2, (64, 128), 2, "causal",
+                                  dict(sinks=True)),
+    "per_head_mqa_dv_cap_sinks": (1, 256, 384, 4, 1, 32, 48, 4, (32, 128), 2, "causal",
+                                  dict(cap=5.0, sinks=True)),
+    "one_choice_packed_no_rule": (1, 256, 256, 2, 2, 32, 32, 1, (128, 128), 2, None,
+                                  dict(packed=True)),
+    "decode_rows_against_a_cache": (2, 8, 640, 4, 2, 32, 32, 2, (8, 128), 3, "causal", {}),
+    "window_beside_the_choice": (1, 512, 512, 2, 1, 32, 32, 1, (128, 128), 3, "window", {}),
+}
+
+
+def list_case(name, seed=0):
+  """A block-list kernel case: ((q, k, v, sinks), mask, kwargs, oracle rules)."""
+  (q, k, v, sinks), mask, kwargs, _, rules = blocks_case(LIST_CASES[name], seed)
+  return (q, k, v, sinks), mask, kwargs, rules
+
+
+def list_attention(config, mask, kwargs):
+  """f(q, k, v, *sinks) -> attention outputs under `config` and the chosen `mask`."""
+  def f(q, k, v, *sinks):
+    return sh.attention(q, k, v, config=config, mask=mask, softmax_aux=sinks[0] if sinks else None,
+                        **kwargs).attention_outputs
+  return f

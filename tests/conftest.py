@@ -28,6 +28,11 @@ def pytest_configure(config: pytest.Config) -> None:
                                         "--xla_force_host_platform_device_count=8")).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")  # processes.py says why
+  # The native kernel's build (a C++ compile of ~30 s, keyed by its sources, jax and the
+  # compiler): one per machine for every test process (pytest's workers, Bazel's test targets,
+  # whose .bazelrc names the same folder), not one per private HOME.
+  os.environ.setdefault("SPLASH_HK_NATIVE_CACHE", os.path.join(
+      tempfile.gettempdir(), f"splash_hk-test-native-{os.getuid()}"))
   # ejkernel creates cache folders under $HOME at import: keep them out of the user's.
   os.environ["HOME"] = tempfile.mkdtemp(prefix="splash_hk-test-home-")
   os.environ.setdefault("EJKERNEL_PERSISTENT_CACHE_DIR",

@@ -14,42 +14,18 @@ import oracle
 import paged_cases
 import splash_hk as sh
 from splash_hk.backends.tpu import lists as splash_lists
-from cases import blocks_case, random_choice
+from cases import LIST_CASES, blocks_case, list_attention, list_case, random_choice
 
 TPU = dict(platform="splash", interpret=True, allow_fallback=False)
 
-CASES = {  # name: (B, T, S, Hq, Hkv, D, Dv, list heads, block_size, K, rest, extras)
-    "gqa_shared_partial_blocks": (2, 320, 320, 4, 2, 64, 64, 2, (64, 128), 2, "causal",
-                                  dict(sinks=True)),
-    "per_head_mqa_dv_cap_sinks": (1, 256, 384, 4, 1, 32, 48, 4, (32, 128), 2, "causal",
-                                  dict(cap=5.0, sinks=True)),
-    "one_choice_packed_no_rule": (1, 256, 256, 2, 2, 32, 32, 1, (128, 128), 2, None,
-                                  dict(packed=True)),
-    "decode_rows_against_a_cache": (2, 8, 640, 4, 2, 32, 32, 2, (8, 128), 3, "causal", {}),
-    "window_beside_the_choice": (1, 512, 512, 2, 1, 32, 32, 1, (128, 128), 3, "window", {}),
-}
-
-
-def _case(name, seed=0):
-  (q, k, v, sinks), mask, kwargs, _, rules = blocks_case(CASES[name], seed)
-  return (q, k, v, sinks), mask, kwargs, rules
-
-
-def _attention(config, mask, kwargs):
-  def f(q, k, v, *sinks):
-    return sh.attention(q, k, v, config=config, mask=mask, softmax_aux=sinks[0] if sinks else None,
-                        **kwargs).attention_outputs
-  return f
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(LIST_CASES))
 def test_values_and_gradients_match_the_oracle(name):
-  (q, k, v, sinks), mask, kwargs, rules = _case(name)
+  (q, k, v, sinks), mask, kwargs, rules = list_case(name)
   config = sh.AttentionConfig(logits_soft_cap=rules["soft_cap"], **TPU)
   decision = sh.explain(q, k, v, config=config, mask=mask, softmax_aux=sinks, **kwargs)
   assert decision.backend == "splash" and "block-list kernel" in decision.reason
   cot = np.random.default_rng(1).standard_normal((*q.shape[:3], v.shape[-1])).astype(np.float32)
-  harness.check_against_oracle(_attention(config, mask, kwargs), q, k, v, cot, sinks=sinks,
+  harness.check_against_oracle(list_attention(config, mask, kwargs), q, k, v, cot, sinks=sinks,
                                **rules)
 
 
@@ -59,15 +35,15 @@ def test_a_real_size_matches_the_oracle():
   case = (1, 2048, 2048, 8, 2, 128, 128, 2, (128, 128), 4, "causal", dict(sinks=True))
   (q, k, v, sinks), mask, kwargs, _, rules = blocks_case(case, seed=5)
   cot = np.random.default_rng(6).standard_normal((*q.shape[:3], v.shape[-1])).astype(np.float32)
-  harness.check_against_oracle(_attention(sh.AttentionConfig(**TPU), mask, kwargs), q, k, v,
+  harness.check_against_oracle(list_attention(sh.AttentionConfig(**TPU), mask, kwargs), q, k, v,
                                cot, sinks=sinks, **rules)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(LIST_CASES))
 def test_forward_and_backward_lower_to_mosaic(name):
-  (q, k, v, sinks), mask, kwargs, rules = _case(name)
+  (q, k, v, sinks), mask, kwargs, rules = list_case(name)
   config = sh.AttentionConfig(logits_soft_cap=rules["soft_cap"], allow_fallback=False)
-  f = _attention(config, mask, kwargs)
+  f = list_attention(config, mask, kwargs)
   args = (q, k, v) if sinks is None else (q, k, v, sinks)
   loss = lambda *a: jnp.sum(f(*a) ** 2)
   for fn, kernels in ((f, 1), (jax.grad(loss, argnums=tuple(range(len(args)))), 3)):
@@ -93,7 +69,7 @@ def test_a_real_size_in_bfloat16_lowers_to_mosaic():
 
 
 def test_a_misused_choice_gives_nan_rows_under_jit_and_the_others_match():
-  (q, k, v, _), _, _, rules = _case("gqa_shared_partial_blocks")
+  (q, k, v, _), _, _, rules = list_case("gqa_shared_partial_blocks")
   lists, counts = random_choice(np.random.default_rng(4), 2, 2, 320, 320, (64, 128), 2)
   counts[1, 0, 2] = 3  # more than K: the misuse rule
   config = sh.AttentionConfig(**TPU)
@@ -115,12 +91,12 @@ def test_a_misused_choice_gives_nan_rows_under_jit_and_the_others_match():
 def test_garbage_in_unlisted_blocks_changes_nothing():
   """Only listed blocks are read: NaN keys and values in blocks no list names leave the output
   and the gradients as the oracle gives them with those blocks zeroed."""
-  (q, k, v, _), mask, _, rules = _case("window_beside_the_choice")
+  (q, k, v, _), mask, _, rules = list_case("window_beside_the_choice")
   listed = rules["mask"].any(axis=(0, 1, 2))  # [S]: keys some list names
   k, v = k.copy(), v.copy()
   k[:, ~listed], v[:, ~listed] = np.nan, np.nan
   assert (~listed).any()
-  f = _attention(sh.AttentionConfig(**TPU), mask, {})
+  f = list_attention(sh.AttentionConfig(**TPU), mask, {})
   cot = np.ones((*q.shape[:3], v.shape[-1]), np.float32)
   out, grads = harness.values_and_grads(f, (q, k, v), cot)
   clean = lambda a: np.where(listed[None, :, None, None], a, 0)

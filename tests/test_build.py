@@ -174,6 +174,56 @@ def test_a_started_binary_missing_from_data_is_reported(tmp_path):
   assert unstarted_binaries(root) == ["//:test_a starts tools.tool but its data lacks //:tool"]
 
 
+def _carried(targets: dict[str, dict[str, Any]], key: str) -> set[pathlib.Path]:
+  """The files a target and the root package's targets it depends on (":name") carry."""
+  files: set[pathlib.Path] = set()
+  seen, stack = set(), [key]
+  while stack:
+    name = stack.pop()
+    if name in seen or name not in targets:
+      continue
+    seen.add(name)
+    files |= {s.resolve() for s in targets[name]["srcs"]}
+    stack += [d[1:] for d in targets[name].get("deps", []) if d.startswith(":")]
+  return files
+
+
+def unresolved_test_imports(root: pathlib.Path) -> list[str]:
+  """Each module of tests/ a test file imports that its py_test does not carry (in its srcs or a
+  dependency's), one line each: Bazel's sandbox holds only those, where pytest sees the folder."""
+  targets, problems = read_targets(root), []
+  for name, t in targets.items():
+    if t["rule"] != "py_test":
+      continue
+    carried = _carried(targets, name)
+    for src in t["srcs"]:
+      tree = ast.parse(src.read_text())
+      imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                  for a in n.names}
+      imported |= {n.module.split(".")[0] for n in ast.walk(tree)
+                   if isinstance(n, ast.ImportFrom) and n.module and n.level == 0}
+      for module in sorted(imported):
+        path = root / "tests" / f"{module}.py"
+        if path.is_file() and path.resolve() not in carried:
+          problems.append(f"{_label(name)} imports tests/{module}.py, which it does not carry")
+  return problems
+
+
+def test_every_tests_module_a_test_imports_is_carried():
+  assert unresolved_test_imports(ROOT) == []
+
+
+def test_an_import_of_another_test_file_is_reported(tmp_path):
+  root = _tree(tmp_path, """
+      py_library(name = "support", srcs = ["tests/cases.py"])
+      py_test(name = "test_a", srcs = ["tests/test_a.py"], size = "small", deps = [":support"])
+      py_test(name = "test_b", srcs = ["tests/test_b.py"], size = "small", deps = [":support"])
+      """, ["tests/cases.py", "tests/test_a.py", "tests/test_b.py"])
+  (root / "tests" / "test_a.py").write_text("import cases\nimport numpy\n")
+  (root / "tests" / "test_b.py").write_text("import test_a\nfrom cases import X\n")
+  assert unresolved_test_imports(root) == ["//:test_b imports tests/test_a.py, which it does not carry"]
+
+
 def test_every_test_file_has_a_sized_py_test_of_its_own():
   targets = read_targets(ROOT)
   for f in sorted(ROOT.glob("tests/test_*.py")):

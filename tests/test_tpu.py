@@ -22,9 +22,8 @@ import harness
 import oracle
 import paged_cases
 import splash_hk as sh
-import test_bf16
-import test_block_list_kernel
-from cases import Case, GRAD_CASES, SPLASH_CASES
+import bf16_cases
+from cases import Case, GRAD_CASES, LIST_CASES, SPLASH_CASES, list_attention, list_case
 
 pytestmark = [pytest.mark.tpu,
               pytest.mark.skipif(jax.default_backend() != "tpu",
@@ -76,23 +75,23 @@ def test_the_dense_kernel_compiled_matches_the_oracle(case):
   _out_and_grads_vs_oracle(case, config, q, k, v, extras, grads=case.name in GRAD_CASES)
 
 
-@pytest.mark.parametrize("name", list(test_bf16.CASES))
+@pytest.mark.parametrize("name", list(bf16_cases.CASES))
 def test_bf16_at_most_twice_a_plain_bf16_implementation(name):
-  test_bf16.check_bf16(name, dict(platform="splash", allow_fallback=False), None)
+  bf16_cases.check_bf16(name, dict(platform="splash", allow_fallback=False), None)
 
 
 def test_bf16_at_a_real_size_with_the_tables_tiles():
   """B2 T4096 Hq8 Hkv2 D128 causal at the default tiles (the table's) against the same bar."""
-  test_bf16.check_bf16("causal_gqa", dict(platform="splash", allow_fallback=False), None,
+  bf16_cases.check_bf16("causal_gqa", dict(platform="splash", allow_fallback=False), None,
                        shape=(2, 4096, 8, 2, 128))
 
 
-@pytest.mark.parametrize("name", sorted(test_block_list_kernel.CASES))
+@pytest.mark.parametrize("name", sorted(LIST_CASES))
 def test_the_block_list_kernel_compiled_matches_the_oracle(name):
-  (q, k, v, sinks), mask, kwargs, rules = test_block_list_kernel._case(name)
+  (q, k, v, sinks), mask, kwargs, rules = list_case(name)
   config = sh.AttentionConfig(logits_soft_cap=rules["soft_cap"], **COMPILED)
   cot = np.random.default_rng(1).standard_normal((*q.shape[:3], v.shape[-1])).astype(np.float32)
-  harness.check_against_oracle(test_block_list_kernel._attention(config, mask, kwargs), q, k, v,
+  harness.check_against_oracle(list_attention(config, mask, kwargs), q, k, v,
                                cot, sinks=sinks, **rules)
 
 
