@@ -135,6 +135,15 @@ def timings(call: Callable[..., jax.Array], x: Inputs, repeats: int) -> tuple[fl
           median(both, x.q, x.k, x.v, x.segments, x.cot))
 
 
+def layout_seconds(x: Inputs, repeats: int) -> float:
+  """Seconds of the layout changes around a head-major kernel that a [B, T, H, D] call makes (q,
+  k, v to [B, H, T, D], an output of q's shape back), timed alone: the peers, handed head-major
+  arrays, do not pay them; in a model they fuse into the projections' products."""
+  swap = jax.jit(lambda *arrays: tuple(jnp.swapaxes(a, 1, 2) for a in arrays))
+  out = swap(x.q)[0]  # [B, H, T, D]: the kernel's output, as q's
+  return timing.median_seconds(swap, x.q, x.k, x.v, out, repeats=repeats)
+
+
 def matmul_peak(repeats: int, size: int = 8192) -> float:
   """bf16 flop/s of a size^3 product, measured now."""
   a = jnp.ones((size, size), jnp.bfloat16)
@@ -154,6 +163,7 @@ def run_row(name: str, row: Row, peers: list[str], repeats: int, peak: float,
   result["splash_hk_decision"] = f"{decision.backend}: {decision.reason}"
   ours = timings(splash_hk_call(row, interpret), x, repeats)
   result["splash_hk"] = _figures(ours, flops, peak)
+  result["layout_share_of_forward"] = round(layout_seconds(x, repeats) / ours[0], 3)
   for peer in peers:
     try:
       best = tpu_peers.best(peer, row, x, lambda call: timings(call, x, repeats), interpret,
@@ -194,7 +204,8 @@ def report(results: list[dict[str, Any]], peak: float) -> str:
       frac, over = r[peer]["fraction_of_peak"], r[peer]["ours_over"]
       cells.append(f"{peer} {frac[0]:.3f} / {frac[1]:.3f}, ours {over[0]:.2f}x / {over[1]:.2f}x")
     lines.append(" | ".join(cells))
-    lines.append(f"    ({r['splash_hk_decision'][:160]})")
+    lines.append(f"    (layout changes alone: {r['layout_share_of_forward']:.3f} of our forward; "
+                 f"{r['splash_hk_decision'][:160]})")
   return "\n".join(lines)
 
 

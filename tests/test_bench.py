@@ -216,7 +216,9 @@ def test_tpu_bench_rows_compare_each_peer_in_interpret_mode():
   result = bench_tpu.run_row("window_16k", row, ["jax_splash", "tokamax_mosaic", "xla"], 1,
                              peak=1e12, interpret=True)
   assert result["splash_hk"]["ms"][0] > 0 and len(result["jax_splash"]["ours_over"]) == 2
+  assert 0 < result["layout_share_of_forward"] < 1  # four transposes against a whole call
   assert result["jax_splash"]["tiles"] == ["128/128/128"] * 2
   assert "skipped" in result["tokamax_mosaic"] and result["xla"]["ours_over"][1] > 0
   assert row.visible_pairs() == sum(min(i, bench_tpu.WINDOW) + 1 for i in range(256))
   assert "window_16k |" in bench_tpu.report([result], 1e12)
+  assert "layout changes alone" in bench_tpu.report([result], 1e12)
