@@ -299,24 +299,24 @@ def guard_garbage(kernel: Attend, exact: Attend) -> Attend:
       return lambda q, k, v, s: f(y._replace(query=q, key=k, value=v, sinks=s), facts).out
 
     floats = lambda y: (y.query, y.key, y.value, y.sinks)
-    finite = lambda tree: functools.reduce(
+    all_finite = lambda tree: functools.reduce(
         jnp.logical_and, [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)])
 
     @jax.custom_vjp
     def run(y):
       out = outputs(kernel, y)(*floats(y))
-      return jax.lax.cond(finite(out), lambda: out, lambda: outputs(exact, y)(*floats(y)))
+      return jax.lax.cond(all_finite(out), lambda: out, lambda: outputs(exact, y)(*floats(y)))
 
     def run_fwd(y):
       out, pull = jax.vjp(outputs(kernel, y), *floats(y))
-      ok = finite(out)
+      ok = all_finite(out)
       return jax.lax.cond(ok, lambda: out, lambda: outputs(exact, y)(*floats(y))), (y, pull, ok)
 
     def run_bwd(saved, cotangent):
       y, pull, ok = saved
       with kernel_precision(y.query.dtype):  # the kernel's backward is traced here
         grads = pull(cotangent)
-      grads = jax.lax.cond(ok & finite(grads), lambda: grads,
+      grads = jax.lax.cond(ok & all_finite(grads), lambda: grads,
                            lambda: jax.vjp(outputs(exact, y), *floats(y))[1](cotangent))
       none = jax.tree.map(lambda _: None, y)  # integer and boolean inputs get no cotangent
       return (none._replace(query=grads[0], key=grads[1], value=grads[2], sinks=grads[3]),)
