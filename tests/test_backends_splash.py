@@ -15,7 +15,7 @@ from splash_hk.masks import _rules
 from splash_hk.backends.tpu import backend as splash_tpu
 from splash_hk.backends.tpu import tiles as tiles_lib
 import harness
-from cases import Case, GRAD_CASES, SPLASH_CASES
+from cases import Case, GRAD_CASES, SPLASH_CASES, TOKEN_MAJOR_CASES
 
 SPLASH = dict(platform="splash", interpret=True, allow_fallback=False)
 
@@ -51,6 +51,22 @@ def test_splash_interpret_matches_oracle(case):
   np.testing.assert_allclose(np.asarray(out.attention_outputs), expected, **harness.tol())
   if case.name in GRAD_CASES:
     _grads_vs_oracle(case, config, q, k, v, extras)
+
+
+@pytest.mark.parametrize("case,tiles", TOKEN_MAJOR_CASES, ids=lambda c: getattr(c, "name", ""))
+def test_token_major_kernels_match_the_oracle(case, tiles):
+  """D and Dv multiples of 128 with the fused backward: the kernels read the call's
+  [B, T, H, D] layout (no transposes: `token_major`), values and gradients as the oracle's."""
+  config = case.config.replace(**SPLASH, fused_backward=True,
+                               block_sizes=sh.BlockSizes(**(tiles or {})))
+  q, k, v, extras = case.arrays(seed=3)
+  forward = lambda q, k, v: sh.attention(q, k, v, config=config, **extras).attention_outputs
+  kernels = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(forward(*a)), (0, 1, 2)))(q, k, v))
+  assert "splash_hk_token_major_fwd" in kernels and "splash_hk_token_major_dkv" in kernels
+  assert "transpose" not in kernels.split("splash_hk_token_major_fwd")[0]
+  out = jax.jit(forward)(q, k, v)
+  np.testing.assert_allclose(np.asarray(out), case.oracle(q, k, v, extras)[0], **harness.tol())
+  _grads_vs_oracle(case, config, q, k, v, extras)
 
 
 def test_splash_under_a_2x4_mesh():
