@@ -193,7 +193,7 @@ TOKEN_MAJOR_CASES = [  # (case, its tiles: None for the defaults, one tile at th
           num_kv_heads=2, head_dim=128, value_dim=256, chunk=128), TOKEN_MAJOR_TILES),
     (Case("tm_everything_one_tile", batch=2, query_len=200, kv_len=200, num_kv_heads=2,
           head_dim=128, window=(60, 4), soft_cap=3.0, sinks="kv_n", segments="packed",
-          value_dim=256, scale=0.3), None),
+          value_dim=256), None),
 ]
 
 

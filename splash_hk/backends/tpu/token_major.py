@@ -1,13 +1,19 @@
-"""JAX's splash kernels reading and writing the call's own [T, H * D] layout (token-major).
+"""JAX's splash kernels with the operands each reads once in the call's [T, H * D] layout.
 
 JAX's splash kernel takes q, k, v head-major ([H, T, D]), so a [B, T, H, D] call changes the
-layout of q, k, v and the output around it (and of the cotangent and the three gradients
-around the backward): at B1 T16384 H16 D128 bf16 about 1 GiB read and written per
-forward+backward, which the kernel's work does not need. Here the same kernel bodies
-(`flash_attention_kernel`, `_flash_attention_dkv_kernel`: the online softmax, the masks, the
-fused dK/dV/dq) run under block specs that cut head h's (block, D) tile straight out of
-[T, H * D] at column h * D: the DMA engine reads the strided tile, nothing is transposed. The
-forward, dq and dK/dV grids, their MaskInfo (scalar prefetch) and the kernels' semantics are
+layout of q, k, v and the output around it, and of the cotangent and the three gradients
+around the backward: on the lent v5e at B1 T16384 H16 D128 bf16 those eight transposes cost
+about 1.9 ms a forward (a fifth of it; at B4 T4096, two fifths), which the peers handed the
+same arrays pay too. Here the same kernel bodies (`flash_attention_kernel`,
+`_flash_attention_dkv_kernel`: the online softmax, the masks, the fused dK/dV/dq) run under
+block specs that cut head h's (block, D) tile straight out of [T, H * D] at column h * D for
+the operands a kernel reads or writes once per tile: the forward's q and output (a query tile
+stays while the key tiles stream past), the backward's k, v, dk and dv (a key tile stays while
+the query tiles stream past). The streamed operands stay head-major (the forward's k and v,
+the backward's q, cotangent and dq), transposed as before: a strided (block, D) tile is 256-byte
+rows, and read once per grid step it measured a third slower than the whole kernel's
+head-major reads (the token-major k and v of the first try, the TPU bench). So four of the
+eight layout changes remain. Grids, MaskInfo (scalar prefetch) and the kernels' semantics are
 JAX's; only where a tile lives changes.
 
 Serves a fused backward with head dims that are multiples of the 128 lanes (a (block, D) tile
@@ -53,6 +59,11 @@ class Shape:
   @property
   def groups(self) -> int:
     return self.heads // self.kv_heads
+
+
+def head_major(x: jax.Array, heads: int) -> jax.Array:
+  """[T, H * D] -> [H, T, D]."""
+  return jnp.swapaxes(x.reshape(x.shape[0], heads, -1), 0, 1)
 
 
 def _kv_head(h, groups: int):
@@ -126,11 +137,12 @@ def _sinks_input(sinks, heads: int):
 
 
 def _forward(shape: Shape, info, q, k, v, seg, sinks, *, residuals: bool):
-  """The forward kernel over token-major tiles -> (out [Tp, Hq * Dv], lse [Hq, Tp] or None)."""
+  """The forward kernel: q and the output token-major, k and v head-major -> (out
+  [Tp, Hq * Dv], lse [Hq, Tp] or None)."""
   s, (tp, sp) = shape, (q.shape[0], k.shape[0])
   bq, bkv = s.block_q, s.block_kv
   grid_width = info.data_next.shape[-1] if info.data_next is not None else sp // bkv
-  kv_map = _prefetch_map(lambda h, i, j, nxt, m: (nxt, _kv_head(h, s.groups)))
+  kv_map = _prefetch_map(lambda h, i, j, nxt, m: (_kv_head(h, s.groups), nxt, 0))
   q_seg, kv_seg = _segment_inputs(seg, tp, sp, q_lanes=True)
   sinks_in, sinks_spec = _sinks_input(sinks, s.heads)
   q_sequence = (None if info.q_sequence is None
@@ -138,8 +150,8 @@ def _forward(shape: Shape, info, q, k, v, seg, sinks, *, residuals: bool):
   row_map = lambda h, i, *_: (i, 0)
   in_specs = [
       pl.BlockSpec((bq, s.head_dim), lambda h, i, *_: (i, h)),  # q [Tp, Hq * D]
-      pl.BlockSpec((bkv, s.head_dim), kv_map),  # k [Sp, Hkv * D]
-      pl.BlockSpec((bkv, s.head_dim_v), kv_map),  # v [Sp, Hkv * Dv]
+      pl.BlockSpec((None, bkv, s.head_dim), kv_map),  # k [Hkv, Sp, D]
+      pl.BlockSpec((None, bkv, s.head_dim_v), kv_map),  # v [Hkv, Sp, Dv]
       None if seg is None else pl.BlockSpec((bq, LANES), row_map),
       None if seg is None else pl.BlockSpec(
           (SUBLANES, bkv), _prefetch_map(lambda h, i, j, nxt, m: (0, nxt))),
@@ -169,17 +181,18 @@ def _forward(shape: Shape, info, q, k, v, seg, sinks, *, residuals: bool):
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary", "arbitrary")),
       name="splash_hk_token_major_fwd",
-  )(info.data_next, info.block_mask, info.mask_next, q, k, v, q_seg, kv_seg, sinks_in,
-    info.partial_mask_blocks, q_sequence)
+  )(info.data_next, info.block_mask, info.mask_next, q, head_major(k, s.kv_heads),
+    head_major(v, s.kv_heads), q_seg, kv_seg, sinks_in, info.partial_mask_blocks, q_sequence)
   return out, (None if lse is None else lse[..., 0])
 
 
 def _dkv(shape: Shape, info, q, k, v, seg, sinks, lse, do, di):
-  """The fused backward over token-major tiles -> dq [Tp, Hq * D], dk, dv [Sp, Hkv * .]."""
+  """The fused backward: k, v, dk and dv token-major, q, do and dq head-major -> dq
+  [Tp, Hq * D], dk, dv [Sp, Hkv * .]."""
   s, (tp, sp) = shape, (q.shape[0], k.shape[0])
   bq, bkv, bkvc = s.block_q_bwd, s.block_kv_bwd, s.block_kv_compute_bwd
   grid_width = info.data_next.shape[-2] if info.data_next is not None else tp // bq
-  q_map = _prefetch_map(lambda kv, h, i, nxt, m: (nxt, h), next_i=True)
+  q_map = _prefetch_map(lambda kv, h, i, nxt, m: (h, nxt, 0), next_i=True)
   kv_map = lambda kv, h, *_: (kv, _kv_head(h, s.groups))
   per_row = lambda a: jnp.broadcast_to(a[:, None, :], (s.heads, SUBLANES, tp))  # [Hq, 8, Tp]
   row_spec = pl.BlockSpec((None, SUBLANES, bq),
@@ -191,13 +204,13 @@ def _dkv(shape: Shape, info, q, k, v, seg, sinks, lse, do, di):
   q_row_spec = pl.BlockSpec((SUBLANES, bq),
                             _prefetch_map(lambda kv, h, i, nxt, m: (0, nxt), next_i=True))
   in_specs = [
-      pl.BlockSpec((bq, s.head_dim), q_map),  # q [Tp, Hq * D]
+      pl.BlockSpec((None, bq, s.head_dim), q_map),  # q [Hq, Tp, D]
       pl.BlockSpec((bkv, s.head_dim), kv_map),  # k [Sp, Hkv * D]
       pl.BlockSpec((bkv, s.head_dim_v), kv_map),  # v [Sp, Hkv * Dv]
       None if seg is None else q_row_spec,
       None if seg is None else pl.BlockSpec((bkv, LANES), lambda kv, *_: (kv, 0)),
       sinks_spec, row_spec,  # logsumexp [Hq, 8, Tp]
-      pl.BlockSpec((bq, s.head_dim_v), q_map),  # do [Tp, Hq * Dv]
+      pl.BlockSpec((None, bq, s.head_dim_v), q_map),  # do [Hq, Tp, Dv]
       row_spec,  # di [Hq, 8, Tp]
       None if info.partial_mask_blocks is None else pl.BlockSpec(
           (None, bkv, bq), _prefetch_map(lambda kv, h, i, nxt, m: (m, 0, 0), next_i=True)),
@@ -217,15 +230,16 @@ def _dkv(shape: Shape, info, q, k, v, seg, sinks, lse, do, di):
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("arbitrary", "arbitrary", "arbitrary")),
       name="splash_hk_token_major_dkv",
-  )(info.data_next, info.block_mask, info.mask_next, q, k, v, q_seg, kv_seg, sinks_in,
-    per_row(lse), do, per_row(di), info.partial_mask_blocks, q_sequence)
-  dq = jnp.sum(dq_parts, axis=0, dtype=jnp.float32).astype(q.dtype)  # [Tp, Hq * D]
-  return dq, dk, dv
+  )(info.data_next, info.block_mask, info.mask_next, head_major(q, s.heads), k, v, q_seg,
+    kv_seg, sinks_in, per_row(lse), head_major(do, s.heads), per_row(di),
+    info.partial_mask_blocks, q_sequence)
+  dq = jnp.sum(dq_parts, axis=0, dtype=jnp.float32).astype(q.dtype)  # [Hq, Tp, D]
+  return jnp.swapaxes(dq, 0, 1).reshape(tp, -1), dk, dv  # [Tp, Hq * D]
 
 
 def _dkv_outputs(s: Shape, q, k, v) -> list[tuple[Any, Any]]:
   """The dK/dV kernel's outputs and their specs: the dq accumulator (where a key tile is
-  computed in runs), dk and dv accumulators, dq per key tile [Sp / bkv, Tp, Hq * D], dk, dv."""
+  computed in runs), dk and dv accumulators, dq per key tile [Sp / bkv, Hq, Tp, D], dk, dv."""
   bq, bkv, bkvc = s.block_q_bwd, s.block_kv_bwd, s.block_kv_compute_bwd
   fixed = lambda rows, width: (jax.ShapeDtypeStruct((rows, width), jnp.float32),
                                pl.BlockSpec((rows, width), lambda *_: (0, 0)))
@@ -233,8 +247,8 @@ def _dkv_outputs(s: Shape, q, k, v) -> list[tuple[Any, Any]]:
   return [
       (None, None) if bkv == bkvc else fixed(bq, s.head_dim),
       fixed(bkv, s.head_dim), fixed(bkv, s.head_dim_v),
-      (jax.ShapeDtypeStruct((k.shape[0] // bkv, *q.shape), q.dtype),
-       pl.BlockSpec((None, bq, s.head_dim), lambda kv, h, i, *_: (kv, i, h))),
+      (jax.ShapeDtypeStruct((k.shape[0] // bkv, s.heads, q.shape[0], s.head_dim), q.dtype),
+       pl.BlockSpec((None, None, bq, s.head_dim), lambda kv, h, i, *_: (kv, h, i, 0))),
       (jax.ShapeDtypeStruct.like(k), pl.BlockSpec((bkv, s.head_dim), kv_map)),
       (jax.ShapeDtypeStruct.like(v), pl.BlockSpec((bkv, s.head_dim_v), kv_map)),
   ]
