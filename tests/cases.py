@@ -178,24 +178,6 @@ SPLASH_CASES = [
 GRAD_CASES = {"causal_200_mqa_padded", "window_1000_padded", "chunk", "segments_padding",
               "sinks_kv_n_gqa", "soft_cap_scale", "prefill", "everything"}
 
-# The token-major kernels' cases (lane-aligned head dims, the fused backward: q, k, v and the
-# output read in the call's [B, T, H, D] layout): several tiles along both axes, key tiles
-# computed in runs (the dq accumulator), every extra the dense kernel serves. Each is
-# Values and gradients against the oracle.
-TOKEN_MAJOR_TILES = dict(block_q=128, block_kv=256, block_kv_compute=128, block_q_bwd=128,
-                         block_kv_bwd=256, block_kv_compute_bwd=128)
-TOKEN_MAJOR_CASES = [  # (case, its tiles: None for the defaults, one tile at these lengths)
-    (Case("tm_causal_gqa_sinks_segments", batch=2, query_len=600, kv_len=600, num_heads=4,
-          num_kv_heads=2, head_dim=128, sinks="heads_n", segments="packed"), TOKEN_MAJOR_TILES),
-    (Case("tm_window_soft_cap_mqa", batch=1, query_len=768, kv_len=768, num_heads=2,
-          num_kv_heads=1, head_dim=128, window=(200, 0), soft_cap=2.0), TOKEN_MAJOR_TILES),
-    (Case("tm_prefill_chunk_value_dim", batch=1, query_len=256, kv_len=768, num_heads=2,
-          num_kv_heads=2, head_dim=128, value_dim=256, chunk=128), TOKEN_MAJOR_TILES),
-    (Case("tm_everything_one_tile", batch=2, query_len=200, kv_len=200, num_kv_heads=2,
-          head_dim=128, window=(60, 4), soft_cap=3.0, sinks="kv_n", segments="packed",
-          value_dim=256), None),
-]
-
 
 # The block-list kernel's cases (test_block_list_kernel.py; compiled on a TPU: test_tpu.py).
 LIST_CASES = {  # name: (B, T, S, Hq, Hkv, D, Dv, list heads, block_size, K, rest, extras)

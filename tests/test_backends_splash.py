@@ -15,7 +15,7 @@ from splash_hk.masks import _rules
 from splash_hk.backends.tpu import backend as splash_tpu
 from splash_hk.backends.tpu import tiles as tiles_lib
 import harness
-from cases import Case, GRAD_CASES, SPLASH_CASES, TOKEN_MAJOR_CASES
+from cases import Case, GRAD_CASES, SPLASH_CASES
 
 SPLASH = dict(platform="splash", interpret=True, allow_fallback=False)
 
@@ -51,29 +51,6 @@ def test_splash_interpret_matches_oracle(case):
   np.testing.assert_allclose(np.asarray(out.attention_outputs), expected, **harness.tol())
   if case.name in GRAD_CASES:
     _grads_vs_oracle(case, config, q, k, v, extras)
-
-
-@pytest.mark.parametrize("case,tiles", TOKEN_MAJOR_CASES, ids=lambda c: getattr(c, "name", ""))
-def test_token_major_kernels_match_the_oracle(case, tiles):
-  """D and Dv multiples of 128 with the fused backward: the kernels read q and write the output
-  in the call's [B, T, H, D] layout (`token_major`: two layout changes fewer than JAX's
-  head-major kernel in the forward), values and gradients as the oracle's."""
-  q, k, v, extras = case.arrays(seed=3)
-
-  def forward(fused):
-    config = case.config.replace(**SPLASH, fused_backward=fused,
-                                 block_sizes=sh.BlockSizes(**(tiles or {})))
-    return config, lambda q, k, v: sh.attention(q, k, v, config=config, **extras).attention_outputs
-
-  config, ours = forward(True)
-  jaxpr = lambda f: str(jax.make_jaxpr(f)(q, k, v))
-  kernels = jaxpr(jax.grad(lambda *a: jnp.sum(ours(*a)), (0, 1, 2)))
-  assert "splash_hk_token_major_fwd" in kernels and "splash_hk_token_major_dkv" in kernels
-  transposes = lambda f: jaxpr(f).count("transpose[")
-  assert transposes(ours) == transposes(forward(False)[1]) - 2
-  out = jax.jit(ours)(q, k, v)
-  np.testing.assert_allclose(np.asarray(out), case.oracle(q, k, v, extras)[0], **harness.tol())
-  _grads_vs_oracle(case, config, q, k, v, extras)
 
 
 def test_splash_under_a_2x4_mesh():

@@ -55,24 +55,6 @@ def test_splash_forward_and_backward_lower_to_mosaic(case):
     assert _tpu_kernels(_grad(split, extras), q, k, v, *extras.values()) >= 3
 
 
-@pytest.mark.parametrize("shape,token_major", [
-    ((1, 16384, 16, 16, 128, 128), True), ((1, 8192, 32, 8, 128, 256), True),
-    ((2, 8192, 8, 4, 256, 256), True), ((1, 4096, 8, 2, 64, 64), False)])
-def test_lane_aligned_heads_lower_to_the_token_major_kernels(shape, token_major):
-  """D and Dv multiples of 128 (the table's fused backward): the forward and the fused backward
-  read and write [B, T, H * D] (no layout change around them); D 64 keeps JAX's kernel."""
-  b, t, hq, hkv, d, dv = shape
-  spec = lambda h, width: jax.ShapeDtypeStruct((b, t, h, width), jnp.bfloat16)
-  config = sh.AttentionConfig(allow_fallback=False)
-  forward = _attention(config, {})
-  exported = jax.export.export(jax.jit(_grad(forward, {})), platforms=["tpu"])(
-      spec(hq, d), spec(hkv, d), spec(hkv, dv))
-  module = exported.mlir_module()
-  assert ("splash_hk_token_major_fwd" in module) == token_major
-  assert ("splash_hk_token_major_dkv" in module) == token_major
-  assert module.count(TPU_KERNEL) >= 2
-
-
 MASK_OBJECTS = {
     "causal_and_window": lambda b, t: sh.masks.Causal() & sh.masks.SlidingWindow((96, 0)),
     "chunked": lambda b, t: sh.masks.Chunked(128),

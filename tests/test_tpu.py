@@ -23,8 +23,7 @@ import oracle
 import paged_cases
 import splash_hk as sh
 import bf16_cases
-from cases import (Case, GRAD_CASES, LIST_CASES, SPLASH_CASES, TOKEN_MAJOR_CASES, list_attention,
-                   list_case)
+from cases import Case, GRAD_CASES, LIST_CASES, SPLASH_CASES, list_attention, list_case
 
 pytestmark = [pytest.mark.tpu,
               pytest.mark.skipif(jax.default_backend() != "tpu",
@@ -74,14 +73,6 @@ def test_the_dense_kernel_compiled_matches_the_oracle(case):
   q, k, v, extras = case.arrays(seed=3)
   assert sh.explain(q, k, v, config=config, **extras).backend == "splash"
   _out_and_grads_vs_oracle(case, config, q, k, v, extras, grads=case.name in GRAD_CASES)
-
-
-@pytest.mark.parametrize("case,tiles", TOKEN_MAJOR_CASES, ids=lambda c: getattr(c, "name", ""))
-def test_the_token_major_kernels_compiled_match_the_oracle(case, tiles):
-  config = case.config.replace(**COMPILED, fused_backward=True,
-                               block_sizes=sh.BlockSizes(**(tiles or {})))
-  q, k, v, extras = case.arrays(seed=3)
-  _out_and_grads_vs_oracle(case, config, q, k, v, extras, grads=True)
 
 
 @pytest.mark.parametrize("name", list(bf16_cases.CASES))

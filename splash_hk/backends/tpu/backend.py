@@ -33,7 +33,6 @@ from splash_hk.backends.tpu import lists as splash_lists
 from splash_hk.backends.tpu import paged as splash_paged
 from splash_hk.backends.tpu import plan as splash_plan
 from splash_hk.backends.tpu import tiles as tiles_lib
-from splash_hk.backends.tpu import token_major
 from splash_hk.backends.xla import backend as xla
 from splash_hk.backends.xla import lists as xla_lists
 from splash_hk.config import AttentionConfig
@@ -203,12 +202,14 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
     h, exact = splash_horizon.horizon(x.rule, x.query.shape[1], x.key.shape[1])  # [B, T]
     return jax.lax.cond(exact, lambda y: _attend_to_horizon(y, facts, h),
                         lambda y: KernelOutput(xla.attend(y, facts).out), x)
+  x = x._replace(query=base.to_bhtd(x.query), key=base.to_bhtd(x.key),
+                 value=base.to_bhtd(x.value))  # [B, H, T, D]
   n = facts.query_slices
-  query_len, kv_len = x.query.shape[1], x.key.shape[1]
+  query_len, kv_len = x.query.shape[2], x.key.shape[2]
   balanced = (kv_len, facts.sequence_shards) if facts.load_balanced else None
   if n == 1:  # the whole query (balanced: all places, so offset 0)
     offset = 0 if balanced else kv_len - query_len
-    return KernelOutput(_run_at_offset(x, facts, offset, balanced))
+    return KernelOutput(base.to_bhtd(_run_at_offset(x, facts, offset, balanced)))
   if balanced:  # slice i starts with chunk i: its first original position is i * T_global / 2n
     first, index = 0, x.q_positions[0, 0] // (kv_len // (2 * n))
   else:
@@ -216,27 +217,29 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
     index = (x.q_positions[0, 0] - first) // query_len
   branches = [functools.partial(_run_at_offset, facts=facts, offset=first + i * query_len,
                                 balanced=balanced) for i in range(n)]
-  return KernelOutput(jax.lax.switch(jnp.clip(index, 0, n - 1), branches, x))
+  return KernelOutput(base.to_bhtd(jax.lax.switch(jnp.clip(index, 0, n - 1), branches, x)))
 
 
 def _attend_to_horizon(x: KernelInputs, facts: Facts, h: jax.Array) -> KernelOutput:
   """Splash with each example's own plan: query i sees keys [0, h[i]] (`splash_horizon`)."""
-  (batch, query_len), kv_len = x.query.shape[:2], x.key.shape[1]
+  x = x._replace(query=base.to_bhtd(x.query), key=base.to_bhtd(x.key),
+                 value=base.to_bhtd(x.value))  # [B, H, T, D]
+  (batch, _, query_len, _), kv_len = x.query.shape, x.key.shape[2]
   tiles, t_pad, s_pad = padded_layout(query_len, kv_len, call_tiles(x, facts))
   padding = kv_len + jnp.arange(t_pad - query_len, dtype=jnp.int32)  # padded rows: own place
   h = jnp.concatenate([h, jnp.broadcast_to(padding, (batch, t_pad - query_len))], 1)  # [B, Tp]
   fwd, dq, dkv = splash_horizon.mask_infos(h, (t_pad, s_pad), tiles.blocks,
                                            tiles.fused_backward)
-  kernel = _kernel(fwd, dq, dkv, facts.config, tiles, x.query.shape[2] > x.key.shape[2],
+  kernel = _kernel(fwd, dq, dkv, facts.config, tiles, x.query.shape[1] > x.key.shape[1],
                    splash_horizon.within_horizon)
-  return KernelOutput(_run(x, facts, kernel, per_example=True))
+  return KernelOutput(base.to_bhtd(_run(x, facts, kernel, per_example=True)))
 
 
 def _run_at_offset(x: KernelInputs, facts: Facts, offset: int,
                    balanced: tuple[int, int] | None = None) -> jax.Array:
   """Splash with the static mask of queries at places offset + arange(T) (see PositionMask)."""
-  tiles, t_pad, s_pad = padded_layout(x.query.shape[1], x.key.shape[1], call_tiles(x, facts))
-  is_mqa = x.query.shape[2] > x.key.shape[2]
+  tiles, t_pad, s_pad = padded_layout(x.query.shape[2], x.key.shape[2], call_tiles(x, facts))
+  is_mqa = x.query.shape[1] > x.key.shape[1]
   kernel = build_kernel(padded=(t_pad, s_pad), offset=offset, is_mqa=is_mqa,
                         config=facts.config, rule=facts.rule, tiles=tiles, balanced=balanced)
   forward = None
@@ -262,17 +265,16 @@ _float32_cotangent.defvjp(lambda sinks: (sinks, None),
 
 def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool,
          forward: Any = None) -> jax.Array:
-  """A splash kernel (one for the batch, or one per example: leaves [B, ...]) on x [B, T, H, D]
-  -> out [B, T, Hq, Dv]: on the token-major kernels where they serve (`token_major`: no layout
-  change), else on JAX's head-major kernel; `forward`: a faster forward-only head-major kernel
-  (`fast_forward`) for the call's primal, JAX's kernel then serving the differentiated call."""
-  batch, query_len, num_heads, head_dim = x.query.shape
-  kv_len, num_kv_heads = x.key.shape[1], x.key.shape[2]
-  tiles, t_pad, s_pad = padded_layout(query_len, kv_len, call_tiles(x, facts))
-  q = base.pad_axis(x.query * jnp.asarray(facts.config.scale(head_dim), x.query.dtype), 1,
-                    t_pad)  # [B, Tp, Hq, D]
-  k = base.pad_axis(x.key, 1, s_pad)  # [B, Sp, Hkv, D]
-  v = base.pad_axis(x.value, 1, s_pad)  # [B, Sp, Hkv, Dv]
+  """A splash kernel (one for the batch, or one per example: leaves [B, ...]) on x [B, H, T, D];
+  `forward`: a faster forward-only kernel (`fast_forward`) for the call's primal, JAX's kernel
+  then serving the differentiated call (forward and backward)."""
+  batch, num_heads, query_len, head_dim = x.query.shape
+  num_kv_heads, kv_len = x.key.shape[1], x.key.shape[2]
+  _, t_pad, s_pad = padded_layout(query_len, kv_len, call_tiles(x, facts))
+  q = base.pad_axis(x.query * jnp.asarray(facts.config.scale(head_dim), x.query.dtype), 2,
+                    t_pad)  # [B, Hq, Tp, D]
+  k = base.pad_axis(x.key, 2, s_pad)  # [B, Hkv, Sp, D]
+  v = base.pad_axis(x.value, 2, s_pad)  # [B, Hkv, Sp, Dv]
   seg = None
   if x.q_segment_ids is not None or t_pad != query_len or s_pad != kv_len:
     q_seg, kv_seg = base.disjoint_padding(*base.segment_ids(x))
@@ -282,36 +284,11 @@ def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool,
     sinks = _float32_cotangent(base.sink_logsumexp(x.sinks))
   elif not every_row_sees_a_key(facts, per_example):
     sinks = jnp.full((num_heads,), _SILENT_SINK, jnp.float32)
-  if not per_example and token_major.serves(head_dim, v.shape[-1], tiles.fused_backward):
-    out = _apply_token_major(kernel, tiles, facts.config, q, k, v, sinks, seg)  # [B, Tp, Hq, Dv]
-  else:
-    run: Callable[..., jax.Array] = functools.partial(_apply, kernel, num_kv_heads, per_example)
-    if forward is not None:
-      run = fast_forward.apart(functools.partial(_apply, forward, num_kv_heads, False), run)
-    out = base.to_bhtd(run(base.to_bhtd(q), base.to_bhtd(k), base.to_bhtd(v), sinks,
-                           seg))  # [B, Tp, Hq, Dv]
-  return out[:, :query_len].astype(x.query.dtype)  # [B, T, Hq, Dv]
-
-
-def _apply_token_major(kernel: splash.SplashAttentionKernel, tiles: tiles_lib.Tiles,
-                       config: AttentionConfig, q, k, v, sinks, seg) -> jax.Array:
-  """`token_major.attention` over q [B, Tp, Hq, D], k, v [B, Sp, Hkv, .] with `kernel`'s
-  MaskInfo and mask function, vmapped over the batch -> [B, Tp, Hq, Dv]."""
-  (batch, t_pad, heads, head_dim), (s_pad, kv_heads, head_dim_v) = q.shape, v.shape[1:]
-  shape = token_major.Shape(
-      heads=heads, kv_heads=kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
-      block_q=tiles.block_q, block_kv=tiles.block_kv, block_kv_compute=tiles.block_kv_compute,
-      block_q_bwd=tiles.block_q_bwd, block_kv_bwd=tiles.block_kv_bwd,
-      block_kv_compute_bwd=tiles.block_kv_compute_bwd, soft_cap=config.logits_soft_cap,
-      mask_function=kernel.kwargs["mask_function"], interpret=config.interpret)
-  infos = (kernel.fwd_mask_info, kernel.dkv_mask_info)
-  seg = None if seg is None else splash.SegmentIds(*seg)
-  one = lambda q, k, v, seg: token_major.attention(shape, infos, q, k, v, seg, sinks)
-  with base.kernel_precision(q.dtype):
-    out = jax.vmap(one, in_axes=(0, 0, 0, None if seg is None else splash.SegmentIds(0, 0)))(
-        q.reshape(batch, t_pad, heads * head_dim), k.reshape(batch, s_pad, -1),
-        v.reshape(batch, s_pad, -1), seg)  # [B, Tp, Hq * Dv]
-  return out.reshape(batch, t_pad, heads, head_dim_v)
+  run: Callable[..., jax.Array] = functools.partial(_apply, kernel, num_kv_heads, per_example)
+  if forward is not None:
+    run = fast_forward.apart(functools.partial(_apply, forward, num_kv_heads, False), run)
+  out = run(q, k, v, sinks, seg)  # [B, Hq, Tp, Dv]
+  return out[:, :, :query_len].astype(x.query.dtype)  # [B, Hq, T, Dv]
 
 
 def _apply(kernel, num_kv_heads: int, per_example: bool, q, k, v, sinks, seg) -> jax.Array:
