@@ -3,6 +3,7 @@ instead, in one run, each peer at its best tiles.
 
   python -m benchmarks.bench_tpu [--rows=causal_4k,causal_16k,...] [--repeats=5] [--out=DIR]
                                  [--peers=jax_splash,tokamax_splash,tokamax_mosaic,xla] [--smoke]
+                                 [--unguarded]
 
 Rows (bf16): causal B4 T4096 H16 D128; causal B1 T16384 H16; GQA B1 T16384 Hq32 Hkv8; a window
 of 1024 at T16384; packed documents (8 x 2048 in 16384, segment ids, causal within); Gemma-like
@@ -15,10 +16,13 @@ tokamax's experimental TPU splash kernel at the best of their candidate tiles, t
 missing package) says why. Every call computes the same attention (q scaled in the call) and
 is timed after an untimed call of the same executable (`timing.timed_call`, median of
 `--repeats`). `--smoke` runs tiny rows in interpret mode (CPU: the bench's own test).
+`--unguarded` also times our call with the splash backend's garbage guard left out (the same
+kernels, registered apart for the run): the guard's share of our forward and forward+backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -35,6 +39,8 @@ import numpy as np
 from benchmarks import tpu_peers
 from benchmarks import timing
 import splash_hk as sh
+from splash_hk import platforms
+from splash_hk.backends.tpu import backend as splash_tpu
 
 FB_FACTOR = 3.5  # forward + backward flops over the forward's
 
@@ -110,9 +116,11 @@ def inputs(row: Row, seed: int = 0) -> Inputs:
                 draw(keys[3], row.heads), segments)
 
 
-def splash_hk_call(row: Row, interpret: bool = False) -> Callable[..., jax.Array]:
+def splash_hk_call(row: Row, interpret: bool = False,
+                   platform: str = "auto") -> Callable[..., jax.Array]:
   """splash_hk's call at its defaults (tiles from its table): q, k, v, segments -> out."""
-  config = sh.AttentionConfig(sliding_window=row.window, interpret=interpret)
+  config = sh.AttentionConfig(sliding_window=row.window, interpret=interpret, platform=platform,
+                              allow_fallback=platform == "auto")
 
   def call(q, k, v, segments):
     return sh.attention(q, k, v, config=config, q_segment_ids=segments).attention_outputs
@@ -144,6 +152,30 @@ def layout_seconds(x: Inputs, repeats: int) -> float:
   return timing.median_seconds(swap, x.q, x.k, x.v, out, repeats=repeats)
 
 
+UNGUARDED = "splash_unguarded"
+
+
+@contextlib.contextmanager
+def unguarded_backend():
+  """The splash backend without its garbage guard (`base.guard_garbage`), registered as
+  `UNGUARDED` while the block runs: the same kernels, so the time between the two is the guard's.
+  Portable and last in rank, so no "auto" call picks it."""
+  platforms.register(dataclasses.replace(splash_tpu.BACKEND, name=UNGUARDED,
+                                         attend=splash_tpu.attend, hardware=(), rank=10**6))
+  try:
+    yield UNGUARDED
+  finally:
+    platforms.unregister(UNGUARDED)
+
+
+def guard_share(row: Row, x: Inputs, ours: tuple[float, float], repeats: int,
+                interpret: bool) -> list[float]:
+  """The guard's share of our (forward, forward+backward): 1 - unguarded time / ours."""
+  with unguarded_backend() as name:
+    bare = timings(splash_hk_call(row, interpret, platform=name), x, repeats)
+  return [round(1 - b / a, 3) for a, b in zip(ours, bare)]
+
+
 def matmul_peak(repeats: int, size: int = 8192) -> float:
   """bf16 flop/s of a size^3 product, measured now."""
   a = jnp.ones((size, size), jnp.bfloat16)
@@ -152,8 +184,10 @@ def matmul_peak(repeats: int, size: int = 8192) -> float:
 
 
 def run_row(name: str, row: Row, peers: list[str], repeats: int, peak: float,
-            interpret: bool, candidates: tuple[tuple[int, int, int], ...] = ()) -> dict[str, Any]:
-  """One row's figures: splash_hk's and each peer's times, fractions of the peak, ratios."""
+            interpret: bool, candidates: tuple[tuple[int, int, int], ...] = (),
+            unguarded: bool = False) -> dict[str, Any]:
+  """One row's figures: splash_hk's and each peer's times, fractions of the peak, ratios (and
+  with `unguarded` the guard's share of ours)."""
   x = inputs(row)
   flops = row.forward_flops()
   result: dict[str, Any] = {"row": name, "shape": dataclasses.asdict(row)}
@@ -164,6 +198,8 @@ def run_row(name: str, row: Row, peers: list[str], repeats: int, peak: float,
   ours = timings(splash_hk_call(row, interpret), x, repeats)
   result["splash_hk"] = _figures(ours, flops, peak)
   result["layout_share_of_forward"] = round(layout_seconds(x, repeats) / ours[0], 3)
+  if unguarded:
+    result["guard_share"] = guard_share(row, x, ours, repeats, interpret)
   for peer in peers:
     try:
       best = tpu_peers.best(peer, row, x, lambda call: timings(call, x, repeats), interpret,
@@ -204,8 +240,10 @@ def report(results: list[dict[str, Any]], peak: float) -> str:
       frac, over = r[peer]["fraction_of_peak"], r[peer]["ours_over"]
       cells.append(f"{peer} {frac[0]:.3f} / {frac[1]:.3f}, ours {over[0]:.2f}x / {over[1]:.2f}x")
     lines.append(" | ".join(cells))
+    guard = ("" if "guard_share" not in r else
+             f"the guard: {r['guard_share'][0]:.3f} / {r['guard_share'][1]:.3f} of ours; ")
     lines.append(f"    (layout changes alone: {r['layout_share_of_forward']:.3f} of our forward; "
-                 f"{r['splash_hk_decision'][:160]})")
+                 f"{guard}{r['splash_hk_decision'][:160]})")
   return "\n".join(lines)
 
 
@@ -221,7 +259,8 @@ def main(argv: list[str]) -> None:
   results = []
   for name in f.rows:
     if name in rows:
-      results.append(run_row(name, rows[name], f.peers, f.repeats, peak, f.smoke, candidates))
+      results.append(run_row(name, rows[name], f.peers, f.repeats, peak, f.smoke, candidates,
+                             f.unguarded))
       print(report(results[-1:], peak).split("\n", 2)[-1], flush=True)
   text = report(results, peak)
   print(text)
@@ -240,6 +279,8 @@ if __name__ == "__main__":  # flags defined here: the bench (imported beside) ha
   flags.DEFINE_integer("repeats", 5, "Timed calls per figure (the median is kept).")
   flags.DEFINE_string("out", None, "A folder for bench_tpu.json (None: print only).")
   flags.DEFINE_bool("smoke", False, "Tiny rows in interpret mode (a CPU check).")
+  flags.DEFINE_bool("unguarded", False, "Also time our call without the splash backend's "
+                    "garbage guard (its share of our times).")
   flags.DEFINE_list("peer_tiles", [], "The peers' candidate tiles, each block_q/block_kv/"
                     "block_kv_compute (default: tpu_peers.TILES).")
   app.run(main)

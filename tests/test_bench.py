@@ -25,6 +25,7 @@ from examples.train import paths
 import harness
 import oracle
 import processes
+from splash_hk import platforms
 
 
 def test_bench_writes_table_json_and_plot(tmp_path):
@@ -214,7 +215,7 @@ def test_tpu_bench_rows_compare_each_peer_in_interpret_mode():
   why it is skipped (tokamax's mosaic attention runs on a TPU only), ratios over ours."""
   row = bench_tpu.SMOKE_ROWS["window_16k"]
   result = bench_tpu.run_row("window_16k", row, ["jax_splash", "tokamax_mosaic", "xla"], 1,
-                             peak=1e12, interpret=True)
+                             peak=1e12, interpret=True, unguarded=True)
   assert result["splash_hk"]["ms"][0] > 0 and len(result["jax_splash"]["ours_over"]) == 2
   assert 0 < result["layout_share_of_forward"] < 1  # four transposes against a whole call
   assert result["jax_splash"]["tiles"] == ["128/128/128"] * 2
@@ -222,3 +223,6 @@ def test_tpu_bench_rows_compare_each_peer_in_interpret_mode():
   assert row.visible_pairs() == sum(min(i, bench_tpu.WINDOW) + 1 for i in range(256))
   assert "window_16k |" in bench_tpu.report([result], 1e12)
   assert "layout changes alone" in bench_tpu.report([result], 1e12)
+  assert all(share < 1 for share in result["guard_share"]) and "the guard:" in bench_tpu.report(
+      [result], 1e12)
+  assert bench_tpu.UNGUARDED not in platforms.names()  # registered for the timing only
