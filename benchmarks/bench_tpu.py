@@ -145,8 +145,9 @@ def timings(call: Callable[..., jax.Array], x: Inputs, repeats: int) -> tuple[fl
 
 def layout_seconds(x: Inputs, repeats: int) -> float:
   """Seconds of the layout changes around a head-major kernel that a [B, T, H, D] call makes (q,
-  k, v to [B, H, T, D], an output of q's shape back), timed alone: the peers, handed head-major
-  arrays, do not pay them; in a model they fuse into the projections' products."""
+  k, v to [B, H, T, D], an output of q's shape back), timed alone. The peers, handed the same
+  arrays, make the same changes (`tpu_peers._per_head_layout`): the share is what a kernel
+  reading the call's own layout could win, not a difference from them."""
   swap = jax.jit(lambda *arrays: tuple(jnp.swapaxes(a, 1, 2) for a in arrays))
   out = swap(x.q)[0]  # [B, H, T, D]: the kernel's output, as q's
   return timing.median_seconds(swap, x.q, x.k, x.v, out, repeats=repeats)

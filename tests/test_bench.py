@@ -8,6 +8,7 @@ import subprocess
 import sys
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -226,3 +227,7 @@ def test_tpu_bench_rows_compare_each_peer_in_interpret_mode():
   assert all(share < 1 for share in result["guard_share"]) and "the guard:" in bench_tpu.report(
       [result], 1e12)
   assert bench_tpu.UNGUARDED not in platforms.names()  # registered for the timing only
+  checks = lambda platform: str(jax.make_jaxpr(bench_tpu.splash_hk_call(row, True, platform))(
+      *bench_tpu.inputs(row)[:3], None)).count("is_finite")
+  with bench_tpu.unguarded_backend() as name:  # the same kernel, its output left unchecked
+    assert checks(name) == 0 < checks("splash")
