@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import splash_hk as sh
+from splash_hk.backends import base
 from cases import Case
 import harness
 import oracle
@@ -131,3 +132,20 @@ def test_unused_cache_slots_holding_garbage_change_nothing():
     decode, cache = step(params, x[:, 4:], cache)  # decode the 5th
     got = np.concatenate([np.asarray(prefill), np.asarray(decode)], axis=1)
     np.testing.assert_allclose(got, want, **harness.tol(), err_msg=f"fill {fill}")
+
+
+def _kept_or_recomputed(x):
+  """log(x) where every entry is finite (x > 0), else |x| (`base.kept_unless`)."""
+  out = jnp.log(x)  # [B, T, H, D]
+  return base.kept_unless(jnp.all(jnp.isfinite(out)), out, lambda: jnp.abs(x))
+
+
+def test_the_guard_keeps_a_finite_result_in_place_and_recomputes_garbage():
+  x = np.random.default_rng(15).uniform(0.5, 2.0, size=(1, 256, 4, 128)).astype(np.float32)
+  run = jax.jit(_kept_or_recomputed)
+  np.testing.assert_allclose(run(x), np.log(x), rtol=1e-6)
+  x[0, 7, 1, 3] = -1.0  # log(-1) = NaN: the whole result is recomputed
+  np.testing.assert_array_equal(run(x), np.abs(x))
+  hlo = run.lower(x).compile().as_text()
+  copies = [line for line in hlo.splitlines() if " copy(" in line and "[1,256,4,128]" in line]
+  assert not copies, "the kept result is copied (a lax.cond returning it costs a full pass)"
