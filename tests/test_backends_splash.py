@@ -13,6 +13,7 @@ import pytest
 import splash_hk as sh
 from splash_hk.masks import _rules
 from splash_hk.backends.tpu import backend as splash_tpu
+from splash_hk.backends.tpu import plan as splash_plan
 from splash_hk.backends.tpu import tiles as tiles_lib
 import harness
 from cases import Case, GRAD_CASES, SPLASH_CASES
@@ -313,3 +314,95 @@ def test_bf16_kernels_are_traced_at_the_default_precision_under_a_callers_highes
     assert dots and narrow <= {(jax.lax.Precision.DEFAULT,) * 2}, (dtype, narrow)
     if dtype == jnp.float32:
       assert any(p == (want, want) for _, p in dots), dots
+
+
+def _documents(batch: int, length: int, cuts: list[list[int]]) -> np.ndarray:
+  """[B, T] segment ids: example b's documents start at cuts[b] (ids 0, 1, ...); -1 after the
+  last cut given as a negative number (padding)."""
+  ids = np.zeros((batch, length), np.int32)
+  for row, starts in enumerate(cuts):
+    for n, start in enumerate(starts):
+      ids[row, abs(start):] = -1 if start < 0 else n + 1
+  return ids
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "apart"])
+@pytest.mark.parametrize("window", [None, 96], ids=["causal", "window"])
+def test_packed_documents_skip_the_blocks_between_them_and_match_the_oracle(fused, window):
+  # Tiles of 128 over 640 padded rows: documents of ~128-300 tokens leave most pairs apart.
+  case = Case("docs", batch=2, query_len=600, kv_len=600, num_heads=4, num_kv_heads=2,
+              head_dim=32, window=None if window is None else (window, 0), sinks="heads")
+  q, k, v, extras = case.arrays(seed=21)
+  extras["q_segment_ids"] = _documents(2, 600, [[130, 260, 520], [300, 301, -590]])
+  tiles = sh.BlockSizes(block_q=128, block_kv=128)
+  config = case.config.replace(**SPLASH, block_sizes=tiles, fused_backward=fused)
+  out = jax.jit(functools.partial(sh.attention, config=config))(q, k, v, **extras)
+  np.testing.assert_allclose(np.asarray(out.attention_outputs), case.oracle(q, k, v, extras)[0],
+                             **harness.tol())
+  _grads_vs_oracle(case, config, q, k, v, extras)
+
+
+def test_interleaved_ids_keep_every_block_and_match_the_oracle():
+  # Two documents taking turns token by token: every block holds both, none may be skipped.
+  case = Case("interleaved", batch=1, query_len=256, kv_len=256, num_heads=2, num_kv_heads=2,
+              head_dim=32)
+  q, k, v, extras = case.arrays(seed=22)
+  extras["q_segment_ids"] = (np.arange(256, dtype=np.int32) % 2)[None]
+  config = case.config.replace(**SPLASH, block_sizes=sh.BlockSizes(block_q=128, block_kv=128))
+  out = jax.jit(functools.partial(sh.attention, config=config))(q, k, v, **extras)
+  np.testing.assert_allclose(np.asarray(out.attention_outputs), case.oracle(q, k, v, extras)[0],
+                             **harness.tol())
+
+
+def test_segment_blocks_are_apart_exactly_where_the_id_ranges_are():
+  q_ids = jnp.asarray(_documents(1, 512, [[128, 300, -384]]))  # 0 | 1 | 2 | padding
+  keep = np.asarray(splash_plan.segment_blocks(q_ids, q_ids, (128, 128)))[0]  # [4, 4]
+  # Blocks: [0], [1], [1, 2], [padding]: block 2 meets blocks 1 and 2, padding meets nothing.
+  np.testing.assert_array_equal(keep, [[1, 0, 0, 0], [0, 1, 1, 0], [0, 1, 1, 0], [0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("is_dkv", [False, True], ids=["forward", "dkv"])
+@pytest.mark.parametrize("shrink", [False, True], ids=["full_grid", "shrunk"])
+def test_a_restricted_plan_runs_exactly_the_kept_pairs_and_fetches_the_next_one(is_dkv, shrink):
+  rule = sh.masks.SlidingWindow((300, 0)) if shrink else sh.masks.Causal()
+  positions = np.arange(1024)
+  values = splash_plan.block_mask(rule, positions, positions, (128, 128))  # [8, 8]
+  static = splash_plan.mask_info(values, 1024, is_dkv=is_dkv, shrink=shrink, computed=True)
+  keep = np.random.default_rng(23).random((3, 8, 8)) < 0.4  # [B, nq, nk]
+  got = splash_plan.restricted(static, jnp.asarray(keep), is_dkv)
+  for b in range(3):  # each example's plan, walked step by step in grid order
+    block_mask, data_next = (np.asarray(a)[b, 0] for a in (got.block_mask, got.data_next))
+    fetched, old = np.asarray(static.data_next)[0], np.asarray(static.block_mask)[0]
+    grid = [(i, j) for j in range(old.shape[1]) for i in range(old.shape[0])] if is_dkv else \
+           [(i, j) for i in range(old.shape[0]) for j in range(old.shape[1])]
+    pair = lambda i, j: (fetched[i, j], j) if is_dkv else (i, fetched[i, j])
+    runs = [s for s in grid if old[s] and keep[(b, *pair(*s))]]
+    assert sorted(s for s in grid if block_mask[s]) == sorted(runs)
+    for s in runs:
+      assert block_mask[s] == old[s] and data_next[s] == fetched[s]
+    for n, s in enumerate(grid):  # a skipped step fetches the next running step's block
+      later = [t for t in grid[n:] + grid[:n] if t in runs]
+      if later and not block_mask[s]:
+        assert data_next[s] == fetched[later[0]]
+
+
+def test_a_packed_call_runs_only_the_block_pairs_its_documents_share(monkeypatch):
+  seen = []
+
+  def recorded(kernel, seg, tiles):
+    kernel = documents_apart(kernel, seg, tiles)
+    jax.debug.callback(lambda b: seen.append(np.asarray(b)), kernel.fwd_mask_info.block_mask)
+    return kernel
+
+  documents_apart = splash_tpu.documents_apart
+  monkeypatch.setattr(splash_tpu, "documents_apart", recorded)
+  case = Case("docs", batch=1, query_len=512, kv_len=512, num_heads=2, num_kv_heads=2,
+              head_dim=32)
+  q, k, v, extras = case.arrays(seed=24)
+  extras["q_segment_ids"] = _documents(1, 512, [[128, 256, 384]])  # four documents of 128
+  config = case.config.replace(**SPLASH, block_sizes=sh.BlockSizes(block_q=128, block_kv=128))
+  out = jax.jit(functools.partial(sh.attention, config=config))(q, k, v, **extras)
+  np.testing.assert_allclose(np.asarray(out.attention_outputs), case.oracle(q, k, v, extras)[0],
+                             **harness.tol())
+  (block_mask,) = seen  # [B, 1, nq, nk]: the diagonal alone (causal would run 10 of 16)
+  np.testing.assert_array_equal(block_mask[0, 0] != 0, np.eye(4, dtype=bool))

@@ -86,6 +86,25 @@ def test_bf16_at_a_real_size_with_the_tables_tiles():
                        shape=(2, 4096, 8, 2, 128))
 
 
+@pytest.mark.parametrize("tiles", [None, (256, 256)], ids=["table", "tiles_256"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "apart"])
+def test_packed_documents_compiled_skip_their_blocks_and_match_the_oracle(tiles, fused):
+  """Documents of 200-900 tokens (and padding) at T 2000: each example's plan skips the block
+  pairs its documents keep apart (`backend.documents_apart`), forward and backward."""
+  case = Case("docs", batch=2, query_len=2000, kv_len=2000, num_heads=4, num_kv_heads=2,
+              head_dim=128, sinks="heads")
+  q, k, v, extras = case.arrays(seed=5)
+  ids = np.zeros((2, 2000), np.int32)
+  for row, starts in enumerate([[200, 1100, 1300], [900, 1000, 1900]]):
+    for n, start in enumerate(starts):
+      ids[row, start:] = n + 1
+  ids[1, 1950:] = -1  # padding
+  extras["q_segment_ids"] = ids
+  sizes = sh.BlockSizes() if tiles is None else sh.BlockSizes(*tiles)
+  config = case.config.replace(**COMPILED, block_sizes=sizes, fused_backward=fused)
+  _out_and_grads_vs_oracle(case, config, q, k, v, extras, grads=True)
+
+
 @pytest.mark.parametrize("name", sorted(LIST_CASES))
 def test_the_block_list_kernel_compiled_matches_the_oracle(name):
   (q, k, v, sinks), mask, kwargs, rules = list_case(name)
