@@ -13,6 +13,7 @@ import pytest
 import splash_hk as sh
 from splash_hk.masks import _rules
 from splash_hk.backends.tpu import backend as splash_tpu
+from splash_hk.backends.tpu import documents as splash_documents
 from splash_hk.backends.tpu import plan as splash_plan
 from splash_hk.backends.tpu import tiles as tiles_lib
 import harness
@@ -356,7 +357,7 @@ def test_interleaved_ids_keep_every_block_and_match_the_oracle():
 
 def test_segment_blocks_are_apart_exactly_where_the_id_ranges_are():
   q_ids = jnp.asarray(_documents(1, 512, [[128, 300, -384]]))  # 0 | 1 | 2 | padding
-  keep = np.asarray(splash_plan.segment_blocks(q_ids, q_ids, (128, 128)))[0]  # [4, 4]
+  keep = np.asarray(splash_documents.segment_blocks(q_ids, q_ids, (128, 128)))[0]  # [4, 4]
   # Blocks: [0], [1], [1, 2], [padding]: block 2 meets blocks 1 and 2, padding meets nothing.
   np.testing.assert_array_equal(keep, [[1, 0, 0, 0], [0, 1, 1, 0], [0, 1, 1, 0], [0, 0, 0, 0]])
 
@@ -369,7 +370,7 @@ def test_a_restricted_plan_runs_exactly_the_kept_pairs_and_fetches_the_next_one(
   values = splash_plan.block_mask(rule, positions, positions, (128, 128))  # [8, 8]
   static = splash_plan.mask_info(values, 1024, is_dkv=is_dkv, shrink=shrink, computed=True)
   keep = np.random.default_rng(23).random((3, 8, 8)) < 0.4  # [B, nq, nk]
-  got = splash_plan.restricted(static, jnp.asarray(keep), is_dkv)
+  got = splash_documents.restricted(static, jnp.asarray(keep), is_dkv)
   for b in range(3):  # each example's plan, walked step by step in grid order
     block_mask, data_next = (np.asarray(a)[b, 0] for a in (got.block_mask, got.data_next))
     fetched, old = np.asarray(static.data_next)[0], np.asarray(static.block_mask)[0]
@@ -394,8 +395,8 @@ def test_a_packed_call_runs_only_the_block_pairs_its_documents_share(monkeypatch
     jax.debug.callback(lambda b: seen.append(np.asarray(b)), kernel.fwd_mask_info.block_mask)
     return kernel
 
-  documents_apart = splash_tpu.documents_apart
-  monkeypatch.setattr(splash_tpu, "documents_apart", recorded)
+  documents_apart = splash_documents.apart
+  monkeypatch.setattr(splash_documents, "apart", recorded)
   case = Case("docs", batch=1, query_len=512, kv_len=512, num_heads=2, num_kv_heads=2,
               head_dim=32)
   q, k, v, extras = case.arrays(seed=24)

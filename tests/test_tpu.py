@@ -90,7 +90,7 @@ def test_bf16_at_a_real_size_with_the_tables_tiles():
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "apart"])
 def test_packed_documents_compiled_skip_their_blocks_and_match_the_oracle(tiles, fused):
   """Documents of 200-900 tokens (and padding) at T 2000: each example's plan skips the block
-  pairs its documents keep apart (`backend.documents_apart`), forward and backward."""
+  pairs its documents keep apart (`backends/tpu/documents.py`), forward and backward."""
   case = Case("docs", batch=2, query_len=2000, kv_len=2000, num_heads=4, num_kv_heads=2,
               head_dim=128, sinks="heads")
   q, k, v, extras = case.arrays(seed=5)

@@ -27,6 +27,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from splash_hk.masks import _objects
 from splash_hk.masks import _rules
 from splash_hk.backends import base
+from splash_hk.backends.tpu import documents as splash_documents
 from splash_hk.backends.tpu import forward as fast_forward
 from splash_hk.backends.tpu import horizon as splash_horizon
 from splash_hk.backends.tpu import lists as splash_lists
@@ -243,8 +244,8 @@ def _run_at_offset(x: KernelInputs, facts: Facts, offset: int,
   kernel = build_kernel(padded=(t_pad, s_pad), offset=offset, is_mqa=is_mqa,
                         config=facts.config, rule=facts.rule, tiles=tiles, balanced=balanced)
   if facts.segments:  # documents: each example skips the block pairs its ids keep apart
-    seg = padded_segment_ids(x, t_pad, s_pad)
-    return _run(x, facts, documents_apart(kernel, seg, tiles), per_example=True)
+    seg = splash_documents.padded_segment_ids(x, t_pad, s_pad)
+    return _run(x, facts, splash_documents.apart(kernel, seg, tiles), per_example=True)
   forward = None
   if fast_forward.serves(facts.rule):
     mask = (None if facts.rule is None
@@ -278,7 +279,7 @@ def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool,
                     t_pad)  # [B, Hq, Tp, D]
   k = base.pad_axis(x.key, 2, s_pad)  # [B, Hkv, Sp, D]
   v = base.pad_axis(x.value, 2, s_pad)  # [B, Hkv, Sp, Dv]
-  seg = padded_segment_ids(x, t_pad, s_pad)
+  seg = splash_documents.padded_segment_ids(x, t_pad, s_pad)
   sinks = None  # [Hq]: the call's, or a silent one where a real row may see no key
   if x.sinks is not None:
     sinks = _float32_cotangent(base.sink_logsumexp(x.sinks))
@@ -289,32 +290,6 @@ def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool,
     run = fast_forward.apart(functools.partial(_apply, forward, num_kv_heads, False), run)
   out = run(q, k, v, sinks, seg)  # [B, Hq, Tp, Dv]
   return out[:, :, :query_len].astype(x.query.dtype)  # [B, Hq, T, Dv]
-
-
-def padded_segment_ids(x: KernelInputs, t_pad: int,
-                       s_pad: int) -> tuple[jax.Array, jax.Array] | None:
-  """(q [B, Tp], kv [B, Sp]) segment ids over the padded lengths (padding: -1 on the query side,
-  -2 on the key side, never equal), or None where the call has no ids and no padding."""
-  if x.q_segment_ids is None and t_pad == x.query.shape[2] and s_pad == x.key.shape[2]:
-    return None
-  q_seg, kv_seg = base.disjoint_padding(*base.segment_ids(x))
-  return base.pad_axis(q_seg, 1, t_pad, -1), base.pad_axis(kv_seg, 1, s_pad, -2)
-
-
-def documents_apart(kernel: splash.SplashAttentionKernel, seg: tuple[jax.Array, jax.Array],
-                    tiles: tiles_lib.Tiles) -> splash.SplashAttentionKernel:
-  """`kernel` with per-example plans (leaves [B, ...]) that skip every block pair whose segment
-  ids are apart (`splash_plan.segment_blocks`): packed documents cost their own blocks, not the
-  rule's. The static plan's grid stays (its shrinking too); its skipped steps fetch nothing."""
-  bq, bkv, bq_bwd, bkv_bwd = tiles.blocks
-  forward_keep = splash_plan.segment_blocks(*seg, (bq, bkv))  # [B, nq, nk]
-  backward_keep = splash_plan.segment_blocks(*seg, (bq_bwd, bkv_bwd))
-  restrict = lambda info, keep, is_dkv: (None if info is None
-                                         else splash_plan.restricted(info, keep, is_dkv))
-  return splash.SplashAttentionKernel(restrict(kernel.fwd_mask_info, forward_keep, False),
-                                      restrict(kernel.dq_mask_info, backward_keep, False),
-                                      restrict(kernel.dkv_mask_info, backward_keep, True),
-                                      **kernel.kwargs)
 
 
 def _apply(kernel, num_kv_heads: int, per_example: bool, q, k, v, sinks, seg) -> jax.Array:
