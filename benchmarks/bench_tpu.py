@@ -177,6 +177,25 @@ def guard_share(row: Row, x: Inputs, ours: tuple[float, float], repeats: int,
   return [round(1 - b / a, 3) for a, b in zip(ours, bare)]
 
 
+PROGRAM_OPS = ("copy", "copy-start", "fusion", "while", "conditional", "custom-call")
+
+
+def compiled_forward(call: Callable[..., jax.Array], x: Inputs) -> tuple[str, dict[str, int]]:
+  """The forward program XLA compiled for `call` on x (its optimized HLO text) and how many of
+  each `PROGRAM_OPS` instruction it holds: what to read where two calls' times differ."""
+  text = jax.jit(call).lower(x.q, x.k, x.v, x.segments).compile().as_text()
+  lines = text.splitlines()
+  return text, {op: sum(f" {op}(" in line for line in lines) for op in PROGRAM_OPS}
+
+
+def programs(row: Row, x: Inputs, interpret: bool) -> dict[str, tuple[str, dict[str, int]]]:
+  """Our forward's compiled program and the unguarded one's (`compiled_forward`)."""
+  found = {"ours": compiled_forward(splash_hk_call(row, interpret), x)}
+  with unguarded_backend() as name:
+    found["unguarded"] = compiled_forward(splash_hk_call(row, interpret, platform=name), x)
+  return found
+
+
 def matmul_peak(repeats: int, size: int = 8192) -> float:
   """bf16 flop/s of a size^3 product, measured now."""
   a = jnp.ones((size, size), jnp.bfloat16)
@@ -186,9 +205,10 @@ def matmul_peak(repeats: int, size: int = 8192) -> float:
 
 def run_row(name: str, row: Row, peers: list[str], repeats: int, peak: float,
             interpret: bool, candidates: tuple[tuple[int, int, int], ...] = (),
-            unguarded: bool = False) -> dict[str, Any]:
-  """One row's figures: splash_hk's and each peer's times, fractions of the peak, ratios (and
-  with `unguarded` the guard's share of ours)."""
+            unguarded: bool = False, with_programs: bool = False) -> dict[str, Any]:
+  """One row's figures: splash_hk's and each peer's times, fractions of the peak, ratios (with
+  `unguarded` the guard's share of ours; with `with_programs` our forward's compiled program
+  and the unguarded one's, their texts under "program_text")."""
   x = inputs(row)
   flops = row.forward_flops()
   result: dict[str, Any] = {"row": name, "shape": dataclasses.asdict(row)}
@@ -201,6 +221,10 @@ def run_row(name: str, row: Row, peers: list[str], repeats: int, peak: float,
   result["layout_share_of_forward"] = round(layout_seconds(x, repeats) / ours[0], 3)
   if unguarded:
     result["guard_share"] = guard_share(row, x, ours, repeats, interpret)
+  if with_programs:
+    found = programs(row, x, interpret)
+    result["programs"] = {name: counts for name, (_, counts) in found.items()}
+    result["program_text"] = {name: text for name, (text, _) in found.items()}
   for peer in peers:
     try:
       best = tpu_peers.best(peer, row, x, lambda call: timings(call, x, repeats), interpret,
@@ -243,6 +267,10 @@ def report(results: list[dict[str, Any]], peak: float) -> str:
     lines.append(" | ".join(cells))
     guard = ("" if "guard_share" not in r else
              f"the guard: {r['guard_share'][0]:.3f} / {r['guard_share'][1]:.3f} of ours; ")
+    if "programs" in r:
+      guard += "programs (ours ; unguarded): " + ", ".join(
+          f"{op} {r['programs']['ours'][op]} ; {r['programs']['unguarded'][op]}"
+          for op in PROGRAM_OPS) + "; "
     lines.append(f"    (layout changes alone: {r['layout_share_of_forward']:.3f} of our forward; "
                  f"{guard}{r['splash_hk_decision'][:160]})")
   return "\n".join(lines)
@@ -261,12 +289,17 @@ def main(argv: list[str]) -> None:
   for name in f.rows:
     if name in rows:
       results.append(run_row(name, rows[name], f.peers, f.repeats, peak, f.smoke, candidates,
-                             f.unguarded))
+                             f.unguarded, f.programs))
       print(report(results[-1:], peak).split("\n", 2)[-1], flush=True)
   text = report(results, peak)
   print(text)
+  texts = {r["row"]: r.pop("program_text") for r in results if "program_text" in r}
   if f.out:
     os.makedirs(f.out, exist_ok=True)
+    for row, found in texts.items():
+      for name, program in found.items():
+        with open(os.path.join(f.out, f"program_{row}_{name}.txt"), "w") as out:
+          out.write(program)
     with open(os.path.join(f.out, "bench_tpu.json"), "w") as out:
       json.dump({"device": str(jax.devices()[0].device_kind), "peak_flops": peak,
                  "results": results}, out, indent=1)
@@ -282,6 +315,9 @@ if __name__ == "__main__":  # flags defined here: the bench (imported beside) ha
   flags.DEFINE_bool("smoke", False, "Tiny rows in interpret mode (a CPU check).")
   flags.DEFINE_bool("unguarded", False, "Also time our call without the splash backend's "
                     "garbage guard (its share of our times).")
+  flags.DEFINE_bool("programs", False, "Also compile our forward and the unguarded one and "
+                    "count what each program holds (copies, fusions, loops); --out gets their "
+                    "texts (program_<row>_<ours|unguarded>.txt).")
   flags.DEFINE_list("peer_tiles", [], "The peers' candidate tiles, each block_q/block_kv/"
                     "block_kv_compute (default: tpu_peers.TILES).")
   app.run(main)

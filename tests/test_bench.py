@@ -216,7 +216,7 @@ def test_tpu_bench_rows_compare_each_peer_in_interpret_mode():
   why it is skipped (tokamax's mosaic attention runs on a TPU only), ratios over ours."""
   row = bench_tpu.SMOKE_ROWS["window_16k"]
   result = bench_tpu.run_row("window_16k", row, ["jax_splash", "tokamax_mosaic", "xla"], 1,
-                             peak=1e12, interpret=True, unguarded=True)
+                             peak=1e12, interpret=True, unguarded=True, with_programs=True)
   assert result["splash_hk"]["ms"][0] > 0 and len(result["jax_splash"]["ours_over"]) == 2
   assert 0 < result["layout_share_of_forward"] < 1  # four transposes against a whole call
   assert result["jax_splash"]["tiles"] == ["128/128/128"] * 2
@@ -227,6 +227,11 @@ def test_tpu_bench_rows_compare_each_peer_in_interpret_mode():
   assert all(share < 1 for share in result["guard_share"]) and "the guard:" in bench_tpu.report(
       [result], 1e12)
   assert bench_tpu.UNGUARDED not in platforms.names()  # registered for the timing only
+  # Two different programs (the guard's check and branch in ours), the texts XLA's own.
+  counts, texts = result["programs"], result["program_text"]
+  assert counts["ours"] != counts["unguarded"] and counts["ours"]["fusion"] > 0
+  assert all("HloModule" in texts[name] for name in ("ours", "unguarded"))
+  assert "programs (ours ; unguarded): copy " in bench_tpu.report([result], 1e12)
   checks = lambda platform: str(jax.make_jaxpr(bench_tpu.splash_hk_call(row, True, platform))(
       *bench_tpu.inputs(row)[:3], None)).count("is_finite")
   with bench_tpu.unguarded_backend() as name:  # the same kernel, its output left unchecked
