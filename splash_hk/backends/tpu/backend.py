@@ -245,6 +245,7 @@ def _run_at_offset(x: KernelInputs, facts: Facts, offset: int,
                         config=facts.config, rule=facts.rule, tiles=tiles, balanced=balanced)
   if facts.segments:  # documents: each example skips the block pairs its ids keep apart
     seg = splash_documents.padded_segment_ids(x, t_pad, s_pad)
+    assert seg is not None, "a call with segment ids"
     return _run(x, facts, splash_documents.apart(kernel, seg, tiles), per_example=True)
   forward = None
   if fast_forward.serves(facts.rule):

@@ -34,16 +34,17 @@ def padded_segment_ids(x: KernelInputs, t_pad: int,
 def apart(kernel: splash.SplashAttentionKernel, seg: tuple[jax.Array, jax.Array],
           tiles: tiles_lib.Tiles) -> splash.SplashAttentionKernel:
   """`kernel` with per-example plans (leaves [B, ...]) that skip every block pair whose segment
-  ids are apart (`segment_blocks`): packed documents cost their own blocks, not the rule's. The static plan's grid stays (its shrinking too); its skipped steps fetch nothing."""
+  ids are apart (`segment_blocks`): packed documents cost their own blocks, not the rule's.
+  The static plan's grid stays (its shrinking too); its skipped steps fetch nothing."""
   bq, bkv, bq_bwd, bkv_bwd = tiles.blocks
-  forward_keep = segment_blocks(*seg, (bq, bkv))  # [B, nq, nk]
-  backward_keep = segment_blocks(*seg, (bq_bwd, bkv_bwd))
-  restrict = lambda info, keep, is_dkv: (None if info is None
-                                         else restricted(info, keep, is_dkv))
-  return splash.SplashAttentionKernel(restrict(kernel.fwd_mask_info, forward_keep, False),
-                                      restrict(kernel.dq_mask_info, backward_keep, False),
-                                      restrict(kernel.dkv_mask_info, backward_keep, True),
-                                      **kernel.kwargs)
+  backward_keep = segment_blocks(*seg, (bq_bwd, bkv_bwd))  # [B, nq, nk]
+
+  def backward(info: info_lib.MaskInfo | None, is_dkv: bool) -> info_lib.MaskInfo | None:
+    return None if info is None else restricted(info, backward_keep, is_dkv)
+
+  return splash.SplashAttentionKernel(
+      restricted(kernel.fwd_mask_info, segment_blocks(*seg, (bq, bkv)), False),
+      backward(kernel.dq_mask_info, False), backward(kernel.dkv_mask_info, True), **kernel.kwargs)
 
 
 def segment_blocks(q_segment_ids: jax.Array, kv_segment_ids: jax.Array,
@@ -77,6 +78,7 @@ def restricted(static: info_lib.MaskInfo, keep: jax.Array, is_dkv: bool) -> info
   The static plan's grid (shrunk or not) is kept: a step's block pair is its row (its column
   for dK/dV) and the block its `data_next` names.
   """
+  assert static.block_mask is not None and static.data_next is not None, "a static plan"
   values = jnp.asarray(static.block_mask[0], jnp.int32)  # [r, c]
   fetched = jnp.asarray(static.data_next[0], jnp.int32)  # [r, c]
   rows, cols = jnp.arange(values.shape[0])[:, None], jnp.arange(values.shape[1])[None, :]
