@@ -3,7 +3,7 @@ instead, in one run, each peer at its best tiles.
 
   python -m benchmarks.bench_tpu [--rows=causal_4k,causal_16k,...] [--repeats=5] [--out=DIR]
                                  [--peers=jax_splash,tokamax_splash,tokamax_mosaic,xla] [--smoke]
-                                 [--unguarded]
+                                 [--guards=none,loop,cond,...] [--programs]
 
 Rows (bf16): causal B4 T4096 H16 D128; causal B1 T16384 H16; GQA B1 T16384 Hq32 Hkv8; a window
 of 1024 at T16384; packed documents (8 x 2048 in 16384, segment ids, causal within); Gemma-like
@@ -16,15 +16,15 @@ tokamax's experimental TPU splash kernel at the best of their candidate tiles, t
 missing package) says why. Every call computes the same attention (q scaled in the call) and
 is timed after an untimed call of the same executable (`timing.timed_call`, median of
 `--repeats`). `--smoke` runs tiny rows in interpret mode (CPU: the bench's own test).
-`--unguarded` also times our call with the splash backend's garbage guard left out (the same
-kernels, registered apart for the run): the guard's share of our forward and forward+backward.
+`--guards` also times our call under other garbage guards (`benchmarks/guards.py`: "none", the
+kernels alone, gives the guard's share of ours); `--programs` writes the compiled programs of
+ours and of each variant (forward and forward+backward) into programs_<row>.txt.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 from typing import Any, Callable, NamedTuple
@@ -36,11 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import guards
 from benchmarks import tpu_peers
 from benchmarks import timing
 import splash_hk as sh
-from splash_hk import platforms
-from splash_hk.backends.tpu import backend as splash_tpu
 
 FB_FACTOR = 3.5  # forward + backward flops over the forward's
 
@@ -153,46 +152,46 @@ def layout_seconds(x: Inputs, repeats: int) -> float:
   return timing.median_seconds(swap, x.q, x.k, x.v, out, repeats=repeats)
 
 
-UNGUARDED = "splash_unguarded"
-
-
-@contextlib.contextmanager
-def unguarded_backend():
-  """The splash backend without its garbage guard (`base.guard_garbage`), registered as
-  `UNGUARDED` while the block runs: the same kernels, so the time between the two is the guard's.
-  Portable and last in rank, so no "auto" call picks it."""
-  platforms.register(dataclasses.replace(splash_tpu.BACKEND, name=UNGUARDED,
-                                         attend=splash_tpu.attend, hardware=(), rank=10**6))
-  try:
-    yield UNGUARDED
-  finally:
-    platforms.unregister(UNGUARDED)
-
-
-def guard_share(row: Row, x: Inputs, ours: tuple[float, float], repeats: int,
-                interpret: bool) -> list[float]:
-  """The guard's share of our (forward, forward+backward): 1 - unguarded time / ours."""
-  with unguarded_backend() as name:
-    bare = timings(splash_hk_call(row, interpret, platform=name), x, repeats)
-  return [round(1 - b / a, 3) for a, b in zip(ours, bare)]
+def guard_times(row: Row, x: Inputs, ours: tuple[float, float], repeats: int, interpret: bool,
+                variants: list[str]) -> dict[str, Any]:
+  """Our call under each guard `variants` names (`guards.VARIANTS`): its times, and 1 - its time
+  over ours ("none": the guard's share of ours)."""
+  found = {}
+  for variant in variants:
+    with guards.registered(variant) as name:
+      seconds = timings(splash_hk_call(row, interpret, platform=name), x, repeats)
+    found[variant] = {"ms": [round(s * 1e3, 3) for s in seconds],
+                      "share_of_ours": [round(1 - b / a, 3) for a, b in zip(ours, seconds)]}
+  return found
 
 
 PROGRAM_OPS = ("copy", "copy-start", "fusion", "while", "conditional", "custom-call")
 
 
-def compiled_forward(call: Callable[..., jax.Array], x: Inputs) -> tuple[str, dict[str, int]]:
-  """The forward program XLA compiled for `call` on x (its optimized HLO text) and how many of
-  each `PROGRAM_OPS` instruction it holds: what to read where two calls' times differ."""
-  text = jax.jit(call).lower(x.q, x.k, x.v, x.segments).compile().as_text()
+def compiled(call: Callable[..., jax.Array], x: Inputs, differentiated: bool = False
+             ) -> tuple[str, dict[str, int]]:
+  """The program XLA compiled for `call` on x (forward, or with `differentiated` the gradient of
+  q, k and v; its optimized HLO text) and how many of each `PROGRAM_OPS` instruction it holds:
+  what to read where two calls' times differ."""
+  fn = jax.jit(call)
+  if differentiated:
+    fn = jax.jit(jax.grad(lambda q, k, v, s: jnp.sum(call(q, k, v, s).astype(jnp.float32)),
+                          argnums=(0, 1, 2)))
+  text = fn.lower(x.q, x.k, x.v, x.segments).compile().as_text()
   lines = text.splitlines()
   return text, {op: sum(f" {op}(" in line for line in lines) for op in PROGRAM_OPS}
 
 
-def programs(row: Row, x: Inputs, interpret: bool) -> dict[str, tuple[str, dict[str, int]]]:
-  """Our forward's compiled program and the unguarded one's (`compiled_forward`)."""
-  found = {"ours": compiled_forward(splash_hk_call(row, interpret), x)}
-  with unguarded_backend() as name:
-    found["unguarded"] = compiled_forward(splash_hk_call(row, interpret, platform=name), x)
+def programs(row: Row, x: Inputs, interpret: bool, variants: list[str]
+             ) -> dict[str, tuple[str, dict[str, int]]]:
+  """Our compiled forward and forward+backward (`compiled`), and each guard variant's."""
+  found = {}
+  for variant in ["ours", *variants]:
+    with (contextlib.nullcontext("auto") if variant == "ours"
+          else guards.registered(variant)) as name:
+      for differentiated, part in ((False, "fwd"), (True, "f+b")):
+        found[f"{variant} {part}"] = compiled(splash_hk_call(row, interpret, platform=name), x,
+                                              differentiated)
   return found
 
 
@@ -205,10 +204,10 @@ def matmul_peak(repeats: int, size: int = 8192) -> float:
 
 def run_row(name: str, row: Row, peers: list[str], repeats: int, peak: float,
             interpret: bool, candidates: tuple[tuple[int, int, int], ...] = (),
-            unguarded: bool = False, with_programs: bool = False) -> dict[str, Any]:
+            variants: list[str] = (), with_programs: bool = False) -> dict[str, Any]:
   """One row's figures: splash_hk's and each peer's times, fractions of the peak, ratios (with
-  `unguarded` the guard's share of ours; with `with_programs` our forward's compiled program
-  and the unguarded one's, their texts under "program_text")."""
+  guard `variants` their times and shares of ours; with `with_programs` our compiled forward and
+  forward+backward and each variant's, their texts under "program_text")."""
   x = inputs(row)
   flops = row.forward_flops()
   result: dict[str, Any] = {"row": name, "shape": dataclasses.asdict(row)}
@@ -219,10 +218,10 @@ def run_row(name: str, row: Row, peers: list[str], repeats: int, peak: float,
   ours = timings(splash_hk_call(row, interpret), x, repeats)
   result["splash_hk"] = _figures(ours, flops, peak)
   result["layout_share_of_forward"] = round(layout_seconds(x, repeats) / ours[0], 3)
-  if unguarded:
-    result["guard_share"] = guard_share(row, x, ours, repeats, interpret)
+  if variants:
+    result["guards"] = guard_times(row, x, ours, repeats, interpret, list(variants))
   if with_programs:
-    found = programs(row, x, interpret)
+    found = programs(row, x, interpret, list(variants))
     result["programs"] = {name: counts for name, (_, counts) in found.items()}
     result["program_text"] = {name: text for name, (text, _) in found.items()}
   for peer in peers:
@@ -265,12 +264,11 @@ def report(results: list[dict[str, Any]], peak: float) -> str:
       frac, over = r[peer]["fraction_of_peak"], r[peer]["ours_over"]
       cells.append(f"{peer} {frac[0]:.3f} / {frac[1]:.3f}, ours {over[0]:.2f}x / {over[1]:.2f}x")
     lines.append(" | ".join(cells))
-    guard = ("" if "guard_share" not in r else
-             f"the guard: {r['guard_share'][0]:.3f} / {r['guard_share'][1]:.3f} of ours; ")
-    if "programs" in r:
-      guard += "programs (ours ; unguarded): " + ", ".join(
-          f"{op} {r['programs']['ours'][op]} ; {r['programs']['unguarded'][op]}"
-          for op in PROGRAM_OPS) + "; "
+    guard = "".join(f"guard {name}: {g['ms'][0]:.3f} / {g['ms'][1]:.3f} ms, "
+                    f"{g['share_of_ours'][0]:.3f} / {g['share_of_ours'][1]:.3f} below ours; "
+                    for name, g in r.get("guards", {}).items())
+    for name, counts in r.get("programs", {}).items():
+      guard += f"program {name}: " + ", ".join(f"{op} {counts[op]}" for op in PROGRAM_OPS) + "; "
     lines.append(f"    (layout changes alone: {r['layout_share_of_forward']:.3f} of our forward; "
                  f"{guard}{r['splash_hk_decision'][:160]})")
   return "\n".join(lines)
@@ -280,7 +278,8 @@ def main(argv: list[str]) -> None:
   del argv
   f = flags.FLAGS
   rows = SMOKE_ROWS if f.smoke else ROWS
-  unknown = [r for r in f.rows if r not in ROWS] + [p for p in f.peers if p not in PEERS]
+  unknown = ([r for r in f.rows if r not in ROWS] + [p for p in f.peers if p not in PEERS]
+             + [g for g in f.guards if g not in guards.VARIANTS])
   if unknown:
     raise app.UsageError(f"unknown rows or peers: {unknown}")
   candidates = tuple(tuple(int(n) for n in t.split("/")) for t in f.peer_tiles)
@@ -289,17 +288,16 @@ def main(argv: list[str]) -> None:
   for name in f.rows:
     if name in rows:
       results.append(run_row(name, rows[name], f.peers, f.repeats, peak, f.smoke, candidates,
-                             f.unguarded, f.programs))
+                             f.guards, f.programs))
       print(report(results[-1:], peak).split("\n", 2)[-1], flush=True)
   text = report(results, peak)
   print(text)
   texts = {r["row"]: r.pop("program_text") for r in results if "program_text" in r}
   if f.out:
     os.makedirs(f.out, exist_ok=True)
-    for row, found in texts.items():
-      for name, program in found.items():
-        with open(os.path.join(f.out, f"program_{row}_{name}.txt"), "w") as out:
-          out.write(program)
+    for row, found in texts.items():  # one file a row: the machine returns few files
+      with open(os.path.join(f.out, f"programs_{row}.txt"), "w") as out:
+        out.write("\n".join(f"=== {name}\n{program}" for name, program in found.items()))
     with open(os.path.join(f.out, "bench_tpu.json"), "w") as out:
       json.dump({"device": str(jax.devices()[0].device_kind), "peak_flops": peak,
                  "results": results}, out, indent=1)
@@ -313,11 +311,11 @@ if __name__ == "__main__":  # flags defined here: the bench (imported beside) ha
   flags.DEFINE_integer("repeats", 5, "Timed calls per figure (the median is kept).")
   flags.DEFINE_string("out", None, "A folder for bench_tpu.json (None: print only).")
   flags.DEFINE_bool("smoke", False, "Tiny rows in interpret mode (a CPU check).")
-  flags.DEFINE_bool("unguarded", False, "Also time our call without the splash backend's "
-                    "garbage guard (its share of our times).")
-  flags.DEFINE_bool("programs", False, "Also compile our forward and the unguarded one and "
-                    "count what each program holds (copies, fusions, loops); --out gets their "
-                    "texts (program_<row>_<ours|unguarded>.txt).")
+  flags.DEFINE_list("guards", [], f"Also time our call under these garbage guards, of "
+                    f"{list(guards.VARIANTS)} (none: the guard's share of ours).")
+  flags.DEFINE_bool("programs", False, "Also compile our forward and forward+backward and each "
+                    "--guards variant's and count what each program holds (copies, fusions, "
+                    "loops); --out gets their texts (programs_<row>.txt).")
   flags.DEFINE_list("peer_tiles", [], "The peers' candidate tiles, each block_q/block_kv/"
                     "block_kv_compute (default: tpu_peers.TILES).")
   app.run(main)

@@ -44,7 +44,7 @@ def splash_build_seconds(workload: bench_workloads.Workload, repeats: int) -> fl
   facts = inputs.facts(zeros, keys, keys, config=config, extras=Extras(**workload.extras(1)))
   if splash.why_not(facts, "tpu") is not None:
     return None
-  tiles, t_pad, s_pad = splash.padded_layout(workload.query_len, workload.kv_len,
+  tiles, t_pad, s_pad = tiles_lib.padded_layout(workload.query_len, workload.kv_len,
                                              tiles_lib.for_call(facts))
   build = lambda: splash.build_kernel.__wrapped__(
       padded=(t_pad, s_pad), offset=workload.kv_len - workload.query_len, is_mqa=False,

@@ -164,7 +164,7 @@ def test_kernels_are_built_once_per_static_shape():
 ])
 def test_padded_layout_clamps_blocks(t, s, block, expected):
   tiles = tiles_lib.Tiles(block, block, block, block, block, block, True)
-  got, t_pad, s_pad = splash_tpu.padded_layout(t, s, tiles)
+  got, t_pad, s_pad = tiles_lib.padded_layout(t, s, tiles)
   assert (got.blocks, t_pad, s_pad) == expected
   assert got.block_kv % got.block_kv_compute == 0 and got.block_kv_bwd % got.block_kv_compute_bwd == 0
 

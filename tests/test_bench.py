@@ -22,6 +22,7 @@ from benchmarks import bench_quant
 from benchmarks import bench_tpu
 from benchmarks import bench_report
 from benchmarks import bench_workloads
+from benchmarks import guards
 from examples.train import paths
 import harness
 import oracle
@@ -216,7 +217,8 @@ def test_tpu_bench_rows_compare_each_peer_in_interpret_mode():
   why it is skipped (tokamax's mosaic attention runs on a TPU only), ratios over ours."""
   row = bench_tpu.SMOKE_ROWS["window_16k"]
   result = bench_tpu.run_row("window_16k", row, ["jax_splash", "tokamax_mosaic", "xla"], 1,
-                             peak=1e12, interpret=True, unguarded=True, with_programs=True)
+                             peak=1e12, interpret=True, variants=["none", "after"],
+                             with_programs=True)
   assert result["splash_hk"]["ms"][0] > 0 and len(result["jax_splash"]["ours_over"]) == 2
   assert 0 < result["layout_share_of_forward"] < 1  # four transposes against a whole call
   assert result["jax_splash"]["tiles"] == ["128/128/128"] * 2
@@ -224,15 +226,18 @@ def test_tpu_bench_rows_compare_each_peer_in_interpret_mode():
   assert row.visible_pairs() == sum(min(i, bench_tpu.WINDOW) + 1 for i in range(256))
   assert "window_16k |" in bench_tpu.report([result], 1e12)
   assert "layout changes alone" in bench_tpu.report([result], 1e12)
-  assert all(share < 1 for share in result["guard_share"]) and "the guard:" in bench_tpu.report(
+  # The guard variants, timed and registered for the timing only ("none": the kernels alone).
+  assert set(result["guards"]) == {"none", "after"} and "guard none:" in bench_tpu.report(
       [result], 1e12)
-  assert bench_tpu.UNGUARDED not in platforms.names()  # registered for the timing only
-  # Two different programs (the guard's check and branch in ours), the texts XLA's own.
+  assert all(share < 1 for g in result["guards"].values() for share in g["share_of_ours"])
+  assert not [n for n in platforms.names() if n.startswith("splash_guard_")]
+  # Different programs (the guard's check and branch in ours), the texts XLA's own.
   counts, texts = result["programs"], result["program_text"]
-  assert counts["ours"] != counts["unguarded"] and counts["ours"]["fusion"] > 0
-  assert all("HloModule" in texts[name] for name in ("ours", "unguarded"))
-  assert "programs (ours ; unguarded): copy " in bench_tpu.report([result], 1e12)
+  assert set(counts) == {f"{v} {p}" for v in ("ours", "none", "after") for p in ("fwd", "f+b")}
+  assert counts["ours fwd"] != counts["none fwd"] and counts["ours fwd"]["fusion"] > 0
+  assert all("HloModule" in text for text in texts.values())
+  assert "program ours fwd: copy " in bench_tpu.report([result], 1e12)
   checks = lambda platform: str(jax.make_jaxpr(bench_tpu.splash_hk_call(row, True, platform))(
       *bench_tpu.inputs(row)[:3], None)).count("is_finite")
-  with bench_tpu.unguarded_backend() as name:  # the same kernel, its output left unchecked
+  with guards.registered("none") as name:  # the same kernel, its output left unchecked
     assert checks(name) == 0 < checks("splash")

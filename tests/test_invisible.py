@@ -15,7 +15,10 @@ import numpy as np
 import pytest
 
 import splash_hk as sh
-from splash_hk.backends import base
+from splash_hk import inputs
+from splash_hk.backends import guard
+from splash_hk.backends.tpu import backend as splash_tpu
+from splash_hk.types import Extras, KernelOutput
 from cases import Case
 import harness
 import oracle
@@ -135,9 +138,9 @@ def test_unused_cache_slots_holding_garbage_change_nothing():
 
 
 def _kept_or_recomputed(x):
-  """log(x) where every entry is finite (x > 0), else |x| (`base.kept_unless`)."""
+  """log(x) where every entry is finite (x > 0), else |x| (`guard.kept_unless`)."""
   out = jnp.log(x)  # [B, T, H, D]
-  return base.kept_unless(jnp.all(jnp.isfinite(out)), out, lambda: jnp.abs(x))
+  return guard.kept_unless(jnp.all(jnp.isfinite(out)), out, lambda: jnp.abs(x))
 
 
 def test_the_guard_keeps_a_finite_result_in_place_and_recomputes_garbage():
@@ -149,3 +152,36 @@ def test_the_guard_keeps_a_finite_result_in_place_and_recomputes_garbage():
   hlo = run.lower(x).compile().as_text()
   copies = [line for line in hlo.splitlines() if " copy(" in line and "[1,256,4,128]" in line]
   assert not copies, "the kept result is copied (a lax.cond returning it costs a full pass)"
+
+
+def _splash_primal_or_seven(q, k, v, extras, config) -> tuple[np.ndarray, bool]:
+  """The TPU guard's call, not differentiated, with a recompute that outputs 7 everywhere, and
+  whether the kernel ran (a callback in it)."""
+  x, facts = inputs.normalise(q, k, v, config=config, extras=Extras(**extras))
+  ran = []
+
+  def kernel(y, f):
+    jax.debug.callback(lambda: ran.append(True))
+    return splash_tpu.attend_head_major(y, f)
+
+  sevens = lambda y, f: KernelOutput(jnp.full((*y.query.shape[:3], y.value.shape[-1]), 7.0))
+  guarded = guard.guard_head_major(kernel, sevens)
+  out = np.asarray(jax.jit(lambda x: guarded(x, facts).out)(x))
+  return out, bool(ran)
+
+
+def test_the_splash_primal_checks_values_before_its_kernel_runs():
+  """Not differentiated, the TPU guard asks whether v is finite before the kernel runs
+  (`guard.guard_head_major`): garbage in q and k where no query looks reaches only logits the
+  kernel replaces by its mask value, so the kernel's output stands (the oracle's); with garbage
+  in v the kernel does not run, the recompute does."""
+  case, (q, k, v, extras) = _padded_case(128)
+  config = case.config.replace(**SPLASH)
+  want, _ = case.oracle(*_with_garbage(q, k, v, extras, 0.0), extras)
+  dirty_q, dirty_k, _ = _with_garbage(q, k, v, extras, np.nan)
+  got, ran = _splash_primal_or_seven(dirty_q, dirty_k, v, extras, config)
+  np.testing.assert_allclose(got, want, **harness.tol())
+  assert ran
+  _, _, dirty_v = _with_garbage(q, k, v, extras, np.inf)
+  got, ran = _splash_primal_or_seven(q, k, dirty_v, extras, config)
+  assert np.all(got == 7.0) and not ran

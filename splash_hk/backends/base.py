@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
@@ -279,60 +278,3 @@ def sink_grads(sinks: jax.Array | None, lse: jax.Array, delta: jax.Array) -> jax
 def to_bhtd(x: jax.Array) -> jax.Array:
   """[B, T, H, D] <-> [B, H, T, D] (its own inverse)."""
   return jnp.swapaxes(x, 1, 2)
-
-
-def kept_unless(ok: jax.Array, value: Any, recompute: Callable[[], Any]) -> Any:
-  """`value` where `ok`, else `recompute()` (the same pytree of shapes and dtypes).
-
-  A while loop run zero times or once, not a `lax.cond`: XLA returns a loop's state in place,
-  but copies a value computed before a `cond` that one of its branches returns (copy insertion;
-  seen in the compiled HLO), a full pass over an attention output or its gradients."""
-  state = (value, jnp.asarray(ok, bool))
-  return jax.lax.while_loop(lambda s: ~s[1], lambda s: (recompute(), jnp.asarray(True)),
-                            state)[0]
-
-
-def guard_garbage(kernel: Attend, exact: Attend) -> Attend:
-  """`kernel` (one we do not own) kept from spreading garbage that no query should see.
-
-  Such a kernel multiplies probabilities of 0 by the values (0 * NaN = NaN), so a NaN or Inf
-  in a key or value some rows do not see (padding, a later token, a stale slot) can reach
-  them. Finite inputs give finite outputs and gradients, so the kernel runs first and an output
-  (or, differentiated, a gradient) that is not all finite (a visible NaN, or garbage it spread)
-  has the call run `exact` instead (`kept_unless`: the kernel's result kept in place, no copy):
-  one read of the output, not of q, k and v (a training step at 16k tokens spent 3% of its
-  time reading them). Gradients reach query, key, value and sinks.
-  """
-
-  def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
-
-    def outputs(f: Attend, y: KernelInputs) -> Callable[..., jax.Array]:
-      return lambda q, k, v, s: f(y._replace(query=q, key=k, value=v, sinks=s), facts).out
-
-    floats = lambda y: (y.query, y.key, y.value, y.sinks)
-    all_finite = lambda tree: functools.reduce(
-        jnp.logical_and, [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)])
-
-    @jax.custom_vjp
-    def run(y):
-      out = outputs(kernel, y)(*floats(y))
-      return kept_unless(all_finite(out), out, lambda: outputs(exact, y)(*floats(y)))
-
-    def run_fwd(y):
-      out, pull = jax.vjp(outputs(kernel, y), *floats(y))
-      ok = all_finite(out)
-      return kept_unless(ok, out, lambda: outputs(exact, y)(*floats(y))), (y, pull, ok)
-
-    def run_bwd(saved, cotangent):
-      y, pull, ok = saved
-      with kernel_precision(y.query.dtype):  # the kernel's backward is traced here
-        grads = pull(cotangent)
-      grads = kept_unless(ok & all_finite(grads), grads,
-                          lambda: jax.vjp(outputs(exact, y), *floats(y))[1](cotangent))
-      none = jax.tree.map(lambda _: None, y)  # integer and boolean inputs get no cotangent
-      return (none._replace(query=grads[0], key=grads[1], value=grads[2], sinks=grads[3]),)
-
-    run.defvjp(run_fwd, run_bwd)
-    return KernelOutput(run(x))
-
-  return attend

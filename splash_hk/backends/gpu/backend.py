@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from splash_hk.masks import _objects
 from splash_hk.backends.gpu import ejkernel as _ejkernel
 from splash_hk.backends import base
+from splash_hk.backends import guard
 from splash_hk.backends.xla import backend as xla
 from splash_hk.types import Facts, KernelInputs, KernelOutput, Mode
 
@@ -75,6 +76,6 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
 
 
 BACKEND = base.Backend(name="triton", why_not=why_not,
-                       attend=base.guard_garbage(attend, xla.attend), hardware=("gpu",), rank=0,
+                       attend=guard.guard_garbage(attend, xla.attend), hardware=("gpu",), rank=0,
                        traces_off_host=False,
                        paged_why_not=lambda facts, hardware: "no GPU paged kernel is served yet")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 from typing import Any, Callable
 
@@ -27,6 +26,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from splash_hk.masks import _objects
 from splash_hk.masks import _rules
 from splash_hk.backends import base
+from splash_hk.backends import guard
 from splash_hk.backends.tpu import documents as splash_documents
 from splash_hk.backends.tpu import forward as fast_forward
 from splash_hk.backends.tpu import horizon as splash_horizon
@@ -120,22 +120,6 @@ def places(q_ids, kv_ids, offset: int, balanced: tuple[int, int] | None):
           _rules.load_balanced_position(kv_ids, *balanced))
 
 
-@functools.lru_cache(maxsize=64)
-def padded_layout(query_len: int, kv_len: int,
-                  t: tiles_lib.Tiles) -> tuple[tiles_lib.Tiles, int, int]:
-  """The tiles clamped to the (padded) lengths (a compute run that no longer divides its tile:
-  the whole tile), and the padded lengths."""
-  q_cap, kv_cap = base.round_up(query_len, LANE), base.round_up(kv_len, LANE)
-  bq, bq_bwd = min(t.block_q, q_cap), min(t.block_q_bwd, q_cap)
-  bkv, bkv_bwd = min(t.block_kv, kv_cap), min(t.block_kv_bwd, kv_cap)
-  run = lambda c, kv: c if kv % c == 0 else kv
-  t = dataclasses.replace(t, block_q=bq, block_kv=bkv, block_q_bwd=bq_bwd, block_kv_bwd=bkv_bwd,
-                          block_kv_compute=run(t.block_kv_compute, bkv),
-                          block_kv_compute_bwd=run(t.block_kv_compute_bwd, bkv_bwd))
-  return (t, base.round_up(query_len, math.lcm(bq, bq_bwd)),
-          base.round_up(kv_len, math.lcm(bkv, bkv_bwd)))
-
-
 def call_tiles(x: KernelInputs, facts: Facts) -> tiles_lib.Tiles:
   """This call's tiles: `facts`' own, for the dtype its kernel runs in."""
   return tiles_lib.for_call(facts, str(x.query.dtype))
@@ -187,8 +171,18 @@ def _kernel(fwd, dq, dkv, config: AttentionConfig, tiles: tiles_lib.Tiles,
 
 
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
-  """Splash attention on one shard: KernelInputs (default positions) -> out [B, T, Hq, Dv];
-  chosen blocks (`masks.Blocks`) on the block-list kernel (`splash_lists`).
+  """Splash attention on one shard, unguarded (`BACKEND` guards it): KernelInputs (default
+  positions) -> out [B, T, Hq, Dv]; chosen blocks (`masks.Blocks`) on the block-list kernel
+  (`splash_lists`), the rest on the dense kernel (`attend_head_major`)."""
+  if xla_lists.chooses(facts):
+    return splash_lists.attend(x, facts)
+  out = attend_head_major(guard.head_major(x, facts), facts).out  # [B, Hq, T, Dv]
+  return KernelOutput(base.to_bhtd(out))
+
+
+def attend_head_major(x: KernelInputs, facts: Facts) -> KernelOutput:
+  """The dense kernel on `guard.head_major` inputs (q scaled; q, k, v [B, H, T, D]) -> out
+  [B, Hq, T, Dv].
 
   With `facts.query_slices` n > 1, `x` holds one of n equal query slices
   (T = T_global / n) and its positions are the defaults over the whole query.
@@ -197,20 +191,16 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   per shape) and `lax.switch` runs the slice's own, chosen by its first query
   position.
   """
-  if xla_lists.chooses(facts):
-    return splash_lists.attend(x, facts)
   if splash_horizon.serves(facts.rule):  # exact for most ids; where not, the xla path runs
-    h, exact = splash_horizon.horizon(x.rule, x.query.shape[1], x.key.shape[1])  # [B, T]
+    h, exact = splash_horizon.horizon(x.rule, x.query.shape[2], x.key.shape[2])  # [B, T]
     return jax.lax.cond(exact, lambda y: _attend_to_horizon(y, facts, h),
-                        lambda y: KernelOutput(xla.attend(y, facts).out), x)
-  x = x._replace(query=base.to_bhtd(x.query), key=base.to_bhtd(x.key),
-                 value=base.to_bhtd(x.value))  # [B, H, T, D]
+                        lambda y: KernelOutput(_EXACT(y, facts).out), x)
   n = facts.query_slices
   query_len, kv_len = x.query.shape[2], x.key.shape[2]
   balanced = (kv_len, facts.sequence_shards) if facts.load_balanced else None
   if n == 1:  # the whole query (balanced: all places, so offset 0)
     offset = 0 if balanced else kv_len - query_len
-    return KernelOutput(base.to_bhtd(_run_at_offset(x, facts, offset, balanced)))
+    return KernelOutput(_run_at_offset(x, facts, offset, balanced))
   if balanced:  # slice i starts with chunk i: its first original position is i * T_global / 2n
     first, index = 0, x.q_positions[0, 0] // (kv_len // (2 * n))
   else:
@@ -218,28 +208,29 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
     index = (x.q_positions[0, 0] - first) // query_len
   branches = [functools.partial(_run_at_offset, facts=facts, offset=first + i * query_len,
                                 balanced=balanced) for i in range(n)]
-  return KernelOutput(base.to_bhtd(jax.lax.switch(jnp.clip(index, 0, n - 1), branches, x)))
+  return KernelOutput(jax.lax.switch(jnp.clip(index, 0, n - 1), branches, x))
+
+
+_EXACT = guard.exact_head_major(xla.attend)  # the xla path on head-major inputs
 
 
 def _attend_to_horizon(x: KernelInputs, facts: Facts, h: jax.Array) -> KernelOutput:
   """Splash with each example's own plan: query i sees keys [0, h[i]] (`splash_horizon`)."""
-  x = x._replace(query=base.to_bhtd(x.query), key=base.to_bhtd(x.key),
-                 value=base.to_bhtd(x.value))  # [B, H, T, D]
-  (batch, _, query_len, _), kv_len = x.query.shape, x.key.shape[2]
-  tiles, t_pad, s_pad = padded_layout(query_len, kv_len, call_tiles(x, facts))
+  (batch, _, query_len, _), kv_len = x.query.shape, x.key.shape[2]  # [B, H, T, D]
+  tiles, t_pad, s_pad = tiles_lib.padded_layout(query_len, kv_len, call_tiles(x, facts))
   padding = kv_len + jnp.arange(t_pad - query_len, dtype=jnp.int32)  # padded rows: own place
   h = jnp.concatenate([h, jnp.broadcast_to(padding, (batch, t_pad - query_len))], 1)  # [B, Tp]
   fwd, dq, dkv = splash_horizon.mask_infos(h, (t_pad, s_pad), tiles.blocks,
                                            tiles.fused_backward)
   kernel = _kernel(fwd, dq, dkv, facts.config, tiles, x.query.shape[1] > x.key.shape[1],
                    splash_horizon.within_horizon)
-  return KernelOutput(base.to_bhtd(_run(x, facts, kernel, per_example=True)))
+  return KernelOutput(_run(x, facts, kernel, per_example=True))
 
 
 def _run_at_offset(x: KernelInputs, facts: Facts, offset: int,
                    balanced: tuple[int, int] | None = None) -> jax.Array:
   """Splash with the static mask of queries at places offset + arange(T) (see PositionMask)."""
-  tiles, t_pad, s_pad = padded_layout(x.query.shape[2], x.key.shape[2], call_tiles(x, facts))
+  tiles, t_pad, s_pad = tiles_lib.padded_layout(x.query.shape[2], x.key.shape[2], call_tiles(x, facts))
   is_mqa = x.query.shape[1] > x.key.shape[1]
   kernel = build_kernel(padded=(t_pad, s_pad), offset=offset, is_mqa=is_mqa,
                         config=facts.config, rule=facts.rule, tiles=tiles, balanced=balanced)
@@ -275,9 +266,8 @@ def _run(x: KernelInputs, facts: Facts, kernel, per_example: bool,
   then serving the differentiated call (forward and backward)."""
   batch, num_heads, query_len, head_dim = x.query.shape
   num_kv_heads, kv_len = x.key.shape[1], x.key.shape[2]
-  _, t_pad, s_pad = padded_layout(query_len, kv_len, call_tiles(x, facts))
-  q = base.pad_axis(x.query * jnp.asarray(facts.config.scale(head_dim), x.query.dtype), 2,
-                    t_pad)  # [B, Hq, Tp, D]
+  _, t_pad, s_pad = tiles_lib.padded_layout(query_len, kv_len, call_tiles(x, facts))
+  q = base.pad_axis(x.query, 2, t_pad)  # [B, Hq, Tp, D], scaled
   k = base.pad_axis(x.key, 2, s_pad)  # [B, Hkv, Sp, D]
   v = base.pad_axis(x.value, 2, s_pad)  # [B, Hkv, Sp, Dv]
   seg = splash_documents.padded_segment_ids(x, t_pad, s_pad)
@@ -337,6 +327,15 @@ def describe(facts: Facts) -> str | None:
   return "JAX's splash kernel at " + tiles_lib.for_call(facts).words() + documents
 
 
+_GUARDED_DENSE = guard.guard_head_major(attend_head_major, xla.attend)
+_GUARDED_LISTS = guard.guard_garbage(splash_lists.attend, xla.attend)
+
+
+def guarded_attend(x: KernelInputs, facts: Facts) -> KernelOutput:
+  """`attend` kept from spreading garbage (`guard`): the dense kernel on the arrays it reads."""
+  return (_GUARDED_LISTS if xla_lists.chooses(facts) else _GUARDED_DENSE)(x, facts)
+
+
 BACKEND = base.Backend(name="splash", why_not=why_not, describe=describe,
-                       attend=base.guard_garbage(attend, xla.attend), hardware=("tpu",), rank=0,
+                       attend=guarded_attend, hardware=("tpu",), rank=0,
                        paged_why_not=splash_paged.why_not, paged_attend=splash_paged.attend)

@@ -18,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 from jax.extend import backend as jax_backend
 
+from splash_hk.backends import base
 from splash_hk.config import AttentionConfig, BlockSizes
 from splash_hk.masks import _objects
 from splash_hk.types import Facts
@@ -221,3 +223,19 @@ def key_of(facts: Facts, dtype: str = "") -> Key:
 def for_call(facts: Facts, dtype: str = "") -> Tiles:
   """The tiles of a call with these facts (its kernel's dtype `dtype`, else `facts.dtype`)."""
   return resolve(facts.config, key_of(facts, dtype), facts.query_len, facts.kv_len)
+
+
+@functools.lru_cache(maxsize=64)
+def padded_layout(query_len: int, kv_len: int,
+                  t: Tiles) -> tuple[Tiles, int, int]:
+  """The tiles clamped to the (padded) lengths (a compute run that no longer divides its tile:
+  the whole tile), and the padded lengths."""
+  q_cap, kv_cap = base.round_up(query_len, LANE), base.round_up(kv_len, LANE)
+  bq, bq_bwd = min(t.block_q, q_cap), min(t.block_q_bwd, q_cap)
+  bkv, bkv_bwd = min(t.block_kv, kv_cap), min(t.block_kv_bwd, kv_cap)
+  run = lambda c, kv: c if kv % c == 0 else kv
+  t = dataclasses.replace(t, block_q=bq, block_kv=bkv, block_q_bwd=bq_bwd, block_kv_bwd=bkv_bwd,
+                          block_kv_compute=run(t.block_kv_compute, bkv),
+                          block_kv_compute_bwd=run(t.block_kv_compute_bwd, bkv_bwd))
+  return (t, base.round_up(query_len, math.lcm(bq, bq_bwd)),
+          base.round_up(kv_len, math.lcm(bkv, bkv_bwd)))
