@@ -87,11 +87,8 @@ def restricted(static: info_lib.MaskInfo, keep: jax.Array, is_dkv: bool) -> info
   order = (lambda a: jnp.swapaxes(a, -1, -2)) if is_dkv else (lambda a: a)  # grid order
   steps_kept, steps_fetched = order(kept), order(fetched)
   batch, (r, c) = kept.shape[0], steps_kept.shape[1:]
-  n = r * c
-  steps = jnp.where(steps_kept.reshape(batch, n) != 0, jnp.arange(n), n)
-  following = jax.lax.cummin(steps, axis=1, reverse=True)  # [B, n]: the next step that runs
-  following = jnp.where(following == n, following[:, :1], following) % n  # wrap to the first
-  data_next = order(steps_fetched.reshape(n)[following].reshape(batch, r, c))
+  following = splash_plan.next_step(steps_kept, jnp)  # [B, r * c]: the next step that runs
+  data_next = order(steps_fetched.reshape(r * c)[following].reshape(batch, r, c))
   small = lambda a, top: a.astype(splash_plan.small_dtype(top))
   top = int(np.asarray(static.data_next).max()) if static.data_next.size else 0
   q_sequence = (None if static.q_sequence is None

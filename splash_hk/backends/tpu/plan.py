@@ -77,14 +77,19 @@ def next_nonzero(values: ArrayLike, is_dkv: bool, xp: Any = np) -> ArrayLike:
   NumPy for static plans; jax.numpy for traced ones (`splash_horizon`).
   """
   order = xp.swapaxes(values, -1, -2) if is_dkv else values  # grid order: rows outermost
+  fetched = (next_step(order, xp) % order.shape[-1]).reshape(order.shape).astype(np.int32)
+  return xp.swapaxes(fetched, -1, -2) if is_dkv else fetched
+
+
+def next_step(order: ArrayLike, xp: Any = np) -> ArrayLike:
+  """[..., rows, cols] in grid order -> [..., rows * cols]: per step, the flat index of the first
+  non-empty step at or after it, wrapping to the first one (0 if none)."""
   *lead, rows, cols = order.shape
   n = rows * cols
   steps = xp.where(order.reshape(*lead, n) != 0, xp.arange(n), n)
   following: ArrayLike = (np.flip(np.minimum.accumulate(np.flip(steps, -1), axis=-1), -1)
                           if xp is np else jax.lax.cummin(steps, axis=steps.ndim - 1, reverse=True))
-  wrapped = xp.where(following == n, following[..., :1], following) % cols  # wrap to the first
-  fetched = wrapped.reshape(order.shape).astype(np.int32)
-  return xp.swapaxes(fetched, -1, -2) if is_dkv else fetched
+  return xp.where(following == n, following[..., :1], following) % n  # wrap to the first
 
 
 def _packed(values: np.ndarray, front: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -136,4 +141,3 @@ def small_dtype(top: int) -> type:
     if top <= np.iinfo(dtype).max:
       return dtype
   return np.int32
-
