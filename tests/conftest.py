@@ -60,11 +60,14 @@ def pytest_runtest_makereport(item: pytest.Item, call):
                        f"accelerator there?): {report.longrepr}")
 
 
-# Files whose tests run training binaries or processes (tens of seconds each): run first, so
+# Files whose tests run training binaries or processes, or real sizes in interpret mode (tens of
+# seconds each; `make test`'s --durations): run first, so
 # that under two pytest workers the short tests fill in around them instead of one worker
 # finishing a long one alone at the end.
 SLOW_FIRST = ("test_multihost.py", "test_train.py", "test_readme.py", "test_real_sizes.py",
-              "test_ulysses.py")
+              "test_ulysses.py", "test_block_list_kernel.py", "test_serve.py", "test_bench.py",
+              "test_flax.py", "test_dropout.py", "test_quant.py", "test_blocks.py",
+              "test_paged_tiles.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
