@@ -3,7 +3,7 @@ instead, in one run, each peer at its best tiles.
 
   python -m benchmarks.bench_tpu [--rows=causal_4k,causal_16k,...] [--repeats=5] [--out=DIR]
                                  [--peers=jax_splash,tokamax_splash,tokamax_mosaic,xla] [--smoke]
-                                 [--guards=none,loop,cond,...] [--programs]
+                                 [--guards=none,bthd,...] [--programs]
 
 Rows (bf16): causal B4 T4096 H16 D128; causal B1 T16384 H16; GQA B1 T16384 Hq32 Hkv8; a window
 of 1024 at T16384; packed documents (8 x 2048 in 16384, segment ids, causal within); Gemma-like
@@ -173,10 +173,8 @@ def compiled(call: Callable[..., jax.Array], x: Inputs, differentiated: bool = F
   """The program XLA compiled for `call` on x (forward, or with `differentiated` the gradient of
   q, k and v; its optimized HLO text) and how many of each `PROGRAM_OPS` instruction it holds:
   what to read where two calls' times differ."""
-  fn = jax.jit(call)
-  if differentiated:
-    fn = jax.jit(jax.grad(lambda q, k, v, s: jnp.sum(call(q, k, v, s).astype(jnp.float32)),
-                          argnums=(0, 1, 2)))
+  loss = lambda q, k, v, s: jnp.sum(call(q, k, v, s).astype(jnp.float32))
+  fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if differentiated else call)
   text = fn.lower(x.q, x.k, x.v, x.segments).compile().as_text()
   lines = text.splitlines()
   return text, {op: sum(f" {op}(" in line for line in lines) for op in PROGRAM_OPS}

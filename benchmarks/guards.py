@@ -40,10 +40,8 @@ def _cond_keep(ok: jax.Array, value: Any, recompute: Callable[[], Any]) -> Any:
 
 
 def _after(kernel: base.Attend, exact: base.Attend) -> base.Attend:
-  del kernel, exact
-  guarded = guard.guard_garbage(splash_tpu.attend_head_major, guard.exact_head_major(xla.attend))
-  return lambda x, facts: KernelOutput(base.to_bhtd(guarded(guard.head_major(x, facts),
-                                                            facts).out))
+  del kernel  # the head-major kernel, not the [B, T, H, D] attend
+  return guard.guard_head_major(splash_tpu.attend_head_major, exact, values_first=False)
 
 
 def _select(kernel: base.Attend, exact: base.Attend) -> base.Attend:

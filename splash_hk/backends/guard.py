@@ -109,12 +109,14 @@ def exact_head_major(exact: base.Attend) -> base.Attend:
   return attend
 
 
-def guard_head_major(kernel: base.Attend, exact: base.Attend) -> base.Attend:
+def guard_head_major(kernel: base.Attend, exact: base.Attend,
+                     values_first: bool = True) -> base.Attend:
   """An attend of [B, T, H, D] inputs: `kernel` (of `head_major` inputs, out [B, H, T, Dv])
-  guarded on the arrays it reads, `exact` its recompute. Not differentiated, the call first asks
-  whether the values are finite: a key or query the mask hides only reaches a kernel's logits,
-  which it replaces by the mask value, so garbage a query should not see spreads through values
-  alone (differentiated, q and k reach the gradients too: the outputs are checked there)."""
+  guarded on the arrays it reads, `exact` its recompute. Not differentiated (`values_first`),
+  the call first asks whether the values are finite: a key or query the mask hides only reaches
+  a kernel's logits, which it replaces by the mask value, so garbage a query should not see
+  spreads through values alone (differentiated, q and k reach the gradients too: the outputs
+  are checked there)."""
   guarded = guard_garbage(kernel, exact_head_major(exact),
-                          check_first=lambda y: all_finite(y.value))
+                          check_first=(lambda y: all_finite(y.value)) if values_first else None)
   return lambda x, facts: KernelOutput(base.to_bhtd(guarded(head_major(x, facts), facts).out))
