@@ -4,16 +4,18 @@
 # carried in .whl-tpu (`make tpu-wheels`) under /tmp (the machine's JAX stays first), then runs
 # the tpu-marked tests compiled on the chip (one process: the chip takes one program at a time;
 # a skipped TPU test fails its step: see tests/conftest.py), the quickcheck and the TPU bench
-# (`benchmarks/bench_tpu.py`). Every log and result goes to $TPU_OUT (default $OUT, else
-# tpu_out/); summary.txt has one line per step. TPU_STEPS picks steps (default: all); TPU_BENCH
-# passes flags to the bench; the step limits add up to under 10 minutes.
+# (`benchmarks/bench_tpu.py`) and the decode bench (`benchmarks/bench_tpu_decode.py`). Every
+# log and result goes to $TPU_OUT (default $OUT, else tpu_out/); summary.txt has one line per
+# step. TPU_STEPS picks steps (default: all but tune; pick so that their limits add up to under
+# the call's 10 minutes); TPU_TESTS_K picks tests (pytest -k), TPU_BENCH to the bench,
+# TPU_DECODE to the decode bench.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${TPU_OUT:-${OUT:-tpu_out}}
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 FAILED_STEPS=""
-STEPS=${TPU_STEPS:-environment tests quickcheck bench}
+STEPS=${TPU_STEPS:-environment tests quickcheck bench decode}
 
 step() {  # step NAME SECONDS COMMAND...: runs COMMAND under a time limit, logs to $OUT/NAME.log
   local name=$1 limit=$2 start rc
@@ -46,12 +48,15 @@ print('devices', jax.devices(), jax.devices()[0].device_kind)
 import haiku, chex; print('haiku', haiku.__version__, 'chex', chex.__version__)
 import tokamax; print('tokamax', tokamax.__version__)"
 # -m tpu: conftest leaves the TPU visible, and a skipped TPU test fails (no pass by skipping).
-step tests 300 python3 -m pytest -q -p no:cacheprovider -m tpu -rA tests/test_tpu.py
+step tests 300 python3 -m pytest -q -p no:cacheprovider -m tpu -rA ${TPU_TESTS_K:+-k "$TPU_TESTS_K"} \
+  tests/test_tpu.py
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED) " "$OUT/tests.log" | sed 's/^/  /' >> "$OUT/summary.txt"
 step quickcheck 150 python3 -m splash_hk.quickcheck
 step tune 360 python3 -m splash_hk.tune --cache="$OUT/tiles.json" ${TPU_TUNE:-}
 step bench 560 python3 -m benchmarks.bench_tpu --out="$OUT" ${TPU_BENCH:-}
 [ -f "$OUT/bench_tpu.txt" ] && sed 's/^/  /' "$OUT/bench_tpu.txt" >> "$OUT/summary.txt"
+step decode 300 python3 -m benchmarks.bench_tpu_decode --out="$OUT" ${TPU_DECODE:-}
+[ -f "$OUT/bench_tpu_decode.txt" ] && sed 's/^/  /' "$OUT/bench_tpu_decode.txt" >> "$OUT/summary.txt"
 echo "results in $OUT/ (summary.txt, *.log, bench_tpu.json)"
 if [ -n "$FAILED_STEPS" ]; then
   echo "tpu-check FAILED:$FAILED_STEPS" | tee -a "$OUT/summary.txt"

@@ -86,6 +86,42 @@ def attend(step, sinks=None, bias=None, **rules):
   return np.concatenate(outs + [pad])
 
 
+RUNS_WINDOW = (700, 0)
+
+
+def runs_of_pages(chosen, page, kv_lens, q_lens=(1, 40, 3, 1), dtype=np.float32):
+  """A step over long histories (several of the paged kernel's runs of pages), the batch (with
+  `chosen`: each kv head of each sequence reads a random two thirds of its pages, in any
+  order) and the float64 oracle of its live rows under a window of `RUNS_WINDOW`."""
+  longest = max(kv + q for kv, q in zip(kv_lens, q_lens))
+  width = -(-longest // page)
+  step_ = step(seed=3, kv_lens=kv_lens, q_lens=q_lens, pages_per_seq=width,
+               num_pages=2 * width * len(kv_lens), page=page, dtype=dtype)
+  batch, pages, counts = step_.batch, None, None
+  if chosen:
+    rng = np.random.default_rng(4)
+    pages = np.zeros((5, HKV, width), np.int32)
+    counts = np.zeros((5, HKV), np.int32)
+    for s, n in enumerate(kv + q for kv, q in zip(kv_lens, q_lens)):
+      for kv in range(HKV):
+        picked = rng.permutation(-(-n // page))[:-(-n // page) * 2 // 3]
+        pages[s, kv, :len(picked)], counts[s, kv] = picked, len(picked)
+    batch = dataclasses.replace(batch, selection=sh.PageSelection(jnp.asarray(pages),
+                                                                  jnp.asarray(counts)))
+  outs, start = [], 0
+  for s, (hk, hv, ql) in enumerate(zip(step_.history_k, step_.history_v, q_lens)):
+    seen = None
+    if chosen:  # [1, Hq, 1, S]: a key seen only where its page is chosen for the kv head
+      page_of = np.arange(len(hk)) // page
+      seen = np.stack([np.isin(page_of, pages[s, kv, :counts[s, kv]]) for kv in range(HKV)])
+      seen = np.repeat(seen, HQ // HKV, 0)[None, :, None, :]
+    want, _ = oracle.attention(step_.q[start:start + ql][None].astype(np.float64),
+                               hk[None].astype(np.float64), hv[None].astype(np.float64),
+                               mask=seen, window=RUNS_WINDOW)
+    outs.append(want[0])
+    start += ql
+  return step_, batch, np.concatenate(outs)
+
 
 RULES = {
     "causal": (sh.AttentionConfig(), dict()),

@@ -20,6 +20,7 @@ from benchmarks import bench_paged
 from benchmarks import bench_blocks
 from benchmarks import bench_quant
 from benchmarks import bench_tpu
+from benchmarks import bench_tpu_decode
 from benchmarks import bench_report
 from benchmarks import bench_workloads
 from benchmarks import guards
@@ -241,3 +242,23 @@ def test_tpu_bench_rows_compare_each_peer_in_interpret_mode():
       *bench_tpu.inputs(row)[:3], None)).count("is_finite")
   with guards.registered("none") as name:  # the same kernel, its output left unchecked
     assert checks(name) == 0 < checks("splash")
+
+
+def test_tpu_decode_bench_times_the_paged_kernel_and_hands_the_peer_the_same_step():
+  """The decode bench's wiring on CPU (interpret mode, a tiny row of 4 rows a sequence): ours
+  runs the paged kernel on a donated pool; the peer's inputs (its interleaved layout, the new
+  tokens written in) through JAX's own reference give our output (its kernel runs on a TPU
+  only)."""
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+  row = bench_tpu_decode.SMOKE_ROWS["verify4_p64"]
+  result = bench_tpu_decode.run_row("verify4_p64", row, 1, bandwidth=1e10, interpret=True,
+                                    peers=False)
+  assert result["decision"].startswith("splash") and result["ms"] > 0
+  step = bench_tpu_decode.make_step(row)
+  assert step.bytes_read == int(step.lens.sum()) * 2 * 128 * 2 * 2
+  _, ours = bench_tpu_decode.ours_seconds(step, 1, True)
+  theirs = rpa.ref_ragged_paged_attention(*bench_tpu_decode.peer_inputs(step),
+                                          sm_scale=128 ** -0.5)
+  np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs, np.float32),
+                             atol=2e-2, rtol=2e-2)
+  assert "verify4_p64 (mean length" in bench_tpu_decode.report([result], 1e10)

@@ -14,6 +14,7 @@ import oracle
 import paged_cases
 import splash_hk as sh
 from splash_hk.backends.tpu import lists as splash_lists
+from splash_hk.backends.tpu import paged_kernel as tpu_paged
 from cases import LIST_CASES, blocks_case, list_attention, list_case, random_choice
 
 TPU = dict(platform="splash", interpret=True, allow_fallback=False)
@@ -194,3 +195,19 @@ def test_a_new_nan_value_shows_only_in_the_rows_that_see_it(platform):
   want = paged_cases.attend(dataclasses.replace(step, v=clean))
   np.testing.assert_allclose(out[first:row], want[first:row], **harness.tol())
   np.testing.assert_allclose(out[last:], want[last:], **harness.tol())
+
+
+
+@pytest.mark.parametrize("chosen", [False, True], ids=["table", "selection"])
+def test_runs_of_pages_a_step_match_the_oracle_at_real_lengths(chosen):
+  """Pages of 32 (f32): the kernel reads 16 pages (512 keys) a grid step; histories of 700-1100
+  tokens need several steps with a partial last one, the rows a window across steps, the free
+  slots NaN. With a selection each kv head reads its own random pages (any order)."""
+  assert tpu_paged.pages_per_block(32, 40, paged_cases.HKV, paged_cases.D, paged_cases.D, 4,
+                                   32) == 16
+  step, batch, want = paged_cases.runs_of_pages(chosen, page=32, kv_lens=(700, 0, 1100, 37))
+  config = sh.AttentionConfig(platform="splash", interpret=True, allow_fallback=False,
+                              sliding_window=paged_cases.RUNS_WINDOW)
+  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
+      step.q, step.k, step.v, step.cache, batch)
+  np.testing.assert_allclose(np.asarray(out)[:len(want)], want, **harness.tol())

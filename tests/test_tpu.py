@@ -124,6 +124,20 @@ def test_the_paged_kernel_compiled_matches_the_oracle(rule):
   np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())
 
 
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("chosen", [False, True], ids=["table", "selection"])
+def test_runs_of_pages_compiled_match_the_oracle(chosen, page):
+  """bf16 pools of pages of 16 and 64, histories of 3000 and 5000 tokens: the paged kernel's
+  runs of pages (512 keys a grid step, copies started a step ahead) on the chip."""
+  step, batch, want = paged_cases.runs_of_pages(chosen, page, kv_lens=(3000, 0, 5000, 37),
+                                                dtype=jnp.bfloat16)
+  config = sh.AttentionConfig(sliding_window=paged_cases.RUNS_WINDOW, **COMPILED)
+  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
+      step.q, step.k, step.v, step.cache, batch)
+  np.testing.assert_allclose(np.asarray(out, np.float32)[:len(want)], want,
+                             **harness.tol(dtype=jnp.bfloat16))
+
+
 def test_float32_precision_by_default_and_under_highest():
   """f32 inputs: bf16 passes by default (about 1e-2 off float64), f32 under "highest" (1e-5):
   what the precision section of the performance guide states."""

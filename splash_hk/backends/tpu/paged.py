@@ -41,12 +41,20 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
   if facts.config.dropout_rate > 0:
     return base.DROPOUT_REFUSAL
   need = tpu_paged.vmem_bytes(block_q(facts), facts.page_size, facts.num_heads,
-                              facts.num_kv_heads, facts.head_dim, facts.value_dim, 4)
+                              facts.num_kv_heads, facts.head_dim, facts.value_dim, 4,
+                              _pages_per_block(facts, 4) * facts.page_size)
   if need > tpu_lists.VMEM_BUDGET:
     return (f"{facts.num_heads} query heads over pages of {facts.page_size} need about "
             f"{need / 2 ** 20:.1f} MiB of VMEM per step, over the kernel's "
             f"{tpu_lists.VMEM_BUDGET / 2 ** 20:.0f} MiB")
   return None
+
+
+def _pages_per_block(facts: pages.PagedFacts, itemsize: int, entries: int | None = None) -> int:
+  """Pages the kernel reads a grid step (`paged_kernel.pages_per_block`)."""
+  return tpu_paged.pages_per_block(facts.page_size, entries or facts.pages_per_seq,
+                                   facts.num_kv_heads, facts.head_dim, facts.value_dim,
+                                   itemsize, facts.num_heads // facts.num_kv_heads * block_q(facts))
 
 
 def _tiles(x: pages.PagedInputs, bq: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -70,9 +78,9 @@ def _tiles(x: pages.PagedInputs, bq: int) -> tuple[jax.Array, jax.Array, jax.Arr
 def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:
   """out [N, Hq, Dv] of every live row over its sequence's pages (other rows: 0) and its lse
   [N, Hq] (base's convention)."""
-  n, heads, _ = x.query.shape
+  n, heads, d = x.query.shape
   kv_heads, dv = facts.num_kv_heads, facts.value_dim
-  bq = block_q(facts)
+  groups, bq = heads // kv_heads, block_q(facts)
   tile_seq, tile_len, rows = _tiles(x, bq)  # [W], [W], [W, bq]
   some = rows < n  # [W, bq]
   at = jnp.clip(rows, 0, n - 1)
@@ -82,13 +90,20 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, ja
   sinks = (jnp.full((heads,), -jnp.inf, jnp.float32) if x.sinks is None
            else base.sink_logsumexp(x.sinks))  # [Hq]
   lists = x.lists.table if x.lists.chosen is None else x.lists.chosen  # [max_seqs, Hl, K]
-  spec = tpu_paged.Spec(bq, facts.page_size, facts.num_pages, kv_heads, heads // kv_heads,
-                        lists.list_heads, lists.blocks.shape[2], facts.scale,
-                        facts.config.logits_soft_cap, facts.rule, facts.config.interpret)
-  out, lse = tpu_paged.attend(
-      spec, tile_seq, tile_len, lists.blocks, lists.first_key, lists.count,
-      jnp.swapaxes(q, 1, 2), pos, x.cache.key, x.cache.value,
-      jnp.broadcast_to(sinks[None], (tpu_lists.SUBLANES, heads)))  # [W, Hq, bq, Dv|128]
+  entries = lists.blocks.shape[2]
+  spec = tpu_paged.Spec(bq, facts.page_size, facts.num_pages, kv_heads, groups,
+                        lists.list_heads, entries, facts.scale, facts.config.logits_soft_cap,
+                        facts.rule, facts.config.interpret,
+                        _pages_per_block(facts, x.cache.key.dtype.itemsize, entries),
+                        lists.positional)
+  stacked = (kv_heads, groups * bq)  # a kv head's query heads as rows of one product
+  q = jnp.swapaxes(q, 1, 2).reshape(-1, *stacked, d)  # [W, Hkv, G * bq, D]
+  sinks = jnp.broadcast_to(jnp.repeat(sinks.reshape(stacked[0], groups), bq, 1)[..., None],
+                           (*stacked, tpu_lists.LANES))  # [Hkv, G * bq, 128]
+  out, lse = tpu_paged.attend(spec, tile_seq, tile_len, lists.blocks, lists.first_key,
+                              lists.count, q, pos, x.cache.key, x.cache.value, sinks)
+  out = out.reshape(-1, heads, bq, dv)  # [W, Hq, bq, Dv]
+  lse = lse.reshape(-1, heads, bq, tpu_lists.LANES)  # [W, Hq, bq, 128]
   flat = rows.reshape(-1)  # [W * bq]
   place = lambda a: jnp.zeros((n + 1, *a.shape[2:]), a.dtype).at[flat].set(
       a.reshape(-1, *a.shape[2:]), mode="drop")[:n]

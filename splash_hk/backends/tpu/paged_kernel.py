@@ -1,19 +1,26 @@
 """The block-list kernel over a paged pool (Pallas TPU): a paged step's rows against their pages.
 
 A step's lists of pages (`splash_hk.lists`: each sequence's page-table row, or the pages a
-selection chose for each kv head) are lists of blocks: a tile of `block_q` query rows of one
-sequence reads its list, one grid step per entry, the entry's page and first key position read
-from the lists in scalar prefetch by the key/value `BlockSpec` index maps (so only its pages are
-copied to VMEM). A page-table row serves every kv head, so its page block holds all of them (the
-pool's layout, head-major [P, Hkv, page, D]: one copy serves all the tile's query heads, each
-group reading its own head's [page, D] block); a selection's lists differ per kv head, so the
-grid has a step per kv head and its page block holds that head's [page, D] only. Online softmax
-in VMEM scratch per head; keys past the sequence's length are invisible and their values zeroed
-(free slots may hold anything). The new tokens are written into the pool before this kernel runs.
+selection chose for each kv head) are read a run of `pages_per_block` entries a grid step (a
+block of about 512 keys, whatever the page size): the kernel copies the run's pages from the
+pool in HBM into one contiguous VMEM block itself (one copy a page, only the entries the list
+holds), and starts the next working step's copies before it computes on the current ones (two
+buffers: a step's compute hides the next step's reads; the grid runs in order). The lists sit
+in scalar prefetch with, for each (tile, list head), the next one that has work.
+
+A program is one tile of `block_q` rows of one sequence for every query head of the block's kv
+heads, a kv head's G query heads stacked as G * bq rows of one product. A page-table row serves
+every kv head, so a block holds all of them (the pool's layout, head-major [P, Hkv, page, D]:
+one copy a page); a selection's lists differ per kv head, so the grid has a step per kv head and
+its block holds that head's keys only. Online softmax in VMEM scratch per kv head; keys past the
+sequence's length or past the list are invisible and their non-finite values zeroed (free slots
+may hold anything); a visible non-finite value shows as NaN in its column of the rows that see
+it. The new tokens are written into the pool before this kernel runs.
 
 Glossary: W tiles (static bound), Hq query heads, Hkv kv heads (G = Hq // Hkv), Hl list heads
-(1: a page table; Hkv: a selection), Hb = Hkv // Hl kv heads a block, page keys per page, K
-entries a list, D key size, Dv value size.
+(1: a page table; Hkv: a selection), Hb = Hkv // Hl kv heads a block, R = G * bq rows a kv head,
+page keys per page, n pages a block (E = n * page keys), K entries a list, NB = ceil(K / n)
+blocks a list, D key size, Dv value size.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ from splash_hk.backends.tpu import list_kernel as tpu_lists
 from splash_hk.masks._mask import Mask
 
 LANES, SUBLANES = tpu_lists.LANES, tpu_lists.SUBLANES
+BLOCK_KEYS = 512  # keys a grid step reads (a run of pages): the most a step's copies hide
+BUFFER_BUDGET = 4 * 2 ** 20  # VMEM for the two key and value blocks
+SCORES_BUDGET = 2 * 2 ** 20  # VMEM for a kv head's logits and probabilities (f32 [R, E] each)
+NO_STEP = 2 ** 30  # a key position no length reaches (an entry past its list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,116 +60,212 @@ class Spec:
   soft_cap: float | None
   rule: Mask | None  # a position rule (its `visible`), or None: every key of the sequence
   interpret: bool
-
+  pages_per_block: int = 1  # n
+  contiguous: bool = False  # entry e's keys are positions e * page ...: a page-table row
 
   @property
   def block_heads(self) -> int:  # Hb
     return self.num_kv_heads // self.list_heads
 
+  @property
+  def blocks(self) -> int:  # NB
+    return -(-self.entries // self.pages_per_block)
 
-def _list(spec: Spec, seq_ref: Any, t: Any, h: Any) -> Any:
-  """Where tile t's list for list head h starts in the flat lists ([max_seqs, Hl, K])."""
-  return (seq_ref[t] * spec.list_heads + h) * spec.entries
+  @property
+  def block_keys(self) -> int:  # E
+    return self.pages_per_block * self.page_size
 
 
-def _page(spec: Spec, seq_ref: Any, blocks_ref: Any, count_ref: Any, t: Any, h: Any,
-          j: Any) -> Any:
-  """The physical page of tile t's j-th entry for list head h: past its count, its last page
-  (no new copy)."""
-  count = jnp.maximum(count_ref[seq_ref[t] * spec.list_heads + h], 1)
-  page = blocks_ref[_list(spec, seq_ref, t, h) + jnp.minimum(j, count - 1)]
-  return jnp.clip(page, 0, spec.num_pages - 1)
+def pages_per_block(page_size: int, entries: int, kv_heads: int, head_dim: int, value_dim: int,
+                    itemsize: int, rows: int) -> int:
+  """Pages a grid step reads: a run of about `BLOCK_KEYS` keys whose two buffers fit
+  `BUFFER_BUDGET` and whose logits for `rows` (R) fit `SCORES_BUDGET`; one where a page is not
+  a whole number of VMEM tiles (rows of 8 32-bit words: 16 bf16, 32 int8), which a copy
+  cannot start inside."""
+  if page_size % (SUBLANES * max(1, 4 // itemsize)):
+    return 1
+  buffers = BUFFER_BUDGET // (2 * kv_heads * (head_dim + value_dim) * itemsize * page_size)
+  scores = SCORES_BUDGET // (2 * 4 * rows * page_size)
+  return max(1, min(BLOCK_KEYS // page_size, buffers, scores, entries))
+
+
+def _copies(spec: Spec, refs: Any, t: Any, h: Any, j: Any, slot: Any) -> list[tuple[Any, Any]]:
+  """The (condition, copy) of each page of (tile t, list head h)'s block j into buffer `slot`:
+  only entries the list holds are copied."""
+  seq_ref, blocks_ref, count_ref, key_hbm, value_hbm, kbuf, vbuf, sems = refs
+  at = seq_ref[t] * spec.list_heads + h
+  count = count_ref[at]
+  heads = pl.ds(h * spec.block_heads, spec.block_heads)
+  found = []
+  for i in range(spec.pages_per_block):
+    entry = j * spec.pages_per_block + i
+    page = jnp.clip(blocks_ref[at * spec.entries + jnp.minimum(entry, spec.entries - 1)], 0,
+                    spec.num_pages - 1)
+    rows = pl.ds(i * spec.page_size, spec.page_size)
+    found += [(entry < count, pltpu.make_async_copy(hbm.at[page, heads], buf.at[slot, :, rows],
+                                                    sems.at[slot, c]))
+              for c, (hbm, buf) in enumerate(((key_hbm, kbuf), (value_hbm, vbuf)))]
+  return found
+
+
+def _start(copies: list[tuple[Any, Any]]) -> None:
+  for holds, copy in copies:
+    pl.when(holds)(copy.start)
+
+
+def _wait(copies: list[tuple[Any, Any]]) -> None:
+  for holds, copy in copies:
+    pl.when(holds)(copy.wait)
+
+
+def _key_positions(spec: Spec, first_ref: Any, at: Any, count: Any, j: Any) -> jax.Array:
+  """[8, E] int32: each key slot's position in its sequence (NO_STEP past the list)."""
+  shape = (SUBLANES, spec.block_keys)
+  col = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  if spec.contiguous:  # a page-table row: block j's keys are positions j * E ...
+    held = col < (count - j * spec.pages_per_block) * spec.page_size  # stale rows past it
+    return jnp.where(held, j * spec.block_keys + col, NO_STEP)
+  pos = jnp.full(shape, NO_STEP, jnp.int32)
+  for i in range(spec.pages_per_block):
+    entry = j * spec.pages_per_block + i
+    first = first_ref[at * spec.entries + jnp.minimum(entry, spec.entries - 1)]
+    first = jnp.where(entry < count, first - i * spec.page_size, NO_STEP)
+    inside = (col >= i * spec.page_size) & (col < (i + 1) * spec.page_size)
+    pos = jnp.where(inside, first + col, pos)
+  return pos
 
 
 def _poison(seen: jax.Array, finite: jax.Array) -> jax.Array:
-  """[bq, Dv]: NaN in value column c of the rows that see a key whose column c is not finite
-  (`finite` [page, Dv]; a visible NaN shows there, and only there), else 0."""
-  bad = (~finite).astype(jnp.float32)  # [page, Dv]
+  """[R, Dv]: NaN in value column c of the rows that see a key whose column c is not finite
+  (`finite` [E, Dv]; a visible NaN shows there, and only there), else 0."""
+  bad = (~finite).astype(jnp.float32)  # [E, Dv]
   hits = jax.lax.dot_general(seen.astype(jnp.float32), bad, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [bq, Dv]
+                             preferred_element_type=jnp.float32)  # [R, Dv]
   return jnp.where(hits > 0, jnp.nan, 0.0)
 
 
-def _kernel(spec: Spec, seq_ref, len_ref, blocks_ref, first_ref, count_ref, q_ref, pos_ref,
-            k_ref, v_ref, sink_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr):
+def _compute(spec: Spec, seen: jax.Array, q_ref, kbuf, vbuf, slot, m_scr, l_scr, acc_scr):
+  """Every kv head of the block folded into its rows' online softmax: a non-finite value is
+  zeroed (0 * NaN must not reach the rows that do not see it: free slots and stale buffer rows
+  may hold anything) and NaN added in its column of the rows that see it."""
+  for hk in range(spec.block_heads):
+    s, _ = tpu_lists.scores(q_ref[hk], kbuf[slot, hk], spec.scale, spec.soft_cap)  # [R, E]
+    v = vbuf[slot, hk]  # [E, Dv]
+    finite = jnp.isfinite(v.astype(jnp.float32))  # [E, Dv] (Mosaic tests f32 only)
+    poison = _poison(seen, finite)  # [R, Dv]
+    v = jnp.where(finite, v, 0).astype(v.dtype)
+    tpu_lists.online_step(hk, jnp.where(seen, s, -jnp.inf), v, m_scr, l_scr, acc_scr)
+    acc_scr[hk] = acc_scr[hk] + poison
+
+
+def _kernel(spec: Spec, seq_ref, len_ref, blocks_ref, first_ref, count_ref, next_t_ref,
+            next_h_ref, q_ref, pos_ref, sink_ref, key_hbm, value_hbm, o_ref, lse_ref, kbuf, vbuf,
+            sems, slot_ref, m_scr, l_scr, acc_scr):
   t, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  refs = (seq_ref, blocks_ref, count_ref, key_hbm, value_hbm, kbuf, vbuf, sems)
   length = len_ref[t]
+  at = seq_ref[t] * spec.list_heads + h
+  count = count_ref[at]
+  # (tile, list head)'s blocks: ceil(count / n) (lax.div: no floor_divide, list_kernel._div)
+  blocks = lambda tt, hh: jnp.where(len_ref[tt] > 0, jax.lax.div(
+      count_ref[seq_ref[tt] * spec.list_heads + hh] + spec.pages_per_block - 1,
+      spec.pages_per_block), 0)
+
+  @pl.when((t == 0) & (h == 0) & (j == 0))
+  def _():  # the first working step's copies
+    slot_ref[0] = 0
+    pl.when(next_t_ref[0] >= 0)(lambda: _start(_copies(
+        spec, refs, jnp.maximum(next_t_ref[0], 0), jnp.maximum(next_h_ref[0], 0), 0, 0)))
 
   @pl.when(j == 0)
   def _():
     tpu_lists.init_state(m_scr, l_scr, acc_scr)
 
-  @pl.when((j < count_ref[seq_ref[t] * spec.list_heads + h]) & (length > 0))
+  @pl.when(j < blocks(t, h))
   def _():
-    shape = (spec.block_q, spec.page_size)
-    first = first_ref[_list(spec, seq_ref, t, h) + j]  # the entry's first key position
-    kv_pos = first + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-    q_pos = jnp.broadcast_to(pos_ref[...][:, :1], shape)  # [bq, page]; -1: not a row
-    seen = (kv_pos < length) & (q_pos >= 0)
+    slot = slot_ref[0]
+    _wait(_copies(spec, refs, t, h, j, slot))
+    after = t * spec.list_heads + h + 1  # the next (tile, list head) with work
+    more = j + 1 < blocks(t, h)
+    pl.when(more)(lambda: _start(_copies(spec, refs, t, h, j + 1, 1 - slot)))
+    pl.when(~more & (next_t_ref[after] >= 0))(lambda: _start(_copies(
+        spec, refs, jnp.maximum(next_t_ref[after], 0), jnp.maximum(next_h_ref[after], 0), 0,
+        1 - slot)))
+    slot_ref[0] = 1 - slot
+    rows = (spec.groups * spec.block_q, spec.block_keys)
+    kv_pos = jnp.broadcast_to(_key_positions(spec, first_ref, at, count, j)[:1], rows)
+    q_pos = jnp.broadcast_to(jnp.concatenate([pos_ref[...][:, :1]] * spec.groups, 0), rows)
+    seen = (kv_pos < length) & (q_pos >= 0)  # [R, E]; q_pos -1: not a row
     if spec.rule is not None:
       seen = seen & spec.rule.visible(q_pos, kv_pos)
-    held = (first + jax.lax.broadcasted_iota(
-        jnp.int32, (spec.page_size, 1), 0)) < length  # [page, 1]: slots of the sequence
-    for hk in range(spec.block_heads):
-      k = k_ref[hk]  # [page, D]
-      v = jnp.where(held, v_ref[hk], 0).astype(v_ref.dtype)  # [page, Dv]
-      finite = jnp.isfinite(v.astype(jnp.float32))  # [page, Dv] (Mosaic tests f32 only)
-      poison = _poison(seen, finite)  # [bq, Dv]: NaN where a row sees a non-finite value
-      v = jnp.where(finite, v, 0).astype(v.dtype)  # 0 * NaN must not reach the other rows
-      for g in range(spec.groups):
-        b = hk * spec.groups + g  # the head within the block
-        s, _ = tpu_lists.scores(q_ref[b], k, spec.scale, spec.soft_cap)  # [bq, page]
-        tpu_lists.online_step(b, jnp.where(seen, s, -jnp.inf), v, m_scr, l_scr, acc_scr)
-        acc_scr[b] = acc_scr[b] + poison
+    _compute(spec, seen, q_ref, kbuf, vbuf, slot, m_scr, l_scr, acc_scr)
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _():
-    heads = spec.block_heads * spec.groups
-    for b in range(heads):
-      tpu_lists.finish(b, sink_ref[0, h * heads + b], m_scr, l_scr, acc_scr, o_ref, lse_ref)
+    for hk in range(spec.block_heads):
+      tpu_lists.finish(hk, sink_ref[hk], m_scr, l_scr, acc_scr, o_ref, lse_ref)
 
 
 def vmem_bytes(block_q: int, page_size: int, heads: int, kv_heads: int, head_dim: int,
-               value_dim: int, itemsize: int) -> int:
-  """The kernel's VMEM per grid step, estimated (blocks double-buffered, scratch, scores)."""
-  blocks = 2 * itemsize * (heads * block_q * (head_dim + value_dim)
-                           + page_size * kv_heads * (head_dim + value_dim))
-  lanes = 2 * 4 * block_q * LANES * (1 + heads)
-  scratch = 4 * heads * block_q * (2 * LANES + value_dim)
-  return blocks + lanes + scratch + 4 * 3 * block_q * page_size
+               value_dim: int, itemsize: int, keys: int | None = None) -> int:
+  """The kernel's VMEM per grid step, estimated (q and outputs double-buffered, the two key
+  and value blocks, scratch, scores); `keys` a block's keys (a page's by default)."""
+  keys = keys or page_size
+  rows = heads * block_q
+  blocks = 2 * itemsize * rows * (head_dim + value_dim)
+  buffers = 2 * itemsize * keys * kv_heads * (head_dim + value_dim)
+  lanes = 2 * 4 * rows * LANES * 3  # positions, sinks and lse
+  scratch = 4 * rows * (2 * LANES + value_dim)
+  return blocks + buffers + lanes + scratch + 2 * 4 * (rows // kv_heads) * keys
+
+
+def next_working(tile_seq: jax.Array, tile_len: jax.Array, count: jax.Array,
+                 list_heads: int) -> tuple[jax.Array, jax.Array]:
+  """[W * Hl + 1] each: at 0 the first (tile, list head) with work, at p + 1 the first after
+  pair p (tile, head) = divmod(p, Hl); -1 where there is none."""
+  work = (tile_len[:, None] > 0) & (count.reshape(-1, list_heads)[tile_seq] > 0)  # [W, Hl]
+  pairs = work.size
+  steps = jnp.where(work.reshape(-1), jnp.arange(pairs), pairs)
+  following = jax.lax.cummin(jnp.append(steps, pairs), reverse=True)  # [W * Hl + 1]
+  following = jnp.where(following == pairs, -1, following).astype(jnp.int32)
+  return (jnp.where(following < 0, -1, following // list_heads),
+          jnp.where(following < 0, -1, following % list_heads))
 
 
 def attend(spec: Spec, tile_seq: jax.Array, tile_len: jax.Array, blocks: jax.Array,
            first_key: jax.Array, count: jax.Array, q: jax.Array, pos: jax.Array, key: jax.Array,
            value: jax.Array, sinks: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """q [W, Hq, bq, D], pos [W, bq, 128] int32 (-1: no row), the pool key [P, Hkv, page, D] and
-  value [P, Hkv, page, Dv], tile_seq / tile_len [W] (each tile's sequence and its length after
-  the write; 0: no tile), the lists' blocks and first_key [max_seqs, Hl, K] and count
-  [max_seqs, Hl], sinks [8, Hq] -> out [W, Hq, bq, Dv], lse [W, Hq, bq, 128]."""
-  tiles, heads, bq, d = q.shape
+  """q [W, Hkv, R, D] (kv head hk's rows: query head hk * G + r // bq, row r % bq), pos
+  [W, bq, 128] int32 (-1: no row), the pool key [P, Hkv, page, D] and value [P, Hkv, page, Dv],
+  tile_seq / tile_len [W] (each tile's sequence and its length after the write; 0: no tile),
+  the lists' blocks and first_key [max_seqs, Hl, K] and count [max_seqs, Hl], sinks
+  [Hkv, R, 128] f32 -> out [W, Hkv, R, Dv], lse [W, Hkv, R, 128]."""
+  tiles, kv_heads, rows, d = q.shape
   dv, hb = value.shape[-1], spec.block_heads
-  qb = hb * spec.groups  # query heads a block
-  page = lambda t, h, j, seqs, _, blocks, __, count: (
-      _page(spec, seqs, blocks, count, t, h, j), h, 0, 0)
   tile = lambda t, h, *_: (t, h, 0, 0)
-  in_specs = [pl.BlockSpec((None, qb, bq, d), tile),
-              pl.BlockSpec((None, bq, LANES), lambda t, *_: (t, 0, 0)),
-              pl.BlockSpec((None, hb, spec.page_size, d), page),
-              pl.BlockSpec((None, hb, spec.page_size, dv), page),
-              pl.BlockSpec((SUBLANES, heads), lambda *_: (0, 0), memory_space=pltpu.SMEM)]
-  out_specs = [pl.BlockSpec((None, qb, bq, dv), tile), pl.BlockSpec((None, qb, bq, LANES), tile)]
-  out_shape = [jax.ShapeDtypeStruct((tiles, heads, bq, dv), q.dtype),
-               jax.ShapeDtypeStruct((tiles, heads, bq, LANES), jnp.float32)]
-  scratch = [pltpu.VMEM((qb, bq, LANES), jnp.float32),
-             pltpu.VMEM((qb, bq, LANES), jnp.float32), pltpu.VMEM((qb, bq, dv), jnp.float32)]
+  in_specs = [pl.BlockSpec((None, hb, rows, d), tile),
+              pl.BlockSpec((None, spec.block_q, LANES), lambda t, *_: (t, 0, 0)),
+              pl.BlockSpec((hb, rows, LANES), lambda t, h, *_: (h, 0, 0)),
+              pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+  out_specs = [pl.BlockSpec((None, hb, rows, dv), tile),
+               pl.BlockSpec((None, hb, rows, LANES), tile)]
+  out_shape = [jax.ShapeDtypeStruct((tiles, kv_heads, rows, dv), q.dtype),
+               jax.ShapeDtypeStruct((tiles, kv_heads, rows, LANES), jnp.float32)]
+  scratch = [pltpu.VMEM((2, hb, spec.block_keys, d), key.dtype),
+             pltpu.VMEM((2, hb, spec.block_keys, dv), value.dtype),
+             pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32),
+             pltpu.VMEM((hb, rows, LANES), jnp.float32),
+             pltpu.VMEM((hb, rows, LANES), jnp.float32), pltpu.VMEM((hb, rows, dv), jnp.float32)]
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=5, grid=(tiles, spec.list_heads, spec.entries), in_specs=in_specs,
+      num_scalar_prefetch=7, grid=(tiles, spec.list_heads, spec.blocks), in_specs=in_specs,
       out_specs=out_specs, scratch_shapes=scratch)
-  params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+  # In order: a step starts the next working step's copies.
+  params = pltpu.CompilerParams(dimension_semantics=("arbitrary",) * 3)
   flat = lambda a: a.astype(jnp.int32).reshape(-1)
+  next_t, next_h = next_working(tile_seq, tile_len, count, spec.list_heads)
   with base.kernel_precision(q.dtype):
     return pl.pallas_call(functools.partial(_kernel, spec), grid_spec=grid_spec,
                           out_shape=out_shape, compiler_params=params,
-                          interpret=spec.interpret)(tile_seq, tile_len, flat(blocks),
-                                                    flat(first_key), flat(count), q, pos, key,
-                                                    value, sinks)
+                          interpret=spec.interpret)(
+                              tile_seq, tile_len, flat(blocks), flat(first_key), flat(count),
+                              next_t, next_h, q, pos, sinks, key, value)
