@@ -1,5 +1,6 @@
-"""The TPU decode bench: a paged decode step against JAX's ragged paged attention, as a
-fraction of the read bandwidth measured in the same run.
+"""The TPU decode bench: a paged decode step against JAX's ragged paged attention, and a decode
+over a fixed cache against jax.nn's xla attention, as a fraction of the read bandwidth measured
+in the same run.
 
 A step's floor is reading every cached key and value once. Each row is one decode step (a row
 per sequence) of `sh.paged_attention` over a pool of shuffled pages, the pool donated (the step
@@ -7,7 +8,9 @@ writes its new tokens, then attends), timed after an untimed call of the same ex
 peer, JAX's `ragged_paged_attention` (`jax.experimental.pallas.ops.tpu`), reads the same
 keys and values in its own layout (k and v heads interleaved, the new tokens already in) at
 each of its candidate block sizes, the fastest kept. Bytes: each sequence's keys and values
-after the write, once.
+after the write, once. A fixed-cache row is `sh.attention` of T rows (end-aligned causal)
+against B caches of S keys, beside `jax.nn.dot_product_attention(implementation="xla")` of
+the same call (its mask the same rule).
 
     python -m benchmarks.bench_tpu_decode --out=DIR [--rows=...] [--repeats=5]
 """
@@ -51,6 +54,21 @@ ROWS = {"decode_p16": Row(32, 1024, 8192, 16), "decode_p64": Row(32, 1024, 8192,
         "verify4_p64": Row(32, 1024, 8192, 64, rows=4)}
 SMOKE_ROWS = {name: dataclasses.replace(r, seqs=3, shortest=40, longest=300, heads=4,
                                         kv_heads=2, head_dim=128) for name, r in ROWS.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedRow:
+  batch: int
+  rows: int  # T: 1 a decode, 2-8 a verification of drafts
+  keys: int  # S
+  heads: int = 32
+  kv_heads: int = 8
+  head_dim: int = 128
+
+
+FIXED_ROWS = {"fixed_t1": FixedRow(32, 1, 8192), "fixed_t4": FixedRow(32, 4, 8192)}
+SMOKE_FIXED = {name: dataclasses.replace(r, batch=2, keys=300, heads=4, kv_heads=2)
+               for name, r in FIXED_ROWS.items()}
 PEER_KEYS = (512, 1024)  # the peer's keys a block (its pages a block: these over the page)
 PEER_QUERIES = (8, 32)
 
@@ -204,21 +222,47 @@ def run_row(name: str, row: Row, repeats: int, bandwidth: float, interpret: bool
           "max_difference": float(jnp.max(jnp.abs(best["out"].astype(jnp.float32)
                                                   - out.astype(jnp.float32))))}
     result["peer_refused"] = best.get("refused", [])
+    result["peers"] = {"ragged_paged_attention": result.pop("ragged_paged_attention")}
   result["keys_a_step"] = {keys: round(floor / ours_seconds(step, repeats, interpret, keys)[0], 3)
                            for keys in tried}
   return result
 
 
+def run_fixed_row(name: str, row: FixedRow, repeats: int, bandwidth: float,
+                  interpret: bool) -> dict[str, Any]:
+  """A fixed-cache row's figures: `sh.attention` (the library's TPU choice) and jax.nn's xla."""
+  keys = jax.random.split(jax.random.key(1), 3)
+  q = jax.random.normal(keys[0], (row.batch, row.rows, row.heads, row.head_dim), jnp.bfloat16)
+  k, v = (jax.random.normal(kk, (row.batch, row.keys, row.kv_heads, row.head_dim),
+                            jnp.bfloat16) for kk in keys[1:])
+  config = sh.AttentionConfig(interpret=interpret)
+  decision = sh.explain(q, k, v, for_platform="tpu", config=config)
+  ours = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config).attention_outputs)
+  visible = (jnp.arange(row.keys)[None] <= jnp.arange(row.rows)[:, None] + row.keys - row.rows)
+  theirs = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, mask=visible[None, None], implementation="xla"))
+  floor = 2 * k.size * k.dtype.itemsize / bandwidth
+  seconds = timing.median_seconds(ours, q, k, v, repeats=repeats)
+  peer = timing.median_seconds(theirs, q, k, v, repeats=repeats)
+  difference = jnp.max(jnp.abs(ours(q, k, v).astype(jnp.float32)
+                               - theirs(q, k, v).astype(jnp.float32)))
+  return {"row": name, "shape": dataclasses.asdict(row), "mean_len": float(row.keys),
+          "decision": f"{decision.backend}: {decision.reason}", "ms": round(seconds * 1e3, 4),
+          "fraction_of_bandwidth": round(floor / seconds, 3),
+          "peers": {"jax_nn_xla": {"ms": round(peer * 1e3, 4), "blocks": "-",
+                                   "fraction_of_bandwidth": round(floor / peer, 3),
+                                   "ours_over": round(peer / seconds, 3),
+                                   "max_difference": float(difference)}}}
+
+
 def report(results: list[dict[str, Any]], bandwidth: float) -> str:
   lines = [f"read bandwidth measured: {bandwidth / 1e9:.0f} GB/s (jitted sum over 2 GiB)",
-           "row | ours ms, fraction of bandwidth | ragged paged attention: ms, fraction, "
-           "ours over it, blocks"]
+           "row | ours ms, fraction of bandwidth | peer: ms, fraction, ours over it, blocks"]
   for r in results:
     cell = f"{r['row']} (mean length {r['mean_len']:.0f}) | {r['ms']:.3f} ms, " \
            f"{r['fraction_of_bandwidth']:.3f}"
-    peer = r.get("ragged_paged_attention")
-    if peer:
-      cell += (f" | {peer['ms']:.3f} ms, {peer['fraction_of_bandwidth']:.3f}, "
+    for name, peer in r.get("peers", {}).items():
+      cell += (f" | {name}: {peer['ms']:.3f} ms, {peer['fraction_of_bandwidth']:.3f}, "
                f"{peer['ours_over']:.2f}x, {peer['blocks']} "
                f"(max diff {peer['max_difference']:.3g})")
     lines.append(cell + "".join(f" | {k} keys a step: {f:.3f}"
@@ -230,14 +274,17 @@ def main(argv: list[str]) -> None:
   del argv
   f = flags.FLAGS
   rows = SMOKE_ROWS if f.smoke else ROWS
-  unknown = [r for r in f.rows if r not in ROWS]
+  fixed = SMOKE_FIXED if f.smoke else FIXED_ROWS
+  unknown = [r for r in f.rows if r not in ROWS and r not in FIXED_ROWS]
   if unknown:
-    raise app.UsageError(f"unknown rows: {unknown}; rows are {list(ROWS)}")
+    raise app.UsageError(f"unknown rows: {unknown}; rows are {list(ROWS) + list(FIXED_ROWS)}")
   bandwidth = timing.read_bandwidth(0.01 if f.smoke else 2.0, f.repeats)
   results = []
   for name in f.rows:
-    results.append(run_row(name, rows[name], f.repeats, bandwidth, f.smoke, not f.smoke,
-                           tuple(int(k) for k in f.block_keys)))
+    results.append(
+        run_fixed_row(name, fixed[name], f.repeats, bandwidth, f.smoke) if name in fixed else
+        run_row(name, rows[name], f.repeats, bandwidth, f.smoke, not f.smoke,
+                tuple(int(k) for k in f.block_keys)))
     print(report(results[-1:], bandwidth).split("\n", 2)[-1], flush=True)
   text = report(results, bandwidth)
   print(text)
@@ -251,7 +298,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  flags.DEFINE_list("rows", ["decode_p16", "decode_p64"], f"Rows to run, of {list(ROWS)}.")
+  flags.DEFINE_list("rows", ["decode_p16", "decode_p64", "fixed_t1", "fixed_t4"],
+                    f"Rows to run, of {list(ROWS) + list(FIXED_ROWS)}.")
   flags.DEFINE_integer("repeats", 5, "Timed calls per figure (the median is kept).")
   flags.DEFINE_string("out", None, "A folder for bench_tpu_decode.json (None: print only).")
   flags.DEFINE_list("block_keys", [], "Also time ours at these keys a grid step (a tuning "

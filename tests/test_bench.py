@@ -262,3 +262,7 @@ def test_tpu_decode_bench_times_the_paged_kernel_and_hands_the_peer_the_same_ste
   np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs, np.float32),
                              atol=2e-2, rtol=2e-2)
   assert "verify4_p64 (mean length" in bench_tpu_decode.report([result], 1e10)
+  fixed = bench_tpu_decode.run_fixed_row("fixed_t4", bench_tpu_decode.SMOKE_FIXED["fixed_t4"], 1,
+                                         bandwidth=1e10, interpret=True)
+  assert fixed["peers"]["jax_nn_xla"]["max_difference"] < 5e-3  # the same rule as the peer's
+  assert "jax_nn_xla: " in bench_tpu_decode.report([fixed], 1e10)
