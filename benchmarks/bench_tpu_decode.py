@@ -131,6 +131,25 @@ def block_keys(keys: int | None) -> Iterator[None]:
     tpu_paged.BLOCK_KEYS, tpu_paged.BUFFER_BUDGET = saved
 
 
+PROBES = ("copies", "compute")
+
+
+@contextlib.contextmanager
+def probed(part: str) -> Iterator[None]:
+  """The paged kernel with only `part` of its work (a diagnosis; its output is not attention):
+  "copies" its copies with no compute, "compute" its compute on whatever its buffers hold, with
+  no copy."""
+  names = {"copies": ("_compute",), "compute": ("_start", "_wait")}[part]
+  saved = {name: getattr(tpu_paged, name) for name in names}
+  for name in names:
+    setattr(tpu_paged, name, lambda *args, **kwargs: None)
+  try:
+    yield
+  finally:
+    for name, fn in saved.items():
+      setattr(tpu_paged, name, fn)
+
+
 def ours_seconds(step: Step, repeats: int, interpret: bool,
                  keys: int | None = None) -> tuple[float, jax.Array]:
   """The median step time of `sh.paged_attention` with the pool donated (each timed call after
@@ -201,8 +220,10 @@ def peer_best(step: Step, repeats: int) -> dict[str, Any]:
 
 
 def run_row(name: str, row: Row, repeats: int, bandwidth: float, interpret: bool,
-            peers: bool, tried: tuple[int, ...] = ()) -> dict[str, Any]:
-  """A row's figures: ours (and at each of `tried` keys a grid step), the peer's best."""
+            peers: bool, tried: tuple[int, ...] = (),
+            probes: tuple[str, ...] = ()) -> dict[str, Any]:
+  """A row's figures: ours (and at each of `tried` keys a grid step, and each of `probes`'
+  kernel parts alone), the peer's best."""
   step = make_step(row)
   decision = sh.explain_paged(step.q, step.k, step.v, step.pool, step.batch,
                               for_platform="tpu", config=sh.AttentionConfig(interpret=interpret))
@@ -215,16 +236,20 @@ def run_row(name: str, row: Row, repeats: int, bandwidth: float, interpret: bool
   if peers:
     best = peer_best(step, repeats)
     if np.isfinite(best["seconds"]):
-      result["ragged_paged_attention"] = {
+      result["peers"] = {"ragged_paged_attention": {
           "ms": round(best["seconds"] * 1e3, 4), "blocks": best["blocks"],
           "fraction_of_bandwidth": round(floor / best["seconds"], 3),
           "ours_over": round(best["seconds"] / seconds, 3),
           "max_difference": float(jnp.max(jnp.abs(best["out"].astype(jnp.float32)
-                                                  - out.astype(jnp.float32))))}
+                                                  - out.astype(jnp.float32))))}}
     result["peer_refused"] = best.get("refused", [])
-    result["peers"] = {"ragged_paged_attention": result.pop("ragged_paged_attention")}
   result["keys_a_step"] = {keys: round(floor / ours_seconds(step, repeats, interpret, keys)[0], 3)
                            for keys in tried}
+  alone: dict[str, float] = {}
+  for part in probes:
+    with probed(part):
+      alone[part] = round(floor / ours_seconds(step, repeats, interpret)[0], 3)
+  result["probes"] = alone
   return result
 
 
@@ -266,7 +291,8 @@ def report(results: list[dict[str, Any]], bandwidth: float) -> str:
                f"{peer['ours_over']:.2f}x, {peer['blocks']} "
                f"(max diff {peer['max_difference']:.3g})")
     lines.append(cell + "".join(f" | {k} keys a step: {f:.3f}"
-                                for k, f in r.get("keys_a_step", {}).items()))
+                                for k, f in r.get("keys_a_step", {}).items())
+                 + "".join(f" | {part} alone: {f:.3f}" for part, f in r.get("probes", {}).items()))
   return "\n".join(lines)
 
 
@@ -275,16 +301,18 @@ def main(argv: list[str]) -> None:
   f = flags.FLAGS
   rows = SMOKE_ROWS if f.smoke else ROWS
   fixed = SMOKE_FIXED if f.smoke else FIXED_ROWS
-  unknown = [r for r in f.rows if r not in ROWS and r not in FIXED_ROWS]
+  unknown = ([r for r in f.rows if r not in ROWS and r not in FIXED_ROWS]
+             + [p for p in f.probes if p not in PROBES])
   if unknown:
-    raise app.UsageError(f"unknown rows: {unknown}; rows are {list(ROWS) + list(FIXED_ROWS)}")
+    raise app.UsageError(f"unknown rows or probes: {unknown}; rows are "
+                         f"{list(ROWS) + list(FIXED_ROWS)}, probes {list(PROBES)}")
   bandwidth = timing.read_bandwidth(0.01 if f.smoke else 2.0, f.repeats)
   results = []
   for name in f.rows:
     results.append(
         run_fixed_row(name, fixed[name], f.repeats, bandwidth, f.smoke) if name in fixed else
         run_row(name, rows[name], f.repeats, bandwidth, f.smoke, not f.smoke,
-                tuple(int(k) for k in f.block_keys)))
+                tuple(int(k) for k in f.block_keys), tuple(f.probes)))
     print(report(results[-1:], bandwidth).split("\n", 2)[-1], flush=True)
   text = report(results, bandwidth)
   print(text)
@@ -304,5 +332,7 @@ if __name__ == "__main__":
   flags.DEFINE_string("out", None, "A folder for bench_tpu_decode.json (None: print only).")
   flags.DEFINE_list("block_keys", [], "Also time ours at these keys a grid step (a tuning "
                     "run; the kernel's BLOCK_KEYS otherwise).")
+  flags.DEFINE_list("probes", [], f"Also time the paged kernel with only one part of its work, "
+                    f"of {list(PROBES)} (a diagnosis).")
   flags.DEFINE_bool("smoke", False, "Tiny rows in interpret mode, no peer (a CPU check).")
   app.run(main)
