@@ -40,9 +40,9 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
     return "the batch has draft trees (RaggedBatch.tree), which the paged block-list kernel lacks"
   if facts.config.dropout_rate > 0:
     return base.DROPOUT_REFUSAL
-  need = tpu_paged.vmem_bytes(block_q(facts), facts.page_size, facts.num_heads,
-                              facts.num_kv_heads, facts.head_dim, facts.value_dim, 4,
-                              _pages_per_block(facts, 4) * facts.page_size)
+  need = tpu_paged.vmem_bytes(block_q(facts), _pages_per_block(facts, 4) * facts.page_size,
+                              facts.num_heads, facts.num_kv_heads, facts.head_dim,
+                              facts.value_dim, 4)
   if need > tpu_lists.VMEM_BUDGET:
     return (f"{facts.num_heads} query heads over pages of {facts.page_size} need about "
             f"{need / 2 ** 20:.1f} MiB of VMEM per step, over the kernel's "

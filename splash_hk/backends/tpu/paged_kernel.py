@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from splash_hk.backends import base
 from splash_hk.backends.tpu import list_kernel as tpu_lists
+from splash_hk.backends.tpu import plan as splash_plan
 from splash_hk.masks._mask import Mask
 
 LANES, SUBLANES = tpu_lists.LANES, tpu_lists.SUBLANES
@@ -206,11 +207,10 @@ def _kernel(spec: Spec, seq_ref, len_ref, blocks_ref, first_ref, count_ref, next
       tpu_lists.finish(hk, sink_ref[hk], m_scr, l_scr, acc_scr, o_ref, lse_ref)
 
 
-def vmem_bytes(block_q: int, page_size: int, heads: int, kv_heads: int, head_dim: int,
-               value_dim: int, itemsize: int, keys: int | None = None) -> int:
+def vmem_bytes(block_q: int, keys: int, heads: int, kv_heads: int, head_dim: int,
+               value_dim: int, itemsize: int) -> int:
   """The kernel's VMEM per grid step, estimated (q and outputs double-buffered, the two key
-  and value blocks, scratch, scores); `keys` a block's keys (a page's by default)."""
-  keys = keys or page_size
+  and value blocks of `keys` keys, scratch, scores)."""
   rows = heads * block_q
   blocks = 2 * itemsize * rows * (head_dim + value_dim)
   buffers = 2 * itemsize * keys * kv_heads * (head_dim + value_dim)
@@ -224,10 +224,11 @@ def next_working(tile_seq: jax.Array, tile_len: jax.Array, count: jax.Array,
   """[W * Hl + 1] each: at 0 the first (tile, list head) with work, at p + 1 the first after
   pair p (tile, head) = divmod(p, Hl); -1 where there is none."""
   work = (tile_len[:, None] > 0) & (count.reshape(-1, list_heads)[tile_seq] > 0)  # [W, Hl]
-  pairs = work.size
-  steps = jnp.where(work.reshape(-1), jnp.arange(pairs), pairs)
-  following = jax.lax.cummin(jnp.append(steps, pairs), reverse=True)  # [W * Hl + 1]
-  following = jnp.where(following == pairs, -1, following).astype(jnp.int32)
+  at_or_after = splash_plan.next_step(work, jnp)  # [W * Hl], wrapping to the first
+  pairs = jnp.arange(work.size)
+  after = jnp.roll(at_or_after, -1)  # pair p: the first at or after p + 1, wrapped
+  following = jnp.concatenate([jnp.where(work.any(), at_or_after[:1], -1),
+                               jnp.where(after > pairs, after, -1)]).astype(jnp.int32)
   return (jnp.where(following < 0, -1, following // list_heads),
           jnp.where(following < 0, -1, following % list_heads))
 
