@@ -25,17 +25,40 @@ def _cdiv(a: jax.Array, b: int) -> jax.Array:
   return (a + b - 1) // b
 
 
-def _shared_writes(batch: RaggedBatch, listed: jax.Array, written: jax.Array,
-                   num_pages: int) -> jax.Array:
+COMPARE_LIMIT = 1 << 24  # pairs compared at most where one op can replace a scatter or a search
+
+
+def _shared_writes(batch: RaggedBatch, listed: jax.Array, written: jax.Array, num_pages: int,
+                   span: int) -> jax.Array:
   """[max_seqs] bool: sequences listing (below their length) a page some sequence writes here
-  that is listed more than once."""
+  that is listed more than once. `span`: the most pages one sequence writes (its written entries
+  are a run). A scatter over every listing (a sort on a TPU, 1 ms a decode step there) where
+  comparing each written page with each listing would be more work than `COMPARE_LIMIT`."""
   table = batch.page_table.astype(jnp.int32)  # [max_seqs, pages_per_seq]
   inside = (table >= 0) & (table < num_pages)
-  at = lambda where: jnp.where(where & inside, table, num_pages)  # num_pages: dropped
-  listings = jnp.zeros((num_pages,), jnp.int32).at[at(listed)].add(1, mode="drop")  # [P]
-  is_written = jnp.zeros((num_pages,), jnp.bool_).at[at(written)].set(True, mode="drop")  # [P]
-  conflict = is_written & (listings > 1)  # [P]
-  return jnp.any(listed & inside & conflict[jnp.clip(table, 0, num_pages - 1)], axis=1)
+  max_seqs, width = table.shape
+  if max_seqs * span * table.size > COMPARE_LIMIT:
+    at = lambda where: jnp.where(where & inside, table, num_pages)  # num_pages: dropped
+    listings = jnp.zeros((num_pages,), jnp.int32).at[at(listed)].add(1, mode="drop")  # [P]
+    is_written = jnp.zeros((num_pages,), jnp.bool_).at[at(written)].set(True, mode="drop")
+    conflict = is_written & (listings > 1)  # [P]
+    return jnp.any(listed & inside & conflict[jnp.clip(table, 0, num_pages - 1)], axis=1)
+  first = jnp.argmax(written, axis=1)[:, None] + jnp.arange(span)[None, :]  # [max_seqs, span]
+  entry = jnp.clip(first, 0, width - 1)
+  writes = jnp.take_along_axis(written & inside, entry, axis=1) & (first < width)
+  pages = jnp.where(writes, jnp.take_along_axis(table, entry, axis=1), -1).reshape(-1)  # [W]
+  listing = jnp.where(listed & inside, table, -2).reshape(-1)  # [max_seqs * pages_per_seq]
+  count = jnp.sum(listing[None, :] == pages[:, None], axis=1)  # [W]: listings of each write
+  conflict = jnp.where(count > 1, pages, -3)  # [W]
+  hits = jnp.any(listing[:, None] == conflict[None, :], axis=1)  # [max_seqs * pages_per_seq]
+  return jnp.any(hits.reshape(max_seqs, width), axis=1)
+
+
+def search(ends: jax.Array, values: jax.Array) -> jax.Array:
+  """`jnp.searchsorted(ends, values, side="right")`: one comparison of all pairs where few (a
+  scan's loop costs a TPU microseconds a step), else the scan."""
+  method = "compare_all" if ends.size * values.size <= COMPARE_LIMIT else "scan"
+  return jnp.searchsorted(ends, values, side="right", method=method)
 
 
 def _prefix_misuse(batch: RaggedBatch, page_size: int) -> jax.Array:
@@ -99,7 +122,7 @@ def sequences_of(batch: RaggedBatch, num_tokens: int) -> tuple[jax.Array, jax.Ar
   in_use = jnp.arange(max_seqs, dtype=jnp.int32) < count
   rows = jnp.arange(num_tokens, dtype=jnp.int32)  # [N]
   ends = jnp.where(in_use, cu[1:], jnp.iinfo(jnp.int32).max)  # non-decreasing if valid
-  seq = jnp.clip(jnp.searchsorted(ends, rows, side="right"), 0, max_seqs - 1).astype(jnp.int32)
+  seq = jnp.clip(search(ends, rows), 0, max_seqs - 1).astype(jnp.int32)
   return seq, (rows >= cu[0]) & (rows < cu[count])
 
 
@@ -133,7 +156,8 @@ def layout(batch: RaggedBatch, num_tokens: int, num_pages: int, page_size: int) 
   misuse = Misuse(
       rows=in_use & bad_rows, num_seqs=jnp.broadcast_to(bad_count, (max_seqs,)),
       kv_lens=in_use & (kv < 0), capacity=in_use & too_long, page_range=out_of_range,
-      shared_write=_shared_writes(batch, listed, written, num_pages),
+      shared_write=_shared_writes(batch, listed, written, num_pages,
+                                  min(pages_per_seq, -(-num_tokens // page_size) + 1)),
       prefix=in_use & _prefix_misuse(batch, page_size),
       selection=in_use & _selection_misuse(batch), tree=in_use & bad_tree)
   bad = misuse.any()  # [max_seqs]

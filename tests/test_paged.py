@@ -13,6 +13,7 @@ import paged_cases
 import oracle
 import splash_hk as sh
 from splash_hk import paged
+from splash_hk import ragged
 from splash_hk.fallback import selector
 
 HQ, HKV, D, PAGE = paged_cases.HQ, paged_cases.HKV, paged_cases.D, paged_cases.PAGE
@@ -392,3 +393,40 @@ def test_quantized_new_tokens_into_a_float_pool_are_written_dequantized():
   out, cache = sh.paged_attention(step.q, k8, v8, step.cache, step.batch)
   assert cache.key.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(out), _oracle(want), **harness.tol())
+
+
+def _shared_writes_oracle(table, kv, q_len, num_seqs, num_pages, page):
+  """NumPy loops over DESIGN's rule: a sequence lists a page some sequence writes this step that
+  is listed (below a length, inside the pool) more than once."""
+  max_seqs, width = table.shape
+  listed = [[s < num_seqs and e < min(-(-(kv[s] + q_len[s]) // page), width)
+             for e in range(width)] for s in range(max_seqs)]
+  ok = lambda s, e: listed[s][e] and 0 <= table[s, e] < num_pages
+  written = {table[s, e] for s in range(max_seqs) for e in range(width)
+             if ok(s, e) and q_len[s] > 0 and e >= kv[s] // page}
+  count = lambda p: sum(ok(s, e) and table[s, e] == p for s in range(max_seqs)
+                        for e in range(width))
+  conflict = {p for p in written if count(p) > 1}
+  return [any(ok(s, e) and table[s, e] in conflict for e in range(width))
+          for s in range(max_seqs)]
+
+
+@pytest.mark.parametrize("limit", [None, 0], ids=["compared", "scattered"])
+def test_shared_writes_are_found_by_comparison_and_by_scatter_alike(monkeypatch, limit):
+  """The shared-write rule against loops over its definition, on random tables with repeated,
+  negative and out-of-pool pages: the one comparison (small steps) and the scatter (large)."""
+  if limit is not None:
+    monkeypatch.setattr(ragged, "COMPARE_LIMIT", limit)
+  rng = np.random.default_rng(11)
+  for _ in range(25):
+    max_seqs, width, num_pages, page = 5, 6, 12, 4
+    q_len = rng.integers(0, 6, max_seqs)
+    kv = rng.integers(0, 12, max_seqs)
+    table = rng.integers(-1, num_pages + 2, (max_seqs, width)).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_len)]).astype(np.int32)
+    num_seqs = int(rng.integers(1, max_seqs + 1))
+    batch = sh.RaggedBatch(jnp.asarray(cu), jnp.asarray(kv, jnp.int32), jnp.asarray(table),
+                           jnp.asarray(num_seqs, jnp.int32))
+    got = ragged.layout(batch, int(cu[-1]) + 2, num_pages, page).misuse.shared_write
+    want = _shared_writes_oracle(table, kv, q_len, num_seqs, num_pages, page)
+    assert list(np.asarray(got)) == want, (table, kv, q_len, num_seqs)

@@ -9,20 +9,29 @@ sequence) are no tile's rows; `paged._step` gives them their 0 or NaN.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from splash_hk import pages
+from splash_hk import ragged
 from splash_hk.backends import base
 from splash_hk.backends.tpu import list_kernel as tpu_lists
 from splash_hk.backends.tpu import paged_kernel as tpu_paged
 
 
 
+ROW_QUANTUM = 8  # a tile's stacked rows (G * bq) are a multiple of this: one f32 VMEM tile
+
+
 def block_q(facts: pages.PagedFacts) -> int:
-  """Query rows per tile: a sequence's share of the step's rows, in [8, 128], a multiple of 8."""
+  """Query rows per tile: a sequence's share of the step's rows, at most 128, the fewest whose
+  G * bq stacked rows fill whole VMEM tiles (a decode row of 4 query heads: bq 2, 8 rows)."""
   share = -(-facts.num_tokens // facts.max_seqs)
-  return min(128, base.round_up(max(share, 1), tpu_lists.SUBLANES))
+  groups = facts.num_heads // facts.num_kv_heads
+  step = ROW_QUANTUM // math.gcd(ROW_QUANTUM, groups)
+  return min(base.round_up(128, step), base.round_up(max(share, 1), step))
 
 
 def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
@@ -65,7 +74,7 @@ def _tiles(x: pages.PagedInputs, bq: int) -> tuple[jax.Array, jax.Array, jax.Arr
   count = -(-q_len // bq)  # [max_seqs] tiles per sequence
   ends = jnp.cumsum(count)  # [max_seqs]
   tau = jnp.arange(-(-n // bq) + max_seqs, dtype=jnp.int32)  # [W]
-  seq = jnp.clip(jnp.searchsorted(ends, tau, side="right"), 0, max_seqs - 1).astype(jnp.int32)
+  seq = jnp.clip(ragged.search(ends, tau), 0, max_seqs - 1).astype(jnp.int32)
   used = tau < ends[-1]  # [W]
   first = first_row[seq] + (tau - (ends[seq] - count[seq])) * bq  # [W]
   rows = first[:, None] + jnp.arange(bq, dtype=jnp.int32)  # [W, bq]
@@ -85,8 +94,8 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, ja
   some = rows < n  # [W, bq]
   at = jnp.clip(rows, 0, n - 1)
   q = jnp.where(some[..., None, None], x.query[at], 0)  # [W, bq, Hq, D]
-  pos = jnp.where(some, x.layout.pos[at], -1)  # [W, bq]
-  pos = jnp.broadcast_to(pos[..., None], (*pos.shape, tpu_lists.LANES))  # [W, bq, 128]
+  pos = jnp.tile(jnp.where(some, x.layout.pos[at], -1), (1, groups))  # [W, G * bq]
+  pos = jnp.broadcast_to(pos[..., None], (*pos.shape, tpu_lists.LANES))  # [W, G * bq, 128]
   sinks = (jnp.full((heads,), -jnp.inf, jnp.float32) if x.sinks is None
            else base.sink_logsumexp(x.sinks))  # [Hq]
   lists = x.lists.table if x.lists.chosen is None else x.lists.chosen  # [max_seqs, Hl, K]
