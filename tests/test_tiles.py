@@ -82,3 +82,25 @@ def test_the_tuner_measures_candidates_and_the_library_reads_its_cache(tmp_path)
   entry = json.loads(cache.read_text())["entries"][0]
   assert entry["key"] == dict(chip="", dtype="float32", head_dim=128, band=1024, mask="causal")
   assert entry["tiles"]["block_q"] == 128 and entry["measured"]["forward_ms"] > 0
+
+
+@pytest.mark.parametrize("config,rows,keys,block_kv", [
+    (dict(), 1, 8192, 8192),  # causal decode: one block of the whole cache (clamped to S)
+    (dict(), 8, 40000, 16384),  # at most FEW_ROWS_KEYS a block
+    (dict(sliding_window=(1000, 0)), 1, 8192, 1024),  # the window's span, in 256-key blocks
+    (dict(chunk_size=300), 4, 8192, 512),
+    (dict(), 9, 8192, 256),  # nine rows: the defaults
+])
+def test_a_few_rows_read_their_keys_in_one_long_block(config, rows, keys, block_kv):
+  """The xla path's tiles for decode: a loop step costs a TPU more than a long block's reads."""
+  from splash_hk import tiles
+  from splash_hk.backends.xla import plan as xla_plan
+  from splash_hk.types import Facts
+  facts = Facts.from_shapes(sh.AttentionConfig(**config), (2, rows, 8, 64), (2, keys, 2, 64))
+  _, fwd_kv, _, _ = tiles.tiles_for(facts)
+  q = jnp.zeros((2, rows, 8, 64))
+  x = sh.types.KernelInputs(*(None,) * len(sh.types.KernelInputs._fields))._replace(
+      query=q, key=jnp.zeros((2, keys, 2, 64)))
+  grid = xla_plan.Grid.of(x, 512, fwd_kv)
+  assert grid.block_kv == block_kv
+  assert grid.rows_per_group == 2  # the whole batch at once (8 rows x 16384 keys: not per row)

@@ -116,8 +116,8 @@ def _integer(views: Views, pair: Pair) -> bool:
 def _block_scores(views: Views, q, pair: Pair, masked: bool):
   """(logits, tanh or None, v, mask or None) of a block pair.
 
-  A masked block gets invisible logits at -inf and v with non-finite entries
-  zeroed (k only enters the logits, which the mask replaces).
+  A masked block gets invisible logits at -inf (k only enters the logits, which the mask
+  replaces); its values are cleaned only where p @ v shows they must be (`_visible_garbage`).
   """
   mask = views.element_mask(pair.mask) if masked and pair.bias is not None else None
   s, t = _logits(q, pair.k, views.facts.config.logits_soft_cap, xla_bias.block(views, pair, mask),
@@ -125,19 +125,24 @@ def _block_scores(views: Views, q, pair: Pair, masked: bool):
   if not masked:
     return s, t, pair.v, None
   mask = views.element_mask(pair.mask) if mask is None else mask
-  v = pair.v if _integer(views, pair) else base.finite(pair.v)
-  return jnp.where(mask, s, -jnp.inf), t, v, mask
+  return jnp.where(mask, s, -jnp.inf), t, pair.v, mask
 
 
-def _visible_garbage(pv: jax.Array, mask: jax.Array, v: jax.Array | None,
+def _visible_garbage(kept: jax.Array, pv: jax.Array, mask: jax.Array, v: jax.Array | None,
                      v_scale: jax.Array | None = None) -> jax.Array:
-  """p @ v of a masked block with NaN where a visible value holds NaN/Inf (a rare case).
+  """p @ v of a masked block, kept from invisible garbage: where `pv` (of the raw values) is
+  finite no value it read was non-finite, and it stands; else (a rare case) it is recomputed
+  with non-finite values zeroed (0 * NaN must not reach rows that do not see them) and NaN put
+  in each value column of the rows that see a non-finite value there.
 
-  Such values (and quantized values' scales, [r, Hkv, 1, 1, bk]) were zeroed so they cannot
-  reach rows that do not see them; the rows that do see one get NaN in that value column.
-  `v` None: integer values, always finite (only their scales are checked).
+  `v` None: integer values, always finite (only their per-token scales, [r, Hkv, 1, 1, bk],
+  already zeroed in `kept` where not finite, are checked). One reduction of the block's
+  output, cheaper than any over its values: the values are read once.
   """
   def poison(pv):
+    if v is not None:
+      pv = jnp.einsum("bkgqs,bksd->bkgqd", kept.astype(v.dtype), base.finite(v),
+                      preferred_element_type=jnp.float32)
     bad = jnp.zeros((), jnp.bool_) if v is None else ~jnp.isfinite(v)  # [r, Hkv, bk, Dv]
     if v_scale is not None:  # a non-finite scale spoils its token's whole value
       bad = bad | ~jnp.isfinite(jnp.swapaxes(v_scale[:, :, 0], -1, -2))
@@ -145,10 +150,10 @@ def _visible_garbage(pv: jax.Array, mask: jax.Array, v: jax.Array | None,
                       .astype(jnp.float32), bad.astype(jnp.float32))
     return jnp.where(seen > 0, jnp.nan, pv)
 
-  # The sum is non-finite if any entry is (and, rarely, if finite ones overflow: then
-  # `poison` finds nothing to poison). One reduction, cheaper than any(~isfinite(v)).
-  total = sum(jnp.sum(a) for a in (v, v_scale) if a is not None)
-  return jax.lax.cond(~jnp.isfinite(total), poison, lambda pv: pv, pv)
+  clean = jnp.all(jnp.isfinite(pv))
+  if v_scale is not None:
+    clean = clean & jnp.isfinite(jnp.sum(v_scale))
+  return jax.lax.cond(clean, lambda pv: pv, poison, pv)
 
 
 def _update(views: Views, q, pair: Pair, masked: bool, state):
@@ -166,7 +171,7 @@ def _update(views: Views, q, pair: Pair, masked: bool, state):
   pv = jnp.einsum("bkgqs,bksd->bkgqd", kept.astype(v.dtype), v,
                   preferred_element_type=jnp.float32)
   if masked:
-    pv = _visible_garbage(pv, mask, None if _integer(views, pair) else pair.v, v_scale)
+    pv = _visible_garbage(kept, pv, mask, None if _integer(views, pair) else v, v_scale)
   return m_new, l * correction + jnp.sum(probs, axis=-1), acc * correction[..., None] + pv
 
 
@@ -242,8 +247,9 @@ def _grads(views: Views, q, q_t, do, do_t, lse, delta, pair: Pair, masked: bool,
   """
   s, t, v, mask = _block_scores(views, q, pair, masked)
   k = pair.k
-  if masked:  # ds is 0 where the mask is False: garbage in q or k must not meet it (0 * NaN)
+  if masked:  # ds is 0 where the mask is False: garbage in q, k or v must not meet it (0 * NaN)
     q_t, k = base.finite(q_t), base.finite(k)
+    v = v if _integer(views, pair) else base.finite(v)
   probs = jnp.exp(s - lse[..., None])  # [r, Hkv, Gq, bq, bk]
   kept = probs if pair.drop is None else probs * pair.drop  # what the forward multiplied v by
   dv = _t(jnp.einsum("bkdq,bkqs->bkds", do_t, _merge_heads(kept)))  # as do^T p: see `_t`

@@ -27,9 +27,11 @@ import numpy as np
 from splash_hk.masks import _plan
 from splash_hk.masks import _rules
 from splash_hk.types import Facts, KernelInputs
+from splash_hk.tiles import FEW_ROWS
 
 # Blocks smaller than this many (row, key, head, dim) products run for the whole
-# batch at once; larger ones per batch row, so each row skips its own blocks.
+# batch at once; larger ones per batch row, so each row skips its own blocks (not a few
+# rows' blocks: the batch's rows are the whole of such a call's work).
 PER_ROW_WORK = 1 << 22
 
 
@@ -51,7 +53,8 @@ class Grid:
     kv_len = x.key.shape[1]
     block_q, block_kv = min(block_q, query_len), min(block_kv, kv_len)
     work = block_q * block_kv * num_heads * head_dim
-    return cls(batch, query_len, kv_len, block_q, block_kv, 1 if work >= PER_ROW_WORK else batch)
+    per_row = work >= PER_ROW_WORK and query_len > FEW_ROWS
+    return cls(batch, query_len, kv_len, block_q, block_kv, 1 if per_row else batch)
 
   @property
   def num_q_blocks(self) -> int:  # nq: the last block may be partial
