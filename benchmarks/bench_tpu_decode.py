@@ -17,12 +17,11 @@ the same call (its mask the same rule).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from absl import app
 from absl import flags
@@ -31,9 +30,9 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import decode_probes
 from benchmarks import timing
 import splash_hk as sh
-from splash_hk.backends.tpu import paged_kernel as tpu_paged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,46 +115,12 @@ def make_step(row: Row, seed: int = 0) -> Step:
   return Step(q, k, v, pool, batch, lens)
 
 
-@contextlib.contextmanager
-def block_keys(keys: int | None) -> Iterator[None]:
-  """The paged kernel reads `keys` keys a grid step inside (None: its own choice): a bench-only
-  setting of `paged_kernel.BLOCK_KEYS`, its buffers' budget scaled with it."""
-  if keys is None:
-    yield
-    return
-  saved = tpu_paged.BLOCK_KEYS, tpu_paged.BUFFER_BUDGET
-  tpu_paged.BLOCK_KEYS, tpu_paged.BUFFER_BUDGET = keys, saved[1] * max(1, keys // saved[0])
-  try:
-    yield
-  finally:
-    tpu_paged.BLOCK_KEYS, tpu_paged.BUFFER_BUDGET = saved
-
-
-PROBES = ("copies", "compute")
-
-
-@contextlib.contextmanager
-def probed(part: str) -> Iterator[None]:
-  """The paged kernel with only `part` of its work (a diagnosis; its output is not attention):
-  "copies" its copies with no compute, "compute" its compute on whatever its buffers hold, with
-  no copy."""
-  names = {"copies": ("_compute",), "compute": ("_start", "_wait")}[part]
-  saved = {name: getattr(tpu_paged, name) for name in names}
-  for name in names:
-    setattr(tpu_paged, name, lambda *args, **kwargs: None)
-  try:
-    yield
-  finally:
-    for name, fn in saved.items():
-      setattr(tpu_paged, name, fn)
-
-
 def ours_seconds(step: Step, repeats: int, interpret: bool,
                  keys: int | None = None) -> tuple[float, jax.Array]:
   """The median step time of `sh.paged_attention` with the pool donated (each timed call after
   an untimed one of the same executable; the kernel's `keys` a grid step, `block_keys`), and
   its output."""
-  with block_keys(keys):
+  with decode_probes.block_keys(keys):
     return _ours_seconds(step, repeats, interpret)
 
 
@@ -245,11 +210,9 @@ def run_row(name: str, row: Row, repeats: int, bandwidth: float, interpret: bool
     result["peer_refused"] = best.get("refused", [])
   result["keys_a_step"] = {keys: round(floor / ours_seconds(step, repeats, interpret, keys)[0], 3)
                            for keys in tried}
-  alone: dict[str, float] = {}
-  for part in probes:
-    with probed(part):
-      alone[part] = round(floor / ours_seconds(step, repeats, interpret)[0], 3)
-  result["probes"] = alone
+  timed = lambda: ours_seconds(step, repeats, interpret)[0]
+  result["probes_ms"] = {part: round(decode_probes.seconds(part, step, repeats, timed) * 1e3, 4)
+                         for part in probes}
   return result
 
 
@@ -292,7 +255,7 @@ def report(results: list[dict[str, Any]], bandwidth: float) -> str:
                f"(max diff {peer['max_difference']:.3g})")
     lines.append(cell + "".join(f" | {k} keys a step: {f:.3f}"
                                 for k, f in r.get("keys_a_step", {}).items())
-                 + "".join(f" | {part} alone: {f:.3f}" for part, f in r.get("probes", {}).items()))
+                 + "".join(f" | {part} alone: {ms:.3f} ms" for part, ms in r.get("probes_ms", {}).items()))
   return "\n".join(lines)
 
 
@@ -302,10 +265,10 @@ def main(argv: list[str]) -> None:
   rows = SMOKE_ROWS if f.smoke else ROWS
   fixed = SMOKE_FIXED if f.smoke else FIXED_ROWS
   unknown = ([r for r in f.rows if r not in ROWS and r not in FIXED_ROWS]
-             + [p for p in f.probes if p not in PROBES])
+             + [p for p in f.probes if p not in decode_probes.PROBES])
   if unknown:
     raise app.UsageError(f"unknown rows or probes: {unknown}; rows are "
-                         f"{list(ROWS) + list(FIXED_ROWS)}, probes {list(PROBES)}")
+                         f"{list(ROWS) + list(FIXED_ROWS)}, probes {list(decode_probes.PROBES)}")
   bandwidth = timing.read_bandwidth(0.01 if f.smoke else 2.0, f.repeats)
   results = []
   for name in f.rows:
@@ -333,6 +296,6 @@ if __name__ == "__main__":
   flags.DEFINE_list("block_keys", [], "Also time ours at these keys a grid step (a tuning "
                     "run; the kernel's BLOCK_KEYS otherwise).")
   flags.DEFINE_list("probes", [], f"Also time the paged kernel with only one part of its work, "
-                    f"of {list(PROBES)} (a diagnosis).")
+                    f"of {list(decode_probes.PROBES)} (a diagnosis).")
   flags.DEFINE_bool("smoke", False, "Tiny rows in interpret mode, no peer (a CPU check).")
   app.run(main)

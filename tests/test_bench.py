@@ -252,8 +252,9 @@ def test_tpu_decode_bench_times_the_paged_kernel_and_hands_the_peer_the_same_ste
   from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
   row = bench_tpu_decode.SMOKE_ROWS["verify4_p64"]
   result = bench_tpu_decode.run_row("verify4_p64", row, 1, bandwidth=1e10, interpret=True,
-                                    peers=False)
+                                    peers=False, probes=("glue", "plan", "write"))
   assert result["decision"].startswith("splash") and result["ms"] > 0
+  assert all(result["probes_ms"][p] > 0 for p in ("glue", "plan", "write")), result
   step = bench_tpu_decode.make_step(row)
   assert step.bytes_read == int(step.lens.sum()) * 2 * 128 * 2 * 2
   _, ours = bench_tpu_decode.ours_seconds(step, 1, True)
