@@ -497,7 +497,7 @@ def test_any_interleaving_of_submit_step_and_cancel_keeps_every_invariant(served
   config, params, _, engine = served_model
   ServingMachine.served = (config, params, engine)
   stateful.run_state_machine_as_test(ServingMachine, settings=hypothesis.settings(
-      max_examples=10, stateful_step_count=30, deadline=None, derandomize=True, database=None,
+      max_examples=6, stateful_step_count=30, deadline=None, derandomize=True, database=None,
       suppress_health_check=list(hypothesis.HealthCheck)))
 
 
