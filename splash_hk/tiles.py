@@ -4,8 +4,8 @@
 Why these sizes (figures in docs/guide/performance.md; the bench's `--tiles` measures them):
 512-row query blocks keep XLA's batched dots on both cores of a small CPU, where
 256-row ones ran on about one; 256-key blocks halve the masked diagonal of causal
-masks for the same work, and 512 x 512 blocks' logits outgrow the cache. A call of a few
-query rows (decode) reads its keys in one long block: each loop step costs more than its
+masks for the same work, and 512 x 512 blocks' logits outgrow the cache. On a TPU a call of a
+few query rows (decode) reads its keys in one long block: each loop step costs more than its
 work. A sliding
 window narrower than 512 gets query blocks about its span, so few keys outside it
 are computed. A sequence shard takes 256-row query blocks: its devices already share
@@ -13,6 +13,8 @@ the cores, and a ring step holds half the working set.
 """
 
 from __future__ import annotations
+
+import jax
 
 from splash_hk.config import AttentionConfig
 from splash_hk.masks import _objects
@@ -32,6 +34,13 @@ def default_tiles(config: AttentionConfig) -> Tiles:
     span = config.window[0] + config.window[1] + 1
     fwd_q = bwd_q = max(128, min(512, 1 << (span.bit_length() - 1)))
   return fwd_q, fwd_kv, bwd_q, bwd_kv
+
+
+def on_tpu() -> bool:
+  """Whether this process computes on a TPU, where a loop step costs more than reading a long
+  block (`few_rows_keys`); on a CPU the opposite holds (one block of 8192 keys at T = 1 took
+  2x the 256-key blocks' time)."""
+  return jax.default_backend() == "tpu"
 
 
 def few_rows_keys(facts: Facts, default: int) -> int:
@@ -71,7 +80,7 @@ def tiles_for(facts: Facts) -> Tiles:
     fwd_q, fwd_kv = bwd_q, bwd_kv = chosen
   if facts.query_slices > 1:
     fwd_q, bwd_q = min(fwd_q, 256), min(bwd_q, 256)
-  if facts.query_len <= FEW_ROWS and chosen is None:
+  if facts.query_len <= FEW_ROWS and chosen is None and on_tpu():
     fwd_kv = few_rows_keys(facts, fwd_kv)
 
   defaults = (fwd_q, fwd_kv, bwd_q, bwd_kv)

@@ -91,11 +91,17 @@ def test_the_tuner_measures_candidates_and_the_library_reads_its_cache(tmp_path)
     (dict(chunk_size=300), 4, 8192, 512),
     (dict(), 9, 8192, 256),  # nine rows: the defaults
 ])
-def test_a_few_rows_read_their_keys_in_one_long_block(config, rows, keys, block_kv):
-  """The xla path's tiles for decode: a loop step costs a TPU more than a long block's reads."""
+def test_a_few_rows_read_their_keys_in_one_long_block_on_a_tpu(monkeypatch, config, rows, keys,
+                                                                 block_kv):
+  """The xla path's tiles for decode on a TPU (a loop step costs it more than a long block's
+  reads); on a CPU the defaults."""
   from splash_hk import tiles
   from splash_hk.backends.xla import plan as xla_plan
   from splash_hk.types import Facts
+  cpu = Facts.from_shapes(sh.AttentionConfig(**config), (2, rows, 8, 64), (2, keys, 2, 64))
+  assert tiles.tiles_for(cpu)[1] == 256
+  monkeypatch.setattr(tiles, "on_tpu", lambda: True)
+  monkeypatch.setattr(xla_plan, "on_tpu", lambda: True)
   facts = Facts.from_shapes(sh.AttentionConfig(**config), (2, rows, 8, 64), (2, keys, 2, 64))
   _, fwd_kv, _, _ = tiles.tiles_for(facts)
   q = jnp.zeros((2, rows, 8, 64))

@@ -27,11 +27,11 @@ import numpy as np
 from splash_hk.masks import _plan
 from splash_hk.masks import _rules
 from splash_hk.types import Facts, KernelInputs
-from splash_hk.tiles import FEW_ROWS
+from splash_hk.tiles import FEW_ROWS, on_tpu
 
 # Blocks smaller than this many (row, key, head, dim) products run for the whole
 # batch at once; larger ones per batch row, so each row skips its own blocks (not a few
-# rows' blocks: the batch's rows are the whole of such a call's work).
+# rows' blocks on a TPU: there a loop step costs more than the batch's rows, `tiles.on_tpu`).
 PER_ROW_WORK = 1 << 22
 
 
@@ -53,7 +53,7 @@ class Grid:
     kv_len = x.key.shape[1]
     block_q, block_kv = min(block_q, query_len), min(block_kv, kv_len)
     work = block_q * block_kv * num_heads * head_dim
-    per_row = work >= PER_ROW_WORK and query_len > FEW_ROWS
+    per_row = work >= PER_ROW_WORK and not (query_len <= FEW_ROWS and on_tpu())
     return cls(batch, query_len, kv_len, block_q, block_kv, 1 if per_row else batch)
 
   @property
