@@ -255,7 +255,8 @@ def report(results: list[dict[str, Any]], bandwidth: float) -> str:
                f"(max diff {peer['max_difference']:.3g})")
     lines.append(cell + "".join(f" | {k} keys a step: {f:.3f}"
                                 for k, f in r.get("keys_a_step", {}).items())
-                 + "".join(f" | {part} alone: {ms:.3f} ms" for part, ms in r.get("probes_ms", {}).items()))
+                 + "".join(f" | {part} alone: {ms:.3f} ms"
+                           for part, ms in r.get("probes_ms", {}).items()))
   return "\n".join(lines)
 
 

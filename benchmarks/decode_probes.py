@@ -11,13 +11,12 @@ setting of the kernel's keys a grid step.
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from benchmarks import timing
 from splash_hk import lists
 from splash_hk import pool as pool_lib
 from splash_hk.backends.tpu import paged_kernel as tpu_paged
@@ -56,16 +55,6 @@ def probed(part: str) -> Iterator[None]:
       setattr(tpu_paged, name, fn)
 
 
-def _median(call: Callable[[], Any], repeats: int) -> float:
-  jax.block_until_ready(call())  # the untimed call of the same executable
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(call())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
 def seconds(part: str, step: Any, repeats: int, timed_step: Callable[[], float]) -> float:
   """`part` of a decode step (`bench_tpu_decode.Step`) alone: `timed_step()` times the whole step
   (under `probed` for a kernel part)."""
@@ -76,7 +65,7 @@ def seconds(part: str, step: Any, repeats: int, timed_step: Callable[[], float])
   if part == "plan":
     plan = jax.jit(lambda b: lists.plan(b, step.q.shape[0], cache.num_pages, cache.page_size,
                                         None))
-    return _median(lambda: plan(batch), repeats)
+    return timing.median_seconds(plan, batch, repeats=repeats)
   rows = step.q.shape[0] // len(step.lens)  # each sequence's new rows, its last tokens
   seq = jnp.repeat(jnp.arange(len(step.lens)), rows)  # [N]
   pos = jnp.asarray(step.lens)[seq] - rows + jnp.tile(jnp.arange(rows), len(step.lens))  # [N]
@@ -89,4 +78,4 @@ def seconds(part: str, step: Any, repeats: int, timed_step: Callable[[], float])
     state["pool"] = write(state["pool"], step.k, step.v)
     return state["pool"]
 
-  return _median(once, repeats)
+  return timing.median_seconds(once, repeats=repeats)

@@ -91,8 +91,7 @@ def test_the_tuner_measures_candidates_and_the_library_reads_its_cache(tmp_path)
     (dict(chunk_size=300), 4, 8192, 512),
     (dict(), 9, 8192, 256),  # nine rows: the defaults
 ])
-def test_a_few_rows_read_their_keys_in_one_long_block_on_a_tpu(monkeypatch, config, rows, keys,
-                                                                 block_kv):
+def test_few_rows_read_one_long_block_on_a_tpu(monkeypatch, config, rows, keys, block_kv):
   """The xla path's tiles for decode on a TPU (a loop step costs it more than a long block's
   reads); on a CPU the defaults."""
   from splash_hk import tiles

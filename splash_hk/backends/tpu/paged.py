@@ -22,15 +22,12 @@ from splash_hk.backends.tpu import paged_kernel as tpu_paged
 
 
 
-ROW_QUANTUM = 8  # a tile's stacked rows (G * bq) are a multiple of this: one f32 VMEM tile
-
-
 def block_q(facts: pages.PagedFacts) -> int:
   """Query rows per tile: a sequence's share of the step's rows, at most 128, the fewest whose
   G * bq stacked rows fill whole VMEM tiles (a decode row of 4 query heads: bq 2, 8 rows)."""
   share = -(-facts.num_tokens // facts.max_seqs)
   groups = facts.num_heads // facts.num_kv_heads
-  step = ROW_QUANTUM // math.gcd(ROW_QUANTUM, groups)
+  step = tpu_lists.SUBLANES // math.gcd(tpu_lists.SUBLANES, groups)  # G * bq: whole tiles
   return min(base.round_up(128, step), base.round_up(max(share, 1), step))
 
 

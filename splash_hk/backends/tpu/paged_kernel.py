@@ -5,9 +5,10 @@ selection chose for each kv head) are read a run of `pages_per_block` entries a 
 block of about 512 keys, whatever the page size): the kernel copies the run's pages from the
 pool in HBM into a VMEM block itself, each page's slab [Hb, page, D] whole where it lands (one
 contiguous copy a page, only the entries the list holds; a kv head's E keys are its n page tiles
-in order: measured 13% faster than copies cut per kv head at pages of 64), and starts the next working step's copies before it computes on the current ones (two
-buffers: a step's compute hides the next step's reads; the grid runs in order). The lists sit
-in scalar prefetch with, for each (tile, list head), the next one that has work.
+in order: measured 13% faster than copies cut per kv head at pages of 64), and starts the next
+working step's copies before it computes on the current ones (two buffers: a step's compute
+hides the next step's reads; the grid runs in order). The lists sit in scalar prefetch with,
+for each (tile, list head), the next one that has work.
 
 A program is one tile of `block_q` rows of one sequence for every query head of the block's kv
 heads, a kv head's G query heads stacked as G * bq rows of one product. A page-table row serves
@@ -244,7 +245,8 @@ def attend(spec: Spec, tile_seq: jax.Array, tile_len: jax.Array, blocks: jax.Arr
            first_key: jax.Array, count: jax.Array, q: jax.Array, pos: jax.Array, key: jax.Array,
            value: jax.Array, sinks: jax.Array) -> tuple[jax.Array, jax.Array]:
   """q [W, Hkv, R, D] (kv head hk's rows: query head hk * G + r // bq, row r % bq), pos
-  [W, R, 128] int32 (row r's position: r % bq's; -1: no row), the pool key [P, Hkv, page, D] and value [P, Hkv, page, Dv],
+  [W, R, 128] int32 (row r's position: r % bq's; -1: no row), the pool key [P, Hkv, page, D]
+  and value [P, Hkv, page, Dv],
   tile_seq / tile_len [W] (each tile's sequence and its length after the write; 0: no tile),
   the lists' blocks and first_key [max_seqs, Hl, K] and count [max_seqs, Hl], sinks
   [Hkv, R, 128] f32 -> out [W, Hkv, R, Dv], lse [W, Hkv, R, 128]."""
