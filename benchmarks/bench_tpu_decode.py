@@ -8,9 +8,18 @@ writes its new tokens, then attends), timed after an untimed call of the same ex
 peer, JAX's `ragged_paged_attention` (`jax.experimental.pallas.ops.tpu`), reads the same
 keys and values in its own layout (k and v heads interleaved, the new tokens already in) at
 each of its candidate block sizes, the fastest kept. Bytes: each sequence's keys and values
-after the write, once. A fixed-cache row is `sh.attention` of T rows (end-aligned causal)
+after the write, once (`decode_steps`: the rows and their steps). A mixed step (prompt chunks
+beside decodes) is also held against its parts apart, a prefill against `sh.attention` of the
+same rows, an int8 pool (no peer: it takes no per-token scales) against the bf16 step of its
+shape. A fixed-cache row is `sh.attention` of T rows (end-aligned causal)
 against B caches of S keys, beside `jax.nn.dot_product_attention(implementation="xla")` of
 the same call (its mask the same rule).
+
+Each call is timed three ways (`timing`), and the read bandwidth the same three ways: "ms",
+calls launched back to back (a launch hides behind the call before it, as in a serving loop);
+"launch_ms", each call launched and waited for alone (the lent TPU's host adds about 0.6 ms a
+call); "device_ms", the chip's time in the call's programs (a trace). Each fraction of the
+bandwidth divides by the bandwidth timed the same way.
 
     python -m benchmarks.bench_tpu_decode --out=DIR [--rows=...] [--repeats=5]
 """
@@ -31,28 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import decode_probes
+from benchmarks import decode_steps
+from benchmarks.decode_steps import ROWS, SMOKE_ROWS, Row, Step, make_step, peer_inputs
 from benchmarks import timing
 import splash_hk as sh
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-  seqs: int
-  shortest: int
-  longest: int
-  page: int
-  heads: int = 32
-  kv_heads: int = 8
-  head_dim: int = 128
-  rows: int = 1  # query rows per sequence (decode: 1)
-
-
-ROWS = {"decode_p16": Row(32, 1024, 8192, 16), "decode_p64": Row(32, 1024, 8192, 64),
-        "decode_p128": Row(32, 1024, 8192, 128),
-        "decode64_p16": Row(64, 512, 4096, 16), "long8_p64": Row(8, 32768, 32768, 64),
-        "verify4_p64": Row(32, 1024, 8192, 64, rows=4)}
-SMOKE_ROWS = {name: dataclasses.replace(r, seqs=3, shortest=40, longest=300, heads=4,
-                                        kv_heads=2, head_dim=128) for name, r in ROWS.items()}
+from splash_hk import quant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,49 +64,6 @@ PEER_KEYS = (512, 1024)  # the peer's keys a block (its pages a block: these ove
 PEER_QUERIES = (8, 32)
 
 
-@dataclasses.dataclass
-class Step:
-  q: jax.Array  # [N, Hq, D]
-  k: jax.Array  # [N, Hkv, D]
-  v: jax.Array
-  pool: sh.PagedKVCache
-  batch: sh.RaggedBatch
-  lens: np.ndarray  # [S] lengths after the write
-
-  @property
-  def bytes_read(self) -> int:
-    k = self.pool.key
-    return int(self.lens.sum()) * k.shape[1] * (k.shape[3] + self.pool.value.shape[3]) * (
-        k.dtype.itemsize)
-
-
-def make_step(row: Row, seed: int = 0) -> Step:
-  """A decode step over shuffled pages of random bf16 keys and values."""
-  rng = np.random.default_rng(seed)
-  lens = rng.integers(row.shortest, row.longest + 1, row.seqs).astype(np.int32)  # after
-  need = -(-lens // row.page)
-  width = int(need.max())
-  order = rng.permutation(int(need.sum()) + 1)  # one spare page
-  table = np.zeros((row.seqs, width), np.int32)
-  at = 0
-  for s, n in enumerate(need):
-    table[s, :n] = order[at:at + n]
-    at += n
-  pages = int(need.sum()) + 1
-  keys = jax.random.split(jax.random.key(seed), 5)
-  shape = (pages, row.kv_heads, row.page, row.head_dim)
-  pool = sh.PagedKVCache(jax.random.normal(keys[0], shape, jnp.bfloat16),
-                         jax.random.normal(keys[1], shape, jnp.bfloat16))
-  n = row.seqs * row.rows
-  q = jax.random.normal(keys[2], (n, row.heads, row.head_dim), jnp.bfloat16)
-  k, v = (jax.random.normal(kk, (n, row.kv_heads, row.head_dim), jnp.bfloat16)
-          for kk in keys[3:])
-  cu = np.arange(row.seqs + 1, dtype=np.int32) * row.rows
-  batch = sh.RaggedBatch(jnp.asarray(cu), jnp.asarray(lens - row.rows), jnp.asarray(table),
-                         jnp.asarray(row.seqs, jnp.int32))
-  return Step(q, k, v, pool, batch, lens)
-
-
 def ours_seconds(step: Step, repeats: int, interpret: bool,
                  keys: int | None = None) -> tuple[float, jax.Array]:
   """The median step time of `sh.paged_attention` with the pool donated (each timed call after
@@ -124,36 +73,28 @@ def ours_seconds(step: Step, repeats: int, interpret: bool,
     return _ours_seconds(step, repeats, interpret)
 
 
-def _ours_seconds(step: Step, repeats: int, interpret: bool) -> tuple[float, jax.Array]:
+def ours_call(step: Step, interpret: bool) -> Callable[[], jax.Array]:
+  """A call of `sh.paged_attention` on the step, its pool donated and carried from call to call
+  (the step's own pool stays for the peer); returns the output. The TPU kernel, or for an int8
+  pool (which it does not read yet) the library's fallback."""
   config = sh.AttentionConfig(platform="splash" if interpret else "auto", interpret=interpret,
-                              allow_fallback=False)
+                              allow_fallback=isinstance(step.pool.key, quant.Quantized))
   run = jax.jit(lambda q, k, v, pool, batch: sh.paged_attention(q, k, v, pool, batch,
                                                                 config=config),
                 donate_argnums=3)
-  pool = jax.tree.map(jnp.copy, step.pool)  # the step's own pool stays for the peer
-  out, pool = jax.block_until_ready(run(step.q, step.k, step.v, pool, step.batch))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    out, pool = jax.block_until_ready(run(step.q, step.k, step.v, pool, step.batch))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times)), out
+  state = {"pool": jax.tree.map(jnp.copy, step.pool)}
+
+  def call() -> jax.Array:
+    out, state["pool"] = run(step.q, step.k, step.v, state["pool"], step.batch)
+    return out
+
+  return call
 
 
-def peer_inputs(step: Step) -> tuple[Any, ...]:
-  """JAX's ragged paged attention's arguments for the step: the pool with the new tokens
-  written, k and v heads interleaved ([P, page, 2 * Hkv, D]), lengths after the write, the page
-  table, row offsets and the sequence count."""
-  p, hkv, page, d = step.pool.key.shape
-  table = step.batch.page_table
-  rows = step.q.shape[0] // table.shape[0]
-  seq = jnp.repeat(jnp.arange(table.shape[0]), rows)
-  pos = jnp.asarray(step.lens)[seq] - rows + jnp.tile(jnp.arange(rows), table.shape[0])
-  write = lambda pool, new: pool.at[table[seq, pos // page], :, pos % page].set(new)
-  k, v = write(step.pool.key, step.k), write(step.pool.value, step.v)  # [P, Hkv, page, D]
-  kv = jnp.stack([k, v], axis=2).transpose(0, 3, 1, 2, 4).reshape(p, page, 2 * hkv, d)
-  return (step.q, kv, jnp.asarray(step.lens), table, step.batch.cu_q_lens,
-          jnp.asarray([table.shape[0]], jnp.int32))
+def _ours_seconds(step: Step, repeats: int, interpret: bool) -> tuple[float, jax.Array]:
+  call = ours_call(step, interpret)
+  seconds = timing.back_to_back_seconds(call, repeats=repeats)
+  return seconds, call()
 
 
 def peer_call(step: Step, keys: int, queries: int) -> Callable[[], jax.Array]:
@@ -175,49 +116,83 @@ def peer_best(step: Step, repeats: int) -> dict[str, Any]:
     for queries in PEER_QUERIES:
       try:
         call = peer_call(step, keys, queries)
-        seconds = timing.median_seconds(call, repeats=repeats)
+        seconds = timing.back_to_back_seconds(call, repeats=repeats)
       except Exception as failure:  # a candidate it refuses (VMEM): the next
         best.setdefault("refused", []).append(f"{keys}/{queries}: {type(failure).__name__}")
         continue
       if seconds < best["seconds"]:
-        best.update(seconds=seconds, blocks=f"{keys} keys / {queries} rows", out=call())
+        best.update(seconds=seconds, blocks=f"{keys} keys / {queries} rows", out=call(),
+                    call=call)
   return best
 
 
-def run_row(name: str, row: Row, repeats: int, bandwidth: float, interpret: bool,
+def _compare(peer: dict[str, Any], ours: dict[str, Any], peer_out: jax.Array,
+             out: jax.Array, blocks: str) -> dict[str, Any]:
+  """The peer's figures with ours over it (back to back and on the chip) and the largest
+  difference between the outputs."""
+  ratio = lambda key: (None if peer[key] is None or ours[key] is None
+                       else round(peer[key] / ours[key], 3))
+  return {**peer, "blocks": blocks, "ours_over": ratio("ms"),
+          "device_ours_over": ratio("device_ms"),
+          "max_difference": float(jnp.max(jnp.abs(peer_out.astype(jnp.float32)
+                                                  - out.astype(jnp.float32))))}
+
+
+def run_row(name: str, row: Row, repeats: int, bandwidth: timing.Bandwidth, interpret: bool,
             peers: bool, tried: tuple[int, ...] = (),
-            probes: tuple[str, ...] = ()) -> dict[str, Any]:
-  """A row's figures: ours (and at each of `tried` keys a grid step, and each of `probes`'
+            probes: tuple[str, ...] = (), profile: bool = False) -> dict[str, Any]:
+  """A row's figures: ours (and at each of `tried` keys a grid step, and with each of `probes`'
   kernel parts alone), the peer's best."""
   step = make_step(row)
   decision = sh.explain_paged(step.q, step.k, step.v, step.pool, step.batch,
                               for_platform="tpu", config=sh.AttentionConfig(interpret=interpret))
-  seconds, out = ours_seconds(step, repeats, interpret)
-  floor = step.bytes_read / bandwidth
+  call = ours_call(step, interpret)  # one executable for every figure of ours below
+  seconds = timing.back_to_back_seconds(call, repeats=repeats)
+  out = call()
+  ours = timing.figures(call, step.bytes_read, bandwidth, repeats, seconds)
+  floor = step.bytes_read / bandwidth.back_to_back
   result = {"row": name, "shape": dataclasses.asdict(row), "mean_len": float(step.lens.mean()),
             "decision": f"{decision.backend}: {decision.reason}",
-            "bytes_read": step.bytes_read, "ms": round(seconds * 1e3, 4),
-            "fraction_of_bandwidth": round(floor / seconds, 3)}
-  if peers:
+            "bytes_read": step.bytes_read, **ours}
+  result.update(_beside(row, step, seconds, repeats, interpret))
+  if peers and not row.int8:  # the peer takes no per-token scales
     best = peer_best(step, repeats)
     if np.isfinite(best["seconds"]):
-      result["peers"] = {"ragged_paged_attention": {
-          "ms": round(best["seconds"] * 1e3, 4), "blocks": best["blocks"],
-          "fraction_of_bandwidth": round(floor / best["seconds"], 3),
-          "ours_over": round(best["seconds"] / seconds, 3),
-          "max_difference": float(jnp.max(jnp.abs(best["out"].astype(jnp.float32)
-                                                  - out.astype(jnp.float32))))}}
+      peer = timing.figures(best["call"], step.bytes_read, bandwidth, repeats, best["seconds"])
+      result["peers"] = {"ragged_paged_attention": _compare(peer, ours, best["out"], out,
+                                                            best["blocks"])}
     result["peer_refused"] = best.get("refused", [])
   result["keys_a_step"] = {keys: round(floor / ours_seconds(step, repeats, interpret, keys)[0], 3)
                            for keys in tried}
   timed = lambda: ours_seconds(step, repeats, interpret)[0]
-  result["probes_ms"] = {part: round(decode_probes.seconds(part, step, repeats, timed) * 1e3, 4)
+  result["probes_ms"] = {part: round(decode_probes.seconds(part, timed) * 1e3, 4)
                          for part in probes}
+  if profile:
+    result["ops_us"] = timing.top_ops(call, repeats)
   return result
 
 
-def run_fixed_row(name: str, row: FixedRow, repeats: int, bandwidth: float,
-                  interpret: bool) -> dict[str, Any]:
+def _beside(row: Row, step: Step, seconds: float, repeats: int,
+            interpret: bool) -> dict[str, Any]:
+  """What a step of its kind is held against, back to back: a mixed step, its parts apart
+  (`Row.parts`: the prompt chunks alone, the decodes alone); a prefill, `sh.attention` of the
+  same rows (causal, the library's defaults for the hardware)."""
+  parts = row.parts()
+  if parts is not None:
+    apart = [ours_seconds(make_step(part), repeats, interpret)[0] for part in parts]
+    return {"parts_ms": [round(t * 1e3, 4) for t in apart],
+            "over_parts": round(seconds / sum(apart), 3)}
+  if row.prompts == row.seqs == 1:  # nothing cached: its keys are its new rows'
+    config = sh.AttentionConfig(interpret=interpret)
+    call = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config).attention_outputs)
+    alone = timing.back_to_back_seconds(call, step.q[None], step.k[None], step.v[None],
+                                        repeats=repeats)
+    return {"attention_ms": round(alone * 1e3, 4), "over_attention": round(seconds / alone, 3)}
+  return {}
+
+
+def run_fixed_row(name: str, row: FixedRow, repeats: int, bandwidth: timing.Bandwidth,
+                  interpret: bool, profile: bool = False) -> dict[str, Any]:
   """A fixed-cache row's figures: `sh.attention` (the library's TPU choice) and jax.nn's xla."""
   keys = jax.random.split(jax.random.key(1), 3)
   q = jax.random.normal(keys[0], (row.batch, row.rows, row.heads, row.head_dim), jnp.bfloat16)
@@ -229,30 +204,51 @@ def run_fixed_row(name: str, row: FixedRow, repeats: int, bandwidth: float,
   visible = (jnp.arange(row.keys)[None] <= jnp.arange(row.rows)[:, None] + row.keys - row.rows)
   theirs = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, mask=visible[None, None], implementation="xla"))
-  floor = 2 * k.size * k.dtype.itemsize / bandwidth
-  seconds = timing.median_seconds(ours, q, k, v, repeats=repeats)
-  peer = timing.median_seconds(theirs, q, k, v, repeats=repeats)
-  difference = jnp.max(jnp.abs(ours(q, k, v).astype(jnp.float32)
-                               - theirs(q, k, v).astype(jnp.float32)))
-  return {"row": name, "shape": dataclasses.asdict(row), "mean_len": float(row.keys),
-          "decision": f"{decision.backend}: {decision.reason}", "ms": round(seconds * 1e3, 4),
-          "fraction_of_bandwidth": round(floor / seconds, 3),
-          "peers": {"jax_nn_xla": {"ms": round(peer * 1e3, 4), "blocks": "-",
-                                   "fraction_of_bandwidth": round(floor / peer, 3),
-                                   "ours_over": round(peer / seconds, 3),
-                                   "max_difference": float(difference)}}}
+  bytes_read = 2 * k.size * k.dtype.itemsize
+  mine = timing.figures(lambda: ours(q, k, v), bytes_read, bandwidth, repeats)
+  peer = timing.figures(lambda: theirs(q, k, v), bytes_read, bandwidth, repeats)
+  result = {"row": name, "shape": dataclasses.asdict(row), "mean_len": float(row.keys),
+            "decision": f"{decision.backend}: {decision.reason}", "bytes_read": bytes_read,
+            **mine, "peers": {"jax_nn_xla": _compare(peer, mine, theirs(q, k, v), ours(q, k, v),
+                                                      "-")}}
+  if profile:
+    result["ops_us"] = timing.top_ops(lambda: ours(q, k, v), repeats)
+  return result
 
 
-def report(results: list[dict[str, Any]], bandwidth: float) -> str:
-  lines = [f"read bandwidth measured: {bandwidth / 1e9:.0f} GB/s (jitted sum over 2 GiB)",
-           "row | ours ms, fraction of bandwidth | peer: ms, fraction, ours over it, blocks"]
+def _cell(figures: dict[str, Any]) -> str:
+  """ms and fraction back to back; on the chip where traced; launched alone."""
+  text = f"{figures['ms']:.3f} ms {figures['fraction_of_bandwidth']:.3f}"
+  if figures.get("device_ms") is not None:
+    text += f" (chip {figures['device_ms']:.3f} ms {figures['device_fraction']:.3f})"
+  return text + f" (alone {figures['launch_ms']:.3f} ms)"
+
+
+def _over_bf16(result: dict[str, Any], results: list[dict[str, Any]]) -> str:
+  """An int8 pool's step over the bf16 step of the same shape, where both ran."""
+  if not result["shape"].get("int8"):
+    return ""
+  bf16 = [r for r in results if r["shape"] == {**result["shape"], "int8": False}]
+  return f" | over the bf16 step: {result['ms'] / bf16[0]['ms']:.2f}x" if bf16 else ""
+
+
+def report(results: list[dict[str, Any]], bandwidth: timing.Bandwidth) -> str:
+  chip = "" if bandwidth.device is None else f", on the chip {bandwidth.device / 1e9:.0f}"
+  lines = [f"read bandwidth (jitted sum over 2 GiB), GB/s: back to back "
+           f"{bandwidth.back_to_back / 1e9:.0f}{chip}, launched alone {bandwidth.launch / 1e9:.0f}",
+           "row | ours: ms, fraction of the bandwidth | peer: the same, ours over it "
+           "(back to back; on the chip), blocks"]
   for r in results:
-    cell = f"{r['row']} (mean length {r['mean_len']:.0f}) | {r['ms']:.3f} ms, " \
-           f"{r['fraction_of_bandwidth']:.3f}"
+    cell = f"{r['row']} (mean length {r['mean_len']:.0f}) | {_cell(r)}"
     for name, peer in r.get("peers", {}).items():
-      cell += (f" | {name}: {peer['ms']:.3f} ms, {peer['fraction_of_bandwidth']:.3f}, "
-               f"{peer['ours_over']:.2f}x, {peer['blocks']} "
-               f"(max diff {peer['max_difference']:.3g})")
+      chip_ratio = "" if peer["device_ours_over"] is None else f"; {peer['device_ours_over']:.2f}x"
+      cell += (f" | {name}: {_cell(peer)}, {peer['ours_over']:.2f}x{chip_ratio}, "
+               f"{peer['blocks']} (max diff {peer['max_difference']:.3g})")
+    if "over_parts" in r:
+      cell += f" | over its parts apart: {r['over_parts']:.2f}x"
+    if "over_attention" in r:
+      cell += f" | over attention: {r['over_attention']:.2f}x ({r['attention_ms']:.3f} ms)"
+    cell += _over_bf16(r, results)
     lines.append(cell + "".join(f" | {k} keys a step: {f:.3f}"
                                 for k, f in r.get("keys_a_step", {}).items())
                  + "".join(f" | {part} alone: {ms:.3f} ms"
@@ -270,20 +266,22 @@ def main(argv: list[str]) -> None:
   if unknown:
     raise app.UsageError(f"unknown rows or probes: {unknown}; rows are "
                          f"{list(ROWS) + list(FIXED_ROWS)}, probes {list(decode_probes.PROBES)}")
-  bandwidth = timing.read_bandwidth(0.01 if f.smoke else 2.0, f.repeats)
+  bandwidth = timing.Bandwidth.measure(0.01 if f.smoke else 2.0, f.repeats)
   results = []
   for name in f.rows:
     results.append(
-        run_fixed_row(name, fixed[name], f.repeats, bandwidth, f.smoke) if name in fixed else
+        run_fixed_row(name, fixed[name], f.repeats, bandwidth, f.smoke, f.profile)
+        if name in fixed else
         run_row(name, rows[name], f.repeats, bandwidth, f.smoke, not f.smoke,
-                tuple(int(k) for k in f.block_keys), tuple(f.probes)))
+                tuple(int(k) for k in f.block_keys), tuple(f.probes), f.profile))
     print(report(results[-1:], bandwidth).split("\n", 2)[-1], flush=True)
   text = report(results, bandwidth)
   print(text)
   if f.out:
     os.makedirs(f.out, exist_ok=True)
     with open(os.path.join(f.out, "bench_tpu_decode.json"), "w") as out:
-      json.dump({"device": str(jax.devices()[0].device_kind), "read_bandwidth": bandwidth,
+      json.dump({"device": str(jax.devices()[0].device_kind),
+                 "read_bandwidth": dataclasses.asdict(bandwidth),
                  "results": results}, out, indent=1)
     with open(os.path.join(f.out, "bench_tpu_decode.txt"), "w") as out:
       out.write(text + "\n")
@@ -298,5 +296,7 @@ if __name__ == "__main__":
                     "run; the kernel's BLOCK_KEYS otherwise).")
   flags.DEFINE_list("probes", [], f"Also time the paged kernel with only one part of its work, "
                     f"of {list(decode_probes.PROBES)} (a diagnosis).")
+  flags.DEFINE_bool("profile", False, "Also trace the paged step and keep its device "
+                    "operations' time a call, in microseconds (`ops_us`, the largest first).")
   flags.DEFINE_bool("smoke", False, "Tiny rows in interpret mode, no peer (a CPU check).")
   app.run(main)

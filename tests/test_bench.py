@@ -21,6 +21,7 @@ from benchmarks import bench_blocks
 from benchmarks import bench_quant
 from benchmarks import bench_tpu
 from benchmarks import bench_tpu_decode
+from benchmarks import timing
 from benchmarks import bench_report
 from benchmarks import bench_workloads
 from benchmarks import guards
@@ -251,10 +252,12 @@ def test_tpu_decode_bench_times_the_paged_kernel_and_hands_the_peer_the_same_ste
   only)."""
   from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
   row = bench_tpu_decode.SMOKE_ROWS["verify4_p64"]
-  result = bench_tpu_decode.run_row("verify4_p64", row, 1, bandwidth=1e10, interpret=True,
-                                    peers=False, probes=("glue", "plan", "write"))
+  rate = timing.Bandwidth(back_to_back=1e10, launch=1e10, device=None)
+  result = bench_tpu_decode.run_row("verify4_p64", row, 1, bandwidth=rate, interpret=True,
+                                    peers=False, probes=("glue",), profile=True)
   assert result["decision"].startswith("splash") and result["ms"] > 0
-  assert all(result["probes_ms"][p] > 0 for p in ("glue", "plan", "write")), result
+  assert result["launch_ms"] > 0 and result["device_ms"] is None, result  # a CPU: no chip time
+  assert result["probes_ms"]["glue"] > 0 and result["ops_us"] == {}, result
   step = bench_tpu_decode.make_step(row)
   assert step.bytes_read == int(step.lens.sum()) * 2 * 128 * 2 * 2
   _, ours = bench_tpu_decode.ours_seconds(step, 1, True)
@@ -262,8 +265,34 @@ def test_tpu_decode_bench_times_the_paged_kernel_and_hands_the_peer_the_same_ste
                                           sm_scale=128 ** -0.5)
   np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs, np.float32),
                              atol=2e-2, rtol=2e-2)
-  assert "verify4_p64 (mean length" in bench_tpu_decode.report([result], 1e10)
+  assert "verify4_p64 (mean length" in bench_tpu_decode.report([result], rate)
   fixed = bench_tpu_decode.run_fixed_row("fixed_t4", bench_tpu_decode.SMOKE_FIXED["fixed_t4"], 1,
-                                         bandwidth=1e10, interpret=True)
+                                         bandwidth=rate, interpret=True)
   assert fixed["peers"]["jax_nn_xla"]["max_difference"] < 5e-3  # the same rule as the peer's
-  assert "jax_nn_xla: " in bench_tpu_decode.report([fixed], 1e10)
+  assert "jax_nn_xla: " in bench_tpu_decode.report([fixed], rate)
+
+
+def test_tpu_decode_bench_holds_each_kind_of_step_against_its_own():
+  """A mixed step against its parts apart, a prefill against `attention`, an int8 pool against
+  the bf16 step (its bytes: codes and per-token scales); a mixed step's peer inputs give our
+  output through JAX's reference (interpret mode, tiny rows)."""
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+  rate = timing.Bandwidth(back_to_back=1e10, launch=1e10, device=None)
+  rows = bench_tpu_decode.SMOKE_ROWS
+  run = lambda name: bench_tpu_decode.run_row(name, rows[name], 1, bandwidth=rate,
+                                              interpret=True, peers=False)
+  mixed, prefill = run("mixed_p64"), run("prefill2k_p64")
+  int8, bf16 = run("int8_p64"), run("decode_p64")
+  assert len(mixed["parts_ms"]) == 2 and mixed["over_parts"] > 0, mixed
+  assert prefill["attention_ms"] > 0 and prefill["over_attention"] > 0, prefill
+  assert int8["decision"].startswith("xla") and "quantized" in int8["decision"], int8
+  # a token's k and v over 2 kv heads: int8 codes of 128 and a float32 scale, or 128 bf16
+  assert int8["bytes_read"] * (2 * 2 * 128 * 2) == bf16["bytes_read"] * (2 * 2 * (128 + 4))
+  assert "over the bf16 step: " in bench_tpu_decode.report([bf16, int8], rate)
+  step = bench_tpu_decode.make_step(rows["mixed_p64"])
+  assert list(np.diff(np.asarray(step.batch.cu_q_lens))) == [48, 48, 1]
+  _, ours = bench_tpu_decode.ours_seconds(step, 1, True)
+  theirs = rpa.ref_ragged_paged_attention(*bench_tpu_decode.peer_inputs(step),
+                                          sm_scale=128 ** -0.5)
+  np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs, np.float32),
+                             atol=2e-2, rtol=2e-2)
