@@ -5,10 +5,12 @@ NumPy)."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+import harness
 import oracle
 import splash_hk as sh
 
@@ -89,10 +91,11 @@ def attend(step, sinks=None, bias=None, **rules):
 RUNS_WINDOW = (700, 0)
 
 
-def runs_of_pages(chosen, page, kv_lens, q_lens=(1, 40, 3, 1), dtype=np.float32):
+def runs_of_pages(chosen, page, kv_lens, q_lens=(1, 40, 3, 1), dtype=np.float32,
+                  window=RUNS_WINDOW):
   """A step over long histories (several of the paged kernel's runs of pages), the batch (with
   `chosen`: each kv head of each sequence reads a random two thirds of its pages, in any
-  order) and the float64 oracle of its live rows under a window of `RUNS_WINDOW`."""
+  order) and the float64 oracle of its live rows, causal under `window` (None: none)."""
   longest = max(kv + q for kv, q in zip(kv_lens, q_lens))
   width = -(-longest // page)
   step_ = step(seed=3, kv_lens=kv_lens, q_lens=q_lens, pages_per_seq=width,
@@ -117,7 +120,7 @@ def runs_of_pages(chosen, page, kv_lens, q_lens=(1, 40, 3, 1), dtype=np.float32)
       seen = np.repeat(seen, HQ // HKV, 0)[None, :, None, :]
     want, _ = oracle.attention(step_.q[start:start + ql][None].astype(np.float64),
                                hk[None].astype(np.float64), hv[None].astype(np.float64),
-                               mask=seen, window=RUNS_WINDOW)
+                               mask=seen, window=window)
     outs.append(want[0])
     start += ql
   return step_, batch, np.concatenate(outs)
@@ -164,3 +167,38 @@ def quantized_step(kind, seed, **kwargs):
   case.history_v = [as_stored(h) for h in case.history_v]
   assert case.cache.key.values.dtype == dtype
   return case
+
+
+def check_written(step: Step, cache: sh.PagedKVCache) -> None:
+  """The new tokens at their slots; every other slot bit for bit as before (NaN included)."""
+  key, value = (np.array(a) for a in step.cache.token_major())
+  page = step.cache.page_size
+  table, kv_lens = np.asarray(step.batch.page_table), np.asarray(step.batch.kv_lens)
+  for s, (hk, hv, ql) in enumerate(zip(step.history_k, step.history_v, step.q_lens)):
+    for t in range(kv_lens[s], kv_lens[s] + ql):
+      key[table[s, t // page], t % page] = hk[t]
+      value[table[s, t // page], t % page] = hv[t]
+  np.testing.assert_array_equal(np.asarray(cache.token_major()[0]), key)
+  np.testing.assert_array_equal(np.asarray(cache.token_major()[1]), value)
+
+
+def check_new_nan(config: sh.AttentionConfig, new_rows: int) -> None:
+  """A prefill row's new value holds NaN: its own and later rows of the sequence (one tile)
+  output NaN in that column of its kv head's group; the rows before it match the oracle. With
+  9 new rows the NaN's page lies wholly below the length (a block the TPU kernel reads without
+  its guard where every row of the tile sees it: not the tile of the rows before the NaN)."""
+  case = step(seed=7, q_lens=(1, new_rows, 3, 1))
+  seq, at = 1, 4  # sequence 1 (kv_len 0, new rows from position 0): its row at position 4
+  row = sum(case.q_lens[:seq]) + at
+  case.v[row, 0, 0] = np.nan
+  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
+      case.q, case.k, case.v, case.cache, case.batch)
+  out = np.asarray(out)
+  first, last = sum(case.q_lens[:seq]), sum(case.q_lens[:seq + 1])
+  groups = HQ // HKV
+  assert np.isnan(out[row:last, :groups, 0]).all()
+  assert np.isfinite(out[row:last, :, 1:]).all() and np.isfinite(out[row:last, groups:]).all()
+  case.history_v[seq] = np.nan_to_num(case.history_v[seq])
+  want = attend(dataclasses.replace(case, v=np.nan_to_num(case.v)))
+  np.testing.assert_allclose(out[first:row], want[first:row], **harness.tol())
+  np.testing.assert_allclose(out[last:], want[last:], **harness.tol())

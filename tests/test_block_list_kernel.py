@@ -174,40 +174,29 @@ def test_paged_attention_exported_for_tpu_holds_the_paged_kernel(page_size):
   assert both.mlir_module().count("tpu_custom_call") == 1
 
 
+@pytest.mark.parametrize("new_rows", [7, 9])
 @pytest.mark.parametrize("platform", ["xla", "splash"])
-def test_a_new_nan_value_shows_only_in_the_rows_that_see_it(platform):
-  """A prefill row's new value holds NaN: its own and later rows of the sequence (one tile)
-  output NaN in that column of its kv head's group; the rows before it match the oracle."""
-  step = paged_cases.step(seed=7)
-  seq, at = 1, 4  # sequence 1 (kv_len 0, 7 new rows): its row at position 4
-  row = sum(step.q_lens[:seq]) + at
-  step.v[row, 0, 0] = np.nan
-  config = sh.AttentionConfig(platform=platform, interpret=True, allow_fallback=False)
-  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
-      step.q, step.k, step.v, step.cache, step.batch)
-  out = np.asarray(out)
-  first, last = sum(step.q_lens[:seq]), sum(step.q_lens[:seq + 1])
-  groups = paged_cases.HQ // paged_cases.HKV
-  assert np.isnan(out[row:last, :groups, 0]).all()
-  assert np.isfinite(out[row:last, :, 1:]).all() and np.isfinite(out[row:last, groups:]).all()
-  clean = np.nan_to_num(step.v)
-  step.history_v[seq] = np.nan_to_num(step.history_v[seq])
-  want = paged_cases.attend(dataclasses.replace(step, v=clean))
-  np.testing.assert_allclose(out[first:row], want[first:row], **harness.tol())
-  np.testing.assert_allclose(out[last:], want[last:], **harness.tol())
+def test_a_new_nan_value_shows_only_in_the_rows_that_see_it(platform, new_rows):
+  """A prefill row's new value holds NaN: its own and later rows see it, the rows before it do
+  not (`paged_cases.check_new_nan`)."""
+  paged_cases.check_new_nan(sh.AttentionConfig(platform=platform, interpret=True,
+                                               allow_fallback=False), new_rows)
 
 
-
-@pytest.mark.parametrize("chosen", [False, True], ids=["table", "selection"])
-def test_runs_of_pages_a_step_match_the_oracle_at_real_lengths(chosen):
+@pytest.mark.parametrize("chosen,window", [(False, paged_cases.RUNS_WINDOW),
+                                           (True, paged_cases.RUNS_WINDOW), (False, None)],
+                         ids=["table", "selection", "table_causal"])
+def test_runs_of_pages_a_step_match_the_oracle_at_real_lengths(chosen, window):
   """Pages of 32 (f32): the kernel reads 16 pages (512 keys) a grid step; histories of 700-1100
   tokens need several steps with a partial last one, the rows a window across steps, the free
-  slots NaN. With a selection each kv head reads its own random pages (any order)."""
+  slots NaN. With a selection each kv head reads its own random pages (any order); causal with
+  no window, the blocks every row sees whole run without the values' guard."""
   assert tpu_paged.pages_per_block(32, 40, paged_cases.HKV, paged_cases.D, paged_cases.D, 4,
                                    32) == 16
-  step, batch, want = paged_cases.runs_of_pages(chosen, page=32, kv_lens=(700, 0, 1100, 37))
+  step, batch, want = paged_cases.runs_of_pages(chosen, page=32, kv_lens=(700, 0, 1100, 37),
+                                                window=window)
   config = sh.AttentionConfig(platform="splash", interpret=True, allow_fallback=False,
-                              sliding_window=paged_cases.RUNS_WINDOW)
+                              sliding_window=window)
   out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
       step.q, step.k, step.v, step.cache, batch)
   np.testing.assert_allclose(np.asarray(out)[:len(want)], want, **harness.tol())

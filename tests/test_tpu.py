@@ -22,6 +22,7 @@ import harness
 import oracle
 import paged_cases
 import splash_hk as sh
+from splash_hk.backends.tpu import paged_kernel as tpu_paged
 import bf16_cases
 from cases import Case, GRAD_CASES, LIST_CASES, SPLASH_CASES, list_attention, list_case
 
@@ -119,19 +120,33 @@ def test_the_paged_kernel_compiled_matches_the_oracle(rule):
   config, rules = paged_cases.RULES[rule]
   step = paged_cases.step(seed=1)
   config = dataclasses.replace(config, **COMPILED)
-  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
+  out, cache = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
       step.q, step.k, step.v, step.cache, step.batch)
   np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())
+  paged_cases.check_written(step, cache)  # the pool written on the chip too
 
 
+@pytest.mark.parametrize("new_rows", [7, 9])
+def test_a_new_nan_value_compiled_shows_only_in_the_rows_that_see_it(new_rows):
+  """Garbage and a visible NaN on the chip: the paged kernel's guarded and whole blocks."""
+  paged_cases.check_new_nan(sh.AttentionConfig(**COMPILED), new_rows)
+
+
+@pytest.mark.parametrize("keys", [512, 1024])
 @pytest.mark.parametrize("page", [16, 64])
-@pytest.mark.parametrize("chosen", [False, True], ids=["table", "selection"])
-def test_runs_of_pages_compiled_match_the_oracle(chosen, page):
+@pytest.mark.parametrize("chosen,window", [(False, paged_cases.RUNS_WINDOW),
+                                           (True, paged_cases.RUNS_WINDOW), (False, None)],
+                         ids=["table", "selection", "table_causal"])
+def test_runs_of_pages_compiled_match_the_oracle(chosen, window, page, keys, monkeypatch):
   """bf16 pools of pages of 16 and 64, histories of 3000 and 5000 tokens: the paged kernel's
-  runs of pages (512 keys a grid step, copies started a step ahead) on the chip."""
+  runs of pages (`keys` a grid step, copies started a step ahead, whole blocks unguarded where
+  causal with no window) on the chip."""
+  monkeypatch.setattr(tpu_paged, "BUFFER_BUDGET", tpu_paged.BUFFER_BUDGET * keys
+                      // tpu_paged.BLOCK_KEYS)
+  monkeypatch.setattr(tpu_paged, "BLOCK_KEYS", keys)
   step, batch, want = paged_cases.runs_of_pages(chosen, page, kv_lens=(3000, 0, 5000, 37),
-                                                dtype=jnp.bfloat16)
-  config = sh.AttentionConfig(sliding_window=paged_cases.RUNS_WINDOW, **COMPILED)
+                                                dtype=jnp.bfloat16, window=window)
+  config = sh.AttentionConfig(sliding_window=window, **COMPILED)
   out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
       step.q, step.k, step.v, step.cache, batch)
   np.testing.assert_allclose(np.asarray(out, np.float32)[:len(want)], want,

@@ -63,14 +63,21 @@ def _pages_per_block(facts: pages.PagedFacts, itemsize: int, entries: int | None
                                    itemsize, facts.num_heads // facts.num_kv_heads * block_q(facts))
 
 
-def _tiles(x: pages.PagedInputs, bq: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """tile_seq [W], tile_len [W] (0: no tile) and rows [W, bq] (N: no row)."""
+def most_tiles(num_tokens: int, max_seqs: int, bq: int) -> int:
+  """W: the most tiles of `bq` rows a step of `num_tokens` rows over `max_seqs` sequences cuts
+  (each sequence with rows wastes at most bq - 1 rows of its last tile)."""
+  return (num_tokens + min(max_seqs, num_tokens) * (bq - 1)) // bq
+
+
+def _tiles(x: pages.PagedInputs, bq: int) -> tuple[jax.Array, ...]:
+  """tile_seq [W], tile_len [W] (0: no tile), rows [W, bq] (N: no row) and each row's place
+  [N] in the tiles' W * bq rows (-1: in no tile)."""
   layout, table = x.layout, x.lists.table  # each sequence's rows and its page-table row
   n, max_seqs = x.query.shape[0], table.num_owners
   first_row, q_len = table.offset, table.rows  # [max_seqs]: live rows only
   count = -(-q_len // bq)  # [max_seqs] tiles per sequence
   ends = jnp.cumsum(count)  # [max_seqs]
-  tau = jnp.arange(-(-n // bq) + max_seqs, dtype=jnp.int32)  # [W]
+  tau = jnp.arange(most_tiles(n, max_seqs, bq), dtype=jnp.int32)  # [W]
   seq = jnp.clip(ragged.search(ends, tau), 0, max_seqs - 1).astype(jnp.int32)
   used = tau < ends[-1]  # [W]
   first = first_row[seq] + (tau - (ends[seq] - count[seq])) * bq  # [W]
@@ -78,7 +85,11 @@ def _tiles(x: pages.PagedInputs, bq: int) -> tuple[jax.Array, jax.Array, jax.Arr
   ok = (used[:, None] & (rows < (first_row + q_len)[seq][:, None]) & (rows >= 0)
         & (rows < n))
   tile_len = jnp.where(used, layout.kv_len_after[seq], 0).astype(jnp.int32)
-  return seq, tile_len, jnp.where(ok, rows, n)
+  own = layout.seq  # [N] each row's sequence
+  within = jnp.arange(n, dtype=jnp.int32) - first_row[own]  # [N]
+  place = (ends[own] - count[own]) * bq + within  # tiles before the sequence's, then its rows
+  return seq, tile_len, jnp.where(ok, rows, n), jnp.where(
+      (within >= 0) & (within < q_len[own]), place, -1)
 
 
 def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:
@@ -87,11 +98,13 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, ja
   n, heads, d = x.query.shape
   kv_heads, dv = facts.num_kv_heads, facts.value_dim
   groups, bq = heads // kv_heads, block_q(facts)
-  tile_seq, tile_len, rows = _tiles(x, bq)  # [W], [W], [W, bq]
+  tile_seq, tile_len, rows, place = _tiles(x, bq)  # [W], [W], [W, bq], [N]
   some = rows < n  # [W, bq]
   at = jnp.clip(rows, 0, n - 1)
   q = jnp.where(some[..., None, None], x.query[at], 0)  # [W, bq, Hq, D]
-  pos = jnp.tile(jnp.where(some, x.layout.pos[at], -1), (1, groups))  # [W, G * bq]
+  row_pos = jnp.where(some, x.layout.pos[at], -1)  # [W, bq]
+  low = jnp.min(jnp.where(some, row_pos, tpu_paged.NO_STEP), axis=1)  # [W]: first row's
+  pos = jnp.tile(row_pos, (1, groups))  # [W, G * bq]
   pos = jnp.broadcast_to(pos[..., None], (*pos.shape, tpu_lists.LANES))  # [W, G * bq, 128]
   sinks = (jnp.full((heads,), -jnp.inf, jnp.float32) if x.sinks is None
            else base.sink_logsumexp(x.sinks))  # [Hq]
@@ -106,14 +119,11 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, ja
   q = jnp.swapaxes(q, 1, 2).reshape(-1, *stacked, d)  # [W, Hkv, G * bq, D]
   sinks = jnp.broadcast_to(jnp.repeat(sinks.reshape(stacked[0], groups), bq, 1)[..., None],
                            (*stacked, tpu_lists.LANES))  # [Hkv, G * bq, 128]
-  out, lse = tpu_paged.attend(spec, tile_seq, tile_len, lists.blocks, lists.first_key,
+  out, lse = tpu_paged.attend(spec, tile_seq, tile_len, low, lists.blocks, lists.first_key,
                               lists.count, q, pos, x.cache.key, x.cache.value, sinks)
-  out = out.reshape(-1, heads, bq, dv)  # [W, Hq, bq, Dv]
-  lse = lse.reshape(-1, heads, bq, tpu_lists.LANES)  # [W, Hq, bq, 128]
-  flat = rows.reshape(-1)  # [W * bq]
-  place = lambda a: jnp.zeros((n + 1, *a.shape[2:]), a.dtype).at[flat].set(
-      a.reshape(-1, *a.shape[2:]), mode="drop")[:n]
-  out = place(jnp.swapaxes(out, 1, 2))  # [N, Hq, Dv]
-  lse = jnp.where(some[..., None], jnp.swapaxes(lse[..., 0], 1, 2), -jnp.inf)  # [W, bq, Hq]
-  lse = jnp.full((n + 1, heads), -jnp.inf).at[flat].set(lse.reshape(-1, heads), mode="drop")
-  return out.reshape(n, heads, dv), lse[:n]
+  out = jnp.swapaxes(out.reshape(-1, heads, bq, dv), 1, 2)  # [W, bq, Hq, Dv]
+  lse = jnp.swapaxes(lse.reshape(-1, heads, bq, tpu_lists.LANES)[..., 0], 1, 2)  # [W, bq, Hq]
+  at = jnp.clip(place, 0, None)  # [N]: a gather of each row from its tile (not a scatter)
+  out = jnp.where((place >= 0)[:, None, None], out.reshape(-1, heads, dv)[at], 0)
+  lse = jnp.where((place >= 0)[:, None], lse.reshape(-1, heads)[at], -jnp.inf)
+  return out, lse  # [N, Hq, Dv], [N, Hq]

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from splash_hk.backends import base
 from splash_hk.backends.tpu import list_kernel as tpu_lists
 from splash_hk.backends.tpu import plan as splash_plan
+from splash_hk.masks import _objects
 from splash_hk.masks._mask import Mask
 
 LANES, SUBLANES = tpu_lists.LANES, tpu_lists.SUBLANES
@@ -46,6 +47,7 @@ BLOCK_KEYS = 512  # keys a grid step reads (a run of pages): the most a step's c
 BUFFER_BUDGET = 4 * 2 ** 20  # VMEM for the two key and value blocks
 SCORES_BUDGET = 2 * 2 ** 20  # VMEM for a kv head's logits and probabilities (f32 [R, E] each)
 NO_STEP = 2 ** 30  # a key position no length reaches (an entry past its list)
+CAUSAL_ONLY = dict(causal=True, window=None, chunk_size=None)  # `_objects.as_rules` of Causal()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +94,12 @@ def pages_per_block(page_size: int, entries: int, kv_heads: int, head_dim: int, 
   return max(1, min(BLOCK_KEYS // page_size, buffers, scores, entries))
 
 
-def _copies(spec: Spec, refs: Any, t: Any, h: Any, j: Any, slot: Any) -> list[tuple[Any, Any]]:
-  """The (condition, copy) of each page of (tile t, list head h)'s block j into buffer `slot`:
-  only entries the list holds are copied."""
+Copies = tuple[list[tuple[Any, Any]], Any]  # each page's (condition, copy); all listed
+
+
+def _copies(spec: Spec, refs: Any, t: Any, h: Any, j: Any, slot: Any) -> Copies:
+  """The (condition, copy) of each page of (tile t, list head h)'s block j into buffer `slot`
+  (only entries the list holds are copied), and whether the list holds all of them."""
   seq_ref, blocks_ref, count_ref, key_hbm, value_hbm, kbuf, vbuf, sems = refs
   at = seq_ref[t] * spec.list_heads + h
   count = count_ref[at]
@@ -107,17 +112,40 @@ def _copies(spec: Spec, refs: Any, t: Any, h: Any, j: Any, slot: Any) -> list[tu
     found += [(entry < count, pltpu.make_async_copy(hbm.at[page, heads], buf.at[slot, i],
                                                     sems.at[slot, c]))
               for c, (hbm, buf) in enumerate(((key_hbm, kbuf), (value_hbm, vbuf)))]
-  return found
+  return found, (j + 1) * spec.pages_per_block <= count
 
 
-def _start(copies: list[tuple[Any, Any]]) -> None:
-  for holds, copy in copies:
-    pl.when(holds)(copy.start)
+def _start(copies: Copies) -> None:
+  """A block's copies started: all at once where the list holds every entry (a branch a copy
+  cost a grid step about as much as its copies), else each under its condition."""
+  found, full = copies
+
+  @pl.when(full)
+  def _():
+    for _, copy in found:
+      copy.start()
+
+  @pl.when(~full)
+  def _():
+    for holds, copy in found:
+      pl.when(holds)(copy.start)
 
 
-def _wait(copies: list[tuple[Any, Any]]) -> None:
-  for holds, copy in copies:
-    pl.when(holds)(copy.wait)
+def _wait(copies: Copies, buffers: tuple[Any, Any], sems: Any, slot: Any) -> None:
+  """A block's copies waited for: where the list holds every entry, once a buffer (a copy of
+  the whole buffer onto itself stands for the sum of its pages' copies on the semaphore), else
+  each under its condition."""
+  found, full = copies
+
+  @pl.when(full)
+  def _():
+    for c, buf in enumerate(buffers):
+      pltpu.make_async_copy(buf.at[slot], buf.at[slot], sems.at[slot, c]).wait()
+
+  @pl.when(~full)
+  def _():
+    for holds, copy in found:
+      pl.when(holds)(copy.wait)
 
 
 def _key_positions(spec: Spec, first_ref: Any, at: Any, count: Any, j: Any) -> jax.Array:
@@ -153,13 +181,18 @@ def _head_block(spec: Spec, buf: Any, slot: Any, hk: int) -> jax.Array:
   return block.reshape(spec.block_keys, block.shape[-1])
 
 
-def _compute(spec: Spec, seen: jax.Array, q_ref, kbuf, vbuf, slot, m_scr, l_scr, acc_scr):
-  """Every kv head of the block folded into its rows' online softmax: a non-finite value is
-  zeroed (0 * NaN must not reach the rows that do not see it: free slots and stale buffer rows
-  may hold anything) and NaN added in its column of the rows that see it."""
+def _compute(spec: Spec, seen: jax.Array, q_ref, kbuf, vbuf, slot, m_scr, l_scr, acc_scr,
+             guard: bool = True):
+  """Every kv head of the block folded into its rows' online softmax. With `guard`, a
+  non-finite value is zeroed (0 * NaN must not reach the rows that do not see it: free slots and
+  stale buffer rows may hold anything) and NaN added in its column of the rows that see it;
+  without (a whole block, `_whole`: every row sees every key) p @ v is the oracle's as it is."""
   for hk in range(spec.block_heads):
     k, v = _head_block(spec, kbuf, slot, hk), _head_block(spec, vbuf, slot, hk)  # [E, D|Dv]
     s, _ = tpu_lists.scores(q_ref[hk], k, spec.scale, spec.soft_cap)  # [R, E]
+    if not guard:
+      tpu_lists.online_step(hk, jnp.where(seen, s, -jnp.inf), v, m_scr, l_scr, acc_scr)
+      continue
     finite = jnp.isfinite(v.astype(jnp.float32))  # [E, Dv] (Mosaic tests f32 only)
     poison = _poison(seen, finite)  # [R, Dv]
     v = jnp.where(finite, v, 0).astype(v.dtype)
@@ -167,7 +200,21 @@ def _compute(spec: Spec, seen: jax.Array, q_ref, kbuf, vbuf, slot, m_scr, l_scr,
     acc_scr[hk] = acc_scr[hk] + poison
 
 
-def _kernel(spec: Spec, seq_ref, len_ref, blocks_ref, first_ref, count_ref, next_t_ref,
+def _whole(spec: Spec, count: Any, length: Any, low: Any, j: Any) -> Any:
+  """Whether block j is whole: every entry listed, every key before the sequence's length and
+  seen by every row of the tile (`low`: its first row's position), so its values need no guard
+  (`_compute`); None where the kernel does not tell (a selection's pages, a rule but causal).
+  The guard's isfinite, select and extra product per kv head were a decode step's largest
+  compute."""
+  if not spec.contiguous or (spec.rule is not None
+                             and _objects.as_rules(spec.rule) != CAUSAL_ONLY):
+    return None
+  end = (j + 1) * spec.block_keys  # one past the block's last key's position
+  whole = ((j + 1) * spec.pages_per_block <= count) & (end <= length)
+  return whole if spec.rule is None else whole & (low >= end - 1)
+
+
+def _kernel(spec: Spec, seq_ref, len_ref, low_ref, blocks_ref, first_ref, count_ref, next_t_ref,
             next_h_ref, q_ref, pos_ref, sink_ref, key_hbm, value_hbm, o_ref, lse_ref, kbuf, vbuf,
             sems, slot_ref, m_scr, l_scr, acc_scr):
   t, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -193,7 +240,7 @@ def _kernel(spec: Spec, seq_ref, len_ref, blocks_ref, first_ref, count_ref, next
   @pl.when(j < blocks(t, h))
   def _():
     slot = slot_ref[0]
-    _wait(_copies(spec, refs, t, h, j, slot))
+    _wait(_copies(spec, refs, t, h, j, slot), (kbuf, vbuf), sems, slot)
     after = t * spec.list_heads + h + 1  # the next (tile, list head) with work
     more = j + 1 < blocks(t, h)
     pl.when(more)(lambda: _start(_copies(spec, refs, t, h, j + 1, 1 - slot)))
@@ -207,7 +254,14 @@ def _kernel(spec: Spec, seq_ref, len_ref, blocks_ref, first_ref, count_ref, next
     seen = (kv_pos < length) & (q_pos >= 0)  # [R, E]; q_pos -1: not a row
     if spec.rule is not None:
       seen = seen & spec.rule.visible(q_pos, kv_pos)
-    _compute(spec, seen, q_ref, kbuf, vbuf, slot, m_scr, l_scr, acc_scr)
+    compute = functools.partial(_compute, spec, seen, q_ref, kbuf, vbuf, slot, m_scr, l_scr,
+                                acc_scr)
+    whole = _whole(spec, count, length, low_ref[t], j)
+    if whole is None:
+      compute()
+    else:
+      pl.when(whole)(lambda: compute(guard=False))
+      pl.when(~whole)(compute)
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _():
@@ -241,13 +295,15 @@ def next_working(tile_seq: jax.Array, tile_len: jax.Array, count: jax.Array,
           jnp.where(following < 0, -1, following % list_heads))
 
 
-def attend(spec: Spec, tile_seq: jax.Array, tile_len: jax.Array, blocks: jax.Array,
+def attend(spec: Spec, tile_seq: jax.Array, tile_len: jax.Array, tile_low: jax.Array,
+           blocks: jax.Array,
            first_key: jax.Array, count: jax.Array, q: jax.Array, pos: jax.Array, key: jax.Array,
            value: jax.Array, sinks: jax.Array) -> tuple[jax.Array, jax.Array]:
   """q [W, Hkv, R, D] (kv head hk's rows: query head hk * G + r // bq, row r % bq), pos
   [W, R, 128] int32 (row r's position: r % bq's; -1: no row), the pool key [P, Hkv, page, D]
   and value [P, Hkv, page, Dv],
-  tile_seq / tile_len [W] (each tile's sequence and its length after the write; 0: no tile),
+  tile_seq / tile_len / tile_low [W] (each tile's sequence, its length after the write (0: no
+  tile) and its first row's position),
   the lists' blocks and first_key [max_seqs, Hl, K] and count [max_seqs, Hl], sinks
   [Hkv, R, 128] f32 -> out [W, Hkv, R, Dv], lse [W, Hkv, R, 128]."""
   tiles, kv_heads, rows, d = q.shape
@@ -267,7 +323,7 @@ def attend(spec: Spec, tile_seq: jax.Array, tile_len: jax.Array, blocks: jax.Arr
              pltpu.VMEM((hb, rows, LANES), jnp.float32),
              pltpu.VMEM((hb, rows, LANES), jnp.float32), pltpu.VMEM((hb, rows, dv), jnp.float32)]
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=7, grid=(tiles, spec.list_heads, spec.blocks), in_specs=in_specs,
+      num_scalar_prefetch=8, grid=(tiles, spec.list_heads, spec.blocks), in_specs=in_specs,
       out_specs=out_specs, scratch_shapes=scratch)
   # In order: a step starts the next working step's copies.
   params = pltpu.CompilerParams(dimension_semantics=("arbitrary",) * 3)
@@ -277,5 +333,6 @@ def attend(spec: Spec, tile_seq: jax.Array, tile_len: jax.Array, blocks: jax.Arr
     return pl.pallas_call(functools.partial(_kernel, spec), grid_spec=grid_spec,
                           out_shape=out_shape, compiler_params=params,
                           interpret=spec.interpret)(
-                              tile_seq, tile_len, flat(blocks), flat(first_key), flat(count),
+                              tile_seq, tile_len, tile_low.astype(jnp.int32), flat(blocks),
+                              flat(first_key), flat(count),
                               next_t, next_h, q, pos, sinks, key, value)
