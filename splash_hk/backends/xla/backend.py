@@ -7,13 +7,12 @@ A `jax.custom_vjp` backward recomputes the probabilities from the saved
 log-sum-exp, over the same kind of plan, so memory stays linear in T and
 neither loop is differentiated.
 
-Blocks whose every (query, key) pair is visible run unmasked. Other blocks
-apply the element mask and keep invisible garbage out: values, keys and
-queries are used with non-finite entries zeroed where they multiply a
-probability (0 * NaN would spread it); a NaN in a visible query or key still
-reaches its rows through the logits, and a visible non-finite value is put
-back as NaN in its column of the rows that see it. GQA groups query heads over their
-kv head; keys and values are never repeated.
+Blocks whose every (query, key) pair is visible run unmasked. Other blocks apply the element
+mask and keep invisible garbage out: values, keys and queries are used with non-finite entries
+zeroed where they multiply a probability (0 * NaN would spread it); a NaN in a visible query or
+key still reaches its rows through the logits, and a visible non-finite value is put back as NaN
+in its column of the rows that see it. GQA groups query heads over their kv head; keys and
+values are never repeated.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 from splash_hk import quant
 from splash_hk.backends import base
 from splash_hk.backends.xla import bias as xla_bias
+from splash_hk.backends.xla import garbage
 from splash_hk.backends.xla import gather as xla_gather
 from splash_hk.backends.xla import lists as xla_lists
 from splash_hk.backends.xla import paged as xla_paged
@@ -103,8 +103,7 @@ def _logits(q: jax.Array, k: jax.Array, cap: float | None, bias: jax.Array | Non
     s = s + bias
   if cap is None:
     return s, None
-  t = jnp.tanh(s / cap)
-  capped = cap * t
+  capped = cap * (t := jnp.tanh(s / cap))  # [r, Hkv, Gq, bq, bk]
   return (capped if bias is None else jnp.where(bias == -jnp.inf, -jnp.inf, capped)), t
 
 
@@ -117,7 +116,7 @@ def _block_scores(views: Views, q, pair: Pair, masked: bool):
   """(logits, tanh or None, v, mask or None) of a block pair.
 
   A masked block gets invisible logits at -inf (k only enters the logits, which the mask
-  replaces); its values are cleaned only where p @ v shows they must be (`_visible_garbage`).
+  replaces); its values are cleaned only where p @ v shows they must be (`garbage.visible_garbage`).
   """
   mask = views.element_mask(pair.mask) if masked and pair.bias is not None else None
   s, t = _logits(q, pair.k, views.facts.config.logits_soft_cap, xla_bias.block(views, pair, mask),
@@ -126,34 +125,6 @@ def _block_scores(views: Views, q, pair: Pair, masked: bool):
     return s, t, pair.v, None
   mask = views.element_mask(pair.mask) if mask is None else mask
   return jnp.where(mask, s, -jnp.inf), t, pair.v, mask
-
-
-def _visible_garbage(kept: jax.Array, pv: jax.Array, mask: jax.Array, v: jax.Array | None,
-                     v_scale: jax.Array | None = None) -> jax.Array:
-  """p @ v of a masked block, kept from invisible garbage: where `pv` (of the raw values) is
-  finite no value it read was non-finite, and it stands; else (a rare case) it is recomputed
-  with non-finite values zeroed (0 * NaN must not reach rows that do not see them) and NaN put
-  in each value column of the rows that see a non-finite value there.
-
-  `v` None: integer values, always finite (only their per-token scales, [r, Hkv, 1, 1, bk],
-  already zeroed in `kept` where not finite, are checked). One reduction of the block's
-  output, cheaper than any over its values: the values are read once.
-  """
-  def poison(pv):
-    if v is not None:
-      pv = jnp.einsum("bkgqs,bksd->bkgqd", kept.astype(v.dtype), base.finite(v),
-                      preferred_element_type=jnp.float32)
-    bad = jnp.zeros((), jnp.bool_) if v is None else ~jnp.isfinite(v)  # [r, Hkv, bk, Dv]
-    if v_scale is not None:  # a non-finite scale spoils its token's whole value
-      bad = bad | ~jnp.isfinite(jnp.swapaxes(v_scale[:, :, 0], -1, -2))
-    seen = jnp.einsum("bkgqs,bksd->bkgqd", jnp.broadcast_to(mask, pv.shape[:4] + mask.shape[-1:])
-                      .astype(jnp.float32), bad.astype(jnp.float32))
-    return jnp.where(seen > 0, jnp.nan, pv)
-
-  clean = jnp.all(jnp.isfinite(pv))
-  if v_scale is not None:
-    clean = clean & jnp.isfinite(jnp.sum(v_scale))
-  return jax.lax.cond(clean, lambda pv: pv, poison, pv)
 
 
 def _update(views: Views, q, pair: Pair, masked: bool, state):
@@ -168,10 +139,11 @@ def _update(views: Views, q, pair: Pair, masked: bool, state):
   v_scale = pair.v_scale
   if v_scale is not None:  # quantized values' per-token scales: a column of p
     kept = kept * (base.finite(v_scale) if masked else v_scale)
-  pv = jnp.einsum("bkgqs,bksd->bkgqd", kept.astype(v.dtype), v,
-                  preferred_element_type=jnp.float32)
+  p_v = kept.astype(v.dtype)
+  pv = jnp.einsum("bkgqs,bksd->bkgqd", p_v, v, preferred_element_type=jnp.float32)
   if masked:
-    pv = _visible_garbage(kept, pv, mask, None if _integer(views, pair) else v, v_scale)
+    pv = garbage.visible_garbage(p_v, pv, mask, None if _integer(views, pair) else v, v_scale,
+                                 not views.heads_major)
   return m_new, l * correction + jnp.sum(probs, axis=-1), acc * correction[..., None] + pv
 
 
@@ -218,8 +190,9 @@ def forward(x: KernelInputs, facts: Facts, tiles: Tiles, out_dtype=None,
 def _over_live_blocks(views: Views, plan: xla_plan.BlockPlan, group, i, step_fn, state):
   """`state = step_fn(masked, j, pair, state)` over the live key blocks j of query block i.
 
-  The full blocks (listed first) run unmasked in one loop, the rest masked in a
-  second: no per-block branch (a `lax.cond` per pair cost XLA:CPU as much as its mask).
+  Full blocks (listed first) run unmasked in one loop, the rest masked in a second: no per-block
+  branch (a `lax.cond` a pair cost XLA:CPU as much as its mask). One key block runs with no loop
+  (masked): a loop's values got a layout of their own on a TPU (a copy of a decode's cache).
   """
   def body(masked: bool):
     def step(t, state):
@@ -228,6 +201,9 @@ def _over_live_blocks(views: Views, plan: xla_plan.BlockPlan, group, i, step_fn,
     return step
 
   full, live = plan.full_count[group, i], plan.live_count[group, i]
+  if views.grid.num_kv_blocks == 1:  # masked: right for a full block too
+    new = step_fn(True, 0, views.pair(group, i, 0), state)
+    return jax.tree.map(lambda a, b: jnp.where(live > 0, a, b), new, state)
   return jax.lax.fori_loop(full, live, body(True), jax.lax.fori_loop(0, full, body(False), state))
 
 
