@@ -44,7 +44,6 @@ from benchmarks import decode_steps
 from benchmarks.decode_steps import ROWS, SMOKE_ROWS, Row, Step, make_step, peer_inputs
 from benchmarks import timing
 import splash_hk as sh
-from splash_hk import quant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +74,10 @@ def ours_seconds(step: Step, repeats: int, interpret: bool,
 
 def ours_call(step: Step, interpret: bool) -> Callable[[], jax.Array]:
   """A call of `sh.paged_attention` on the step, its pool donated and carried from call to call
-  (the step's own pool stays for the peer); returns the output. The TPU kernel, or for an int8
-  pool (which it does not read yet) the library's fallback."""
+  (the step's own pool stays for the peer); returns the output. The TPU kernel (an int8 pool's
+  codes too), no fallback."""
   config = sh.AttentionConfig(platform="splash" if interpret else "auto", interpret=interpret,
-                              allow_fallback=isinstance(step.pool.key, quant.Quantized))
+                              allow_fallback=False)
   run = jax.jit(lambda q, k, v, pool, batch: sh.paged_attention(q, k, v, pool, batch,
                                                                 config=config),
                 donate_argnums=3)

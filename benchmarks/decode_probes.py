@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator
 
+from splash_hk.backends.tpu import paged_copies
 from splash_hk.backends.tpu import paged_kernel as tpu_paged
 
 PROBES = ("copies", "compute", "glue")
-_SILENCED = {"copies": ("_compute",), "compute": ("_start", "_wait"),
-             "glue": ("_compute", "_start", "_wait")}
+_COMPUTE = ((tpu_paged, "_compute"),)
+_COPIES = ((paged_copies, "start"), (paged_copies, "wait"))
+_SILENCED = {"copies": _COMPUTE, "compute": _COPIES, "glue": _COMPUTE + _COPIES}
 
 
 @contextlib.contextmanager
@@ -40,14 +42,14 @@ def block_keys(keys: int | None) -> Iterator[None]:
 def probed(part: str) -> Iterator[None]:
   """The paged kernel with the parts `part` leaves out silenced (`_SILENCED`)."""
   names = _SILENCED[part]
-  saved = {name: getattr(tpu_paged, name) for name in names}
-  for name in names:
-    setattr(tpu_paged, name, lambda *args, **kwargs: None)
+  saved = [(module, name, getattr(module, name)) for module, name in names]
+  for module, name in names:
+    setattr(module, name, lambda *args, **kwargs: None)
   try:
     yield
   finally:
-    for name, fn in saved.items():
-      setattr(tpu_paged, name, fn)
+    for module, name, fn in saved:
+      setattr(module, name, fn)
 
 
 def seconds(part: str, timed_step: Callable[[], float]) -> float:

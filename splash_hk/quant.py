@@ -202,6 +202,17 @@ def tile(a: Any, dtype: Any) -> jax.Array:
   return a.dequantize(dtype)
 
 
+def per_key(a: Any) -> tuple[jax.Array, jax.Array, bool]:
+  """(values, scales [..., keys] float32 or a dummy [1], quantized) of keys or values [..., keys,
+  X] whose scale covers a token or more (`storage` "<dtype>/token"): a coarser scale broadcast
+  to one per key (small: 1/X of the values), as the decode kernels read them."""
+  if not is_quantized(a):
+    return a, jnp.zeros((1,), jnp.float32), False
+  a = as_quantized(a, "cache")
+  scale = jnp.broadcast_to(a.scale.astype(jnp.float32), (*a.values.shape[:-1], 1))
+  return a.values, scale[..., 0], True
+
+
 def zeros(shape: tuple[int, ...], dtype: Any) -> Any:
   """A zeroed buffer of `shape`: floats, or for a quantized `dtype` a `Quantized` with one
   scale per (..., last axis but one) (a cache's: per token and head). Any other `dtype` (an

@@ -92,14 +92,16 @@ RUNS_WINDOW = (700, 0)
 
 
 def runs_of_pages(chosen, page, kv_lens, q_lens=(1, 40, 3, 1), dtype=np.float32,
-                  window=RUNS_WINDOW):
+                  window=RUNS_WINDOW, kind=None):
   """A step over long histories (several of the paged kernel's runs of pages), the batch (with
   `chosen`: each kv head of each sequence reads a random two thirds of its pages, in any
-  order) and the float64 oracle of its live rows, causal under `window` (None: none)."""
+  order) and the float64 oracle of its live rows, causal under `window` (None: none); `kind`:
+  the pool quantized so (`quantized`)."""
   longest = max(kv + q for kv, q in zip(kv_lens, q_lens))
   width = -(-longest // page)
   step_ = step(seed=3, kv_lens=kv_lens, q_lens=q_lens, pages_per_seq=width,
                num_pages=2 * width * len(kv_lens), page=page, dtype=dtype)
+  step_ = step_ if kind is None else quantized(step_, kind)
   batch, pages, counts = step_.batch, None, None
   if chosen:
     rng = np.random.default_rng(4)
@@ -158,7 +160,12 @@ def np_quantize(x, kind, axis=-1, scale=None):
 
 def quantized_step(kind, seed, **kwargs):
   """`step`'s mixed step over a quantized pool of `kind`; the oracle's histories as stored."""
-  case = step(seed=seed, **kwargs)
+  return quantized(step(seed=seed, **kwargs), kind)
+
+
+def quantized(case, kind):
+  """`case` (a `Step`) with its pool quantized to `kind` (a scale per token and kv head, NaN
+  slots' scales NaN) and the oracle's histories as stored (new tokens are quantized so too)."""
   dtype = getattr(jnp, np.dtype(FORMATS[kind][0]).name)
   pool = lambda a: sh.Quantized(*(jnp.asarray(t) for t in np_quantize(a, kind)))
   case.cache = sh.PagedKVCache(pool(case.cache.key), pool(case.cache.value))

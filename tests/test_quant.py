@@ -302,10 +302,15 @@ def test_a_quantized_cache_in_the_haiku_module_decodes_as_the_oracle_attends(kin
 
 @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("rule", ["causal", "window", "soft_cap"])
-def test_a_paged_step_over_a_quantized_pool_matches_the_oracle_and_writes_its_tokens(kind, rule):
+@pytest.mark.parametrize("platform", ["xla", "splash"])
+def test_a_paged_step_over_a_quantized_pool_matches_the_oracle_and_writes_its_tokens(
+    platform, kind, rule):
+  """xla's tiles and the TPU paged kernel (interpret mode): codes dequantized on the tile or in
+  VMEM, scales per token and kv head; NaN codes and scales in every free slot."""
   config, rules = paged_cases.RULES[rule]
   step = _quantized_step(kind, 1)
-  config = dataclasses.replace(config, platform="xla", allow_fallback=False)
+  config = dataclasses.replace(config, platform=platform, allow_fallback=False,
+                               interpret=platform == "splash")
   out, cache = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
       step.q, step.k, step.v, step.cache, step.batch)
   np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())
@@ -322,6 +327,44 @@ def test_a_paged_step_over_a_quantized_pool_matches_the_oracle_and_writes_its_to
     np.testing.assert_allclose(got_scale, want.scale, rtol=2 ** -23, atol=0)
     np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8),
                                   want.values.view(np.uint8))  # bit for bit, NaN pages too
+
+
+@pytest.mark.parametrize("platform", ["xla", "splash"])
+def test_a_new_nan_value_in_a_quantized_pool_shows_in_every_column_of_the_rows_that_see_it(
+    platform):
+  """A new value row holding NaN is written with a NaN scale (its absmax): the rows that see it
+  (its own and later rows of its sequence) output NaN in every column of its kv head's query
+  heads, as the oracle on the dequantized values; the rows before it and the other kv heads
+  match the oracle."""
+  case = _quantized_step("int8", 7, q_lens=(1, 9, 3, 1))
+  seq, at = 1, 4  # sequence 1 (kv_len 0): its new row at position 4
+  row = sum(case.q_lens[:seq]) + at
+  case.v[row, 0, 0] = np.nan
+  config = sh.AttentionConfig(platform=platform, interpret=True, allow_fallback=False)
+  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
+      case.q, case.k, case.v, case.cache, case.batch)
+  out = np.asarray(out)
+  first, last = sum(case.q_lens[:seq]), sum(case.q_lens[:seq + 1])
+  groups = paged_cases.HQ // paged_cases.HKV
+  assert np.isnan(out[row:last, :groups]).all() and np.isfinite(out[row:last, groups:]).all()
+  want = paged_cases.attend(case)  # its history holds the row as stored: NaN, kv head 0 only
+  np.testing.assert_allclose(out[first:row], want[first:row], **harness.tol())
+  np.testing.assert_allclose(out[row:last, groups:], want[row:last, groups:], **harness.tol())
+  np.testing.assert_allclose(out[last:], want[last:], **harness.tol())
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e5m2"])
+@pytest.mark.parametrize("chosen", [False, True], ids=["table", "selection"])
+def test_the_tpu_paged_kernel_reads_runs_of_quantized_pages(kind, chosen):
+  """Pages of 32 one byte a code: the TPU paged kernel (interpret mode) reads 16 pages a grid
+  step with their scales a block beside them (per kv head for a selection); histories of
+  700-1100 tokens, causal (whole blocks unguarded) and the free slots' codes and scales NaN."""
+  step, batch, want = paged_cases.runs_of_pages(chosen, page=32, kv_lens=(700, 0, 1100, 37),
+                                                window=None, kind=kind)
+  config = sh.AttentionConfig(platform="splash", interpret=True, allow_fallback=False)
+  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
+      step.q, step.k, step.v, step.cache, batch)
+  np.testing.assert_allclose(np.asarray(out)[:len(want)], want, **harness.tol())
 
 
 def test_a_long_prefill_chunk_beside_decodes_over_an_int8_pool_at_a_real_size():

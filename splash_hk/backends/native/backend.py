@@ -122,16 +122,6 @@ def paged_why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
                          facts.rule, facts.bias)
 
 
-def _stored(a) -> tuple[jax.Array, jax.Array, bool]:
-  """(values, per-key scales [..keys] float32 or a dummy [1], quantized) of keys or values
-  [..., keys, X]: a coarser scale broadcast to one per key (small: 1/X of the values)."""
-  if not quant.is_quantized(a):
-    return a, jnp.zeros((1,), jnp.float32), False
-  a = quant.as_quantized(a, "cache")
-  scale = jnp.broadcast_to(a.scale.astype(jnp.float32), (*a.values.shape[:-1], 1))
-  return a.values, scale[..., 0], True
-
-
 def _sinks(sinks: jax.Array | None, heads: int) -> jax.Array:
   """[Hq] float32: each head's sinks as one logit (their logsumexp), -inf without."""
   if sinks is None:
@@ -159,8 +149,8 @@ def paged_attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Arr
   n, hq, _ = x.query.shape
   kv_heads = x.cache.num_kv_heads
   lists = _local_heads(x.lists.own, x.heads, hq // kv_heads, kv_heads)
-  k, k_scale, quantized = _stored(x.cache.key)  # [P, Hkv, page, D], [P, Hkv, page]
-  v, v_scale, _ = _stored(x.cache.value)
+  k, k_scale, quantized = quant.per_key(x.cache.key)  # [P, Hkv, page, D], [P, Hkv, page]
+  v, v_scale, _ = quant.per_key(x.cache.value)
   q = x.query.astype(jnp.float32) * facts.scale  # [N, Hq, D]
   shapes = (jax.ShapeDtypeStruct((n, hq, facts.value_dim), jnp.float32),
             jax.ShapeDtypeStruct((n, hq), jnp.float32))
@@ -214,8 +204,8 @@ def page_bounds(q: jax.Array, key_min: jax.Array, key_max: jax.Array, table: jax
 def _cache_call(x: KernelInputs, facts: Facts) -> tuple[jax.Array, jax.Array]:
   """(out [B, T, Hq, Dv] float32, lse [B, T, Hq]) of a short run over whole rows of keys."""
   b, t, hq, _ = x.query.shape
-  k, k_scale, quantized = _stored(x.key)  # [B, S, Hkv, D], [B, S, Hkv]
-  v, v_scale, _ = _stored(x.value)
+  k, k_scale, quantized = quant.per_key(x.key)  # [B, S, Hkv, D], [B, S, Hkv]
+  v, v_scale, _ = quant.per_key(x.value)
   q_seg, kv_seg = base.segment_ids(x)  # [B, T], [B, S]
   slots = jnp.arange(kv_seg.shape[1], dtype=jnp.int32)
   extent = jnp.max(jnp.where(kv_seg >= 0, slots + 1, 0), axis=1)  # [B]: keys past it are padding

@@ -66,12 +66,15 @@ def _div(a: Any, b: int) -> Any:
   return jax.lax.div(a, b)
 
 
-def scores(q: jax.Array, k: jax.Array, scale: float,
-           soft_cap: float | None) -> tuple[jax.Array, jax.Array | None]:
-  """Scaled (and soft-capped) logits [bq, bk] f32 of q [bq, D] and k [bk, D], and tanh of the
-  cap (for its derivative)."""
+def scores(q: jax.Array, k: jax.Array, scale: float, soft_cap: float | None,
+           key_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+  """Scaled (and soft-capped) logits [bq, bk] f32 of q [bq, D] and k [bk, D] (quantized keys'
+  codes with `key_scale` [1, bk]: each key's scale, applied to its column), and tanh of the cap
+  (for its derivative)."""
   s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                           preferred_element_type=jnp.float32) * scale  # [bq, bk]
+  if key_scale is not None:
+    s = s * key_scale
   if soft_cap is None:
     return s, None
   t = jnp.tanh(s / soft_cap)
@@ -104,17 +107,19 @@ def init_state(m_scr: Any, l_scr: Any, acc_scr: Any) -> None:
   acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
 
-def online_step(g: int, s: jax.Array, v: jax.Array, m_scr: Any, l_scr: Any,
-                acc_scr: Any) -> None:
+def online_step(g: int, s: jax.Array, v: jax.Array, m_scr: Any, l_scr: Any, acc_scr: Any,
+                value_scale: jax.Array | None = None) -> None:
   """Head g's state (m, l [H', bq, 128], acc [H', bq, Dv]): visible logits s [bq, bk] of one
-  block and its values v [bk, Dv] folded in."""
+  block and its values v [bk, Dv] (quantized values' codes with `value_scale` [1, bk]: each
+  value's scale, applied to its probability's column) folded in."""
   m_prev = m_scr[g]  # [bq, 128]
   m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
   m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
   p = jnp.exp(s - m_safe[:, :1])  # [bq, bk]
   alpha = jnp.exp(m_prev - m_safe)  # [bq, 128]
   l_scr[g] = alpha * l_scr[g] + jnp.sum(p, axis=1, keepdims=True)
-  acc_scr[g] = alpha[:, :1] * acc_scr[g] + _dot(p.astype(v.dtype), v, (1, 0))  # [bq, Dv]
+  pv = p if value_scale is None else p * value_scale  # [bq, bk]
+  acc_scr[g] = alpha[:, :1] * acc_scr[g] + _dot(pv.astype(v.dtype), v, (1, 0))  # [bq, Dv]
   m_scr[g] = m_next
 
 

@@ -15,11 +15,17 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk import pages
+from splash_hk import quant
 from splash_hk import ragged
 from splash_hk.backends import base
 from splash_hk.backends.tpu import list_kernel as tpu_lists
 from splash_hk.backends.tpu import paged_kernel as tpu_paged
 
+
+
+# Quantized pools the kernel reads (`quant.storage`): codes of a byte, one scale per token and kv
+# head or coarser, both keys and values so (the codes dequantized in VMEM, the scales a block).
+QUANTIZED_STORAGE = ("int8/token", "float8_e4m3fn/token", "float8_e5m2/token")
 
 
 def block_q(facts: pages.PagedFacts) -> int:
@@ -38,8 +44,11 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
             "AttentionConfig(interpret=True) to run it in interpret mode")
   if facts.bias is not None:
     return "a `bias` was given, and the paged block-list kernel takes none"
-  if facts.quantized:
-    return "the pool is quantized, and the paged block-list kernel reads floating pools only"
+  bad = [s for s in facts.storage if s not in QUANTIZED_STORAGE]
+  if facts.quantized and bad:
+    return (f"the pool's keys and values are stored as {' and '.join(facts.storage)} (the "
+            "paged block-list kernel reads floating pools, or keys and values both "
+            f"{', '.join(QUANTIZED_STORAGE)})")
   if facts.cascade:
     return "the batch has a shared prefix (a cascade), which the paged block-list kernel lacks"
   if facts.tree:
@@ -92,6 +101,24 @@ def _tiles(x: pages.PagedInputs, bq: int) -> tuple[jax.Array, ...]:
       (within >= 0) & (within < q_len[own]), place, -1)
 
 
+def block_scales(spec: tpu_paged.Spec, blocks: jax.Array, key_scale: jax.Array,
+                 value_scale: jax.Array) -> jax.Array:
+  """[max_seqs, Hl, NB, 2 * Hb, E] f32: each list's blocks' key scales (rows :Hb, a block's n
+  pages in order along E) and value scales (rows Hb:), gathered from the pool's per-key scales
+  [P, Hkv, page] by the lists' pages `blocks` [max_seqs, Hl, K] (an entry past its list reads
+  some page's: unseen). A scale row of a block is what the kernel multiplies a block's logits'
+  (or probabilities') columns by: 4 bytes a key and kv head, 1/D of the codes."""
+  max_seqs, hl, k = blocks.shape
+  n, hb = spec.pages_per_block, spec.block_heads
+  both = jnp.concatenate([a.reshape(spec.num_pages, hl, hb, spec.page_size)
+                          for a in (key_scale, value_scale)], axis=2)  # [P, Hl, 2 Hb, page]
+  at = jnp.pad(jnp.clip(blocks, 0, spec.num_pages - 1),
+               ((0, 0), (0, 0), (0, spec.blocks * n - k)))  # [max_seqs, Hl, NB * n]
+  got = both[at, jnp.arange(hl)[None, :, None]]  # [max_seqs, Hl, NB * n, 2 Hb, page]
+  got = got.reshape(max_seqs, hl, spec.blocks, n, 2 * hb, spec.page_size)
+  return jnp.swapaxes(got, 3, 4).reshape(max_seqs, hl, spec.blocks, 2 * hb, spec.block_keys)
+
+
 def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:
   """out [N, Hq, Dv] of every live row over its sequence's pages (other rows: 0) and its lse
   [N, Hq] (base's convention)."""
@@ -110,17 +137,20 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, ja
            else base.sink_logsumexp(x.sinks))  # [Hq]
   lists = x.lists.table if x.lists.chosen is None else x.lists.chosen  # [max_seqs, Hl, K]
   entries = lists.blocks.shape[2]
+  key, key_scale, quantized = quant.per_key(x.cache.key)  # [P, Hkv, page, D], [P, Hkv, page]
+  value, value_scale, _ = quant.per_key(x.cache.value)  # [P, Hkv, page, Dv], [P, Hkv, page]
   spec = tpu_paged.Spec(bq, facts.page_size, facts.num_pages, kv_heads, groups,
                         lists.list_heads, entries, facts.scale, facts.config.logits_soft_cap,
                         facts.rule, facts.config.interpret,
-                        _pages_per_block(facts, x.cache.key.dtype.itemsize, entries),
-                        lists.positional)
+                        _pages_per_block(facts, key.dtype.itemsize, entries),
+                        lists.positional, quantized)
+  scales = block_scales(spec, lists.blocks, key_scale, value_scale) if quantized else None
   stacked = (kv_heads, groups * bq)  # a kv head's query heads as rows of one product
   q = jnp.swapaxes(q, 1, 2).reshape(-1, *stacked, d)  # [W, Hkv, G * bq, D]
   sinks = jnp.broadcast_to(jnp.repeat(sinks.reshape(stacked[0], groups), bq, 1)[..., None],
                            (*stacked, tpu_lists.LANES))  # [Hkv, G * bq, 128]
   out, lse = tpu_paged.attend(spec, tile_seq, tile_len, low, lists.blocks, lists.first_key,
-                              lists.count, q, pos, x.cache.key, x.cache.value, sinks)
+                              lists.count, q, pos, key, value, sinks, scales)
   out = jnp.swapaxes(out.reshape(-1, heads, bq, dv), 1, 2)  # [W, bq, Hq, Dv]
   lse = jnp.swapaxes(lse.reshape(-1, heads, bq, tpu_lists.LANES)[..., 0], 1, 2)  # [W, bq, Hq]
   at = jnp.clip(place, 0, None)  # [N]: a gather of each row from its tile (not a scatter)

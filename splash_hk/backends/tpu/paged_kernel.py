@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from splash_hk.backends import base
 from splash_hk.backends.tpu import list_kernel as tpu_lists
+from splash_hk.backends.tpu import paged_copies
 from splash_hk.backends.tpu import plan as splash_plan
 from splash_hk.masks import _objects
 from splash_hk.masks._mask import Mask
@@ -67,6 +68,7 @@ class Spec:
   interpret: bool
   pages_per_block: int = 1  # n
   contiguous: bool = False  # entry e's keys are positions e * page ...: a page-table row
+  quantized: bool = False  # the pool holds int8 / fp8 codes, its scales a block beside them
 
   @property
   def block_heads(self) -> int:  # Hb
@@ -92,60 +94,6 @@ def pages_per_block(page_size: int, entries: int, kv_heads: int, head_dim: int, 
   buffers = BUFFER_BUDGET // (2 * kv_heads * (head_dim + value_dim) * itemsize * page_size)
   scores = SCORES_BUDGET // (2 * 4 * rows * page_size)
   return max(1, min(BLOCK_KEYS // page_size, buffers, scores, entries))
-
-
-Copies = tuple[list[tuple[Any, Any]], Any]  # each page's (condition, copy); all listed
-
-
-def _copies(spec: Spec, refs: Any, t: Any, h: Any, j: Any, slot: Any) -> Copies:
-  """The (condition, copy) of each page of (tile t, list head h)'s block j into buffer `slot`
-  (only entries the list holds are copied), and whether the list holds all of them."""
-  seq_ref, blocks_ref, count_ref, key_hbm, value_hbm, kbuf, vbuf, sems = refs
-  at = seq_ref[t] * spec.list_heads + h
-  count = count_ref[at]
-  heads = pl.ds(h * spec.block_heads, spec.block_heads)
-  found = []
-  for i in range(spec.pages_per_block):
-    entry = j * spec.pages_per_block + i
-    page = jnp.clip(blocks_ref[at * spec.entries + jnp.minimum(entry, spec.entries - 1)], 0,
-                    spec.num_pages - 1)
-    found += [(entry < count, pltpu.make_async_copy(hbm.at[page, heads], buf.at[slot, i],
-                                                    sems.at[slot, c]))
-              for c, (hbm, buf) in enumerate(((key_hbm, kbuf), (value_hbm, vbuf)))]
-  return found, (j + 1) * spec.pages_per_block <= count
-
-
-def _start(copies: Copies) -> None:
-  """A block's copies started: all at once where the list holds every entry (a branch a copy
-  cost a grid step about as much as its copies), else each under its condition."""
-  found, full = copies
-
-  @pl.when(full)
-  def _():
-    for _, copy in found:
-      copy.start()
-
-  @pl.when(~full)
-  def _():
-    for holds, copy in found:
-      pl.when(holds)(copy.start)
-
-
-def _wait(copies: Copies, buffers: tuple[Any, Any], sems: Any, slot: Any) -> None:
-  """A block's copies waited for: where the list holds every entry, once a buffer (a copy of
-  the whole buffer onto itself stands for the sum of its pages' copies on the semaphore), else
-  each under its condition."""
-  found, full = copies
-
-  @pl.when(full)
-  def _():
-    for c, buf in enumerate(buffers):
-      pltpu.make_async_copy(buf.at[slot], buf.at[slot], sems.at[slot, c]).wait()
-
-  @pl.when(~full)
-  def _():
-    for holds, copy in found:
-      pl.when(holds)(copy.wait)
 
 
 def _key_positions(spec: Spec, first_ref: Any, at: Any, count: Any, j: Any) -> jax.Array:
@@ -174,29 +122,56 @@ def _poison(seen: jax.Array, finite: jax.Array) -> jax.Array:
   return jnp.where(hits > 0, jnp.nan, 0.0)
 
 
-def _head_block(spec: Spec, buf: Any, slot: Any, hk: int) -> jax.Array:
+def _head_block(spec: Spec, buf: Any, slot: Any, hk: int, dtype: Any) -> jax.Array:
   """[E, D]: kv head hk's keys (or values) of the block in buffer `slot` (its n pages in order:
-  whole VMEM tiles a page, so joining them moves nothing)."""
+  whole VMEM tiles a page, so joining them moves nothing), as `dtype` (a quantized pool's
+  codes: exact in bf16 and f32)."""
   block = buf[slot, :, hk]  # [n, page, D]
-  return block.reshape(spec.block_keys, block.shape[-1])
+  return block.reshape(spec.block_keys, block.shape[-1]).astype(dtype)
 
 
-def _compute(spec: Spec, seen: jax.Array, q_ref, kbuf, vbuf, slot, m_scr, l_scr, acc_scr,
-             guard: bool = True):
+def _scales(spec: Spec, scale_ref: Any, hk: int) -> tuple[Any, Any]:
+  """kv head hk's key and value scales [1, E] f32 of the block (a quantized pool), or Nones."""
+  if scale_ref is None:
+    return None, None
+  return scale_ref[hk:hk + 1, :], scale_ref[spec.block_heads + hk:spec.block_heads + hk + 1, :]
+
+
+def _poison_rows(seen: jax.Array, value_scale: jax.Array, dv: int) -> jax.Array:
+  """[R, Dv]: NaN in every column of the rows that see a key whose value scale is not finite
+  (so its dequantized value is not: `value_scale` [1, E]), else 0."""
+  bad = jnp.where(jnp.isfinite(value_scale), 0.0, 1.0)  # [1, E]
+  hits = jnp.max(jnp.where(seen, bad, 0.0), axis=1, keepdims=True)  # [R, 1]
+  return jnp.broadcast_to(jnp.where(hits > 0, jnp.nan, 0.0), (seen.shape[0], dv))
+
+
+def _compute(spec: Spec, seen: jax.Array, q_ref, scale_ref, kbuf, vbuf, slot, m_scr, l_scr,
+             acc_scr, guard: bool = True):
   """Every kv head of the block folded into its rows' online softmax. With `guard`, a
-  non-finite value is zeroed (0 * NaN must not reach the rows that do not see it: free slots and
-  stale buffer rows may hold anything) and NaN added in its column of the rows that see it;
-  without (a whole block, `_whole`: every row sees every key) p @ v is the oracle's as it is."""
+  non-finite value (or value scale) is zeroed (0 * NaN must not reach the rows that do not see
+  it: free slots and stale buffer rows may hold anything) and NaN added in its column of the
+  rows that see it; without (a whole block, `_whole`: every row sees every key) p @ v is the
+  oracle's as it is."""
+  codes = spec.quantized and jnp.issubdtype(vbuf.dtype, jnp.integer)  # finite by construction
   for hk in range(spec.block_heads):
-    k, v = _head_block(spec, kbuf, slot, hk), _head_block(spec, vbuf, slot, hk)  # [E, D|Dv]
-    s, _ = tpu_lists.scores(q_ref[hk], k, spec.scale, spec.soft_cap)  # [R, E]
+    q = q_ref[hk]  # [R, D]
+    as_ = q.dtype if spec.quantized else kbuf.dtype  # a pool's codes in q's dtype
+    k, v = _head_block(spec, kbuf, slot, hk, as_), _head_block(spec, vbuf, slot, hk, as_)
+    k_scale, v_scale = _scales(spec, scale_ref, hk)  # [1, E] each, or None
+    s, _ = tpu_lists.scores(q, k, spec.scale, spec.soft_cap, k_scale)  # [R, E]
+    s = jnp.where(seen, s, -jnp.inf)
     if not guard:
-      tpu_lists.online_step(hk, jnp.where(seen, s, -jnp.inf), v, m_scr, l_scr, acc_scr)
+      tpu_lists.online_step(hk, s, v, m_scr, l_scr, acc_scr, v_scale)
       continue
-    finite = jnp.isfinite(v.astype(jnp.float32))  # [E, Dv] (Mosaic tests f32 only)
-    poison = _poison(seen, finite)  # [R, Dv]
-    v = jnp.where(finite, v, 0).astype(v.dtype)
-    tpu_lists.online_step(hk, jnp.where(seen, s, -jnp.inf), v, m_scr, l_scr, acc_scr)
+    poison: Any = 0.0  # [R, Dv] NaN where a row sees a non-finite value
+    if not codes:
+      finite = jnp.isfinite(v.astype(jnp.float32))  # [E, Dv] (Mosaic tests f32 only)
+      poison = _poison(seen, finite)  # [R, Dv]
+      v = jnp.where(finite, v, 0).astype(v.dtype)
+    if v_scale is not None:
+      poison = poison + _poison_rows(seen, v_scale, v.shape[-1])
+      v_scale = jnp.where(jnp.isfinite(v_scale), v_scale, 0.0)
+    tpu_lists.online_step(hk, s, v, m_scr, l_scr, acc_scr, v_scale)
     acc_scr[hk] = acc_scr[hk] + poison
 
 
@@ -215,23 +190,22 @@ def _whole(spec: Spec, count: Any, length: Any, low: Any, j: Any) -> Any:
 
 
 def _kernel(spec: Spec, seq_ref, len_ref, low_ref, blocks_ref, first_ref, count_ref, next_t_ref,
-            next_h_ref, q_ref, pos_ref, sink_ref, key_hbm, value_hbm, o_ref, lse_ref, kbuf, vbuf,
-            sems, slot_ref, m_scr, l_scr, acc_scr):
+            next_h_ref, q_ref, pos_ref, sink_ref, key_hbm, value_hbm, *rest):
+  scale_ref, rest = (rest[0], rest[1:]) if spec.quantized else (None, rest)
+  o_ref, lse_ref, kbuf, vbuf, sems, slot_ref, m_scr, l_scr, acc_scr = rest
   t, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   refs = (seq_ref, blocks_ref, count_ref, key_hbm, value_hbm, kbuf, vbuf, sems)
+  copies = lambda tt, hh, jj, to: paged_copies.block_copies(spec, refs, tt, hh, jj, to)
   length = len_ref[t]
   at = seq_ref[t] * spec.list_heads + h
   count = count_ref[at]
-  # (tile, list head)'s blocks: ceil(count / n) (lax.div: no floor_divide, list_kernel._div)
-  blocks = lambda tt, hh: jnp.where(len_ref[tt] > 0, jax.lax.div(
-      count_ref[seq_ref[tt] * spec.list_heads + hh] + spec.pages_per_block - 1,
-      spec.pages_per_block), 0)
+  blocks = lambda tt, hh: _blocks(spec, seq_ref, len_ref, count_ref, tt, hh)
 
   @pl.when((t == 0) & (h == 0) & (j == 0))
   def _():  # the first working step's copies
     slot_ref[0] = 0
-    pl.when(next_t_ref[0] >= 0)(lambda: _start(_copies(
-        spec, refs, jnp.maximum(next_t_ref[0], 0), jnp.maximum(next_h_ref[0], 0), 0, 0)))
+    pl.when(next_t_ref[0] >= 0)(lambda: paged_copies.start(copies(
+        jnp.maximum(next_t_ref[0], 0), jnp.maximum(next_h_ref[0], 0), 0, 0)))
 
   @pl.when(j == 0)
   def _():
@@ -240,13 +214,12 @@ def _kernel(spec: Spec, seq_ref, len_ref, low_ref, blocks_ref, first_ref, count_
   @pl.when(j < blocks(t, h))
   def _():
     slot = slot_ref[0]
-    _wait(_copies(spec, refs, t, h, j, slot), (kbuf, vbuf), sems, slot)
+    paged_copies.wait(copies(t, h, j, slot), (kbuf, vbuf), sems, slot)
     after = t * spec.list_heads + h + 1  # the next (tile, list head) with work
     more = j + 1 < blocks(t, h)
-    pl.when(more)(lambda: _start(_copies(spec, refs, t, h, j + 1, 1 - slot)))
-    pl.when(~more & (next_t_ref[after] >= 0))(lambda: _start(_copies(
-        spec, refs, jnp.maximum(next_t_ref[after], 0), jnp.maximum(next_h_ref[after], 0), 0,
-        1 - slot)))
+    pl.when(more)(lambda: paged_copies.start(copies(t, h, j + 1, 1 - slot)))
+    pl.when(~more & (next_t_ref[after] >= 0))(lambda: paged_copies.start(copies(
+        jnp.maximum(next_t_ref[after], 0), jnp.maximum(next_h_ref[after], 0), 0, 1 - slot)))
     slot_ref[0] = 1 - slot
     rows = (spec.groups * spec.block_q, spec.block_keys)
     kv_pos = jnp.broadcast_to(_key_positions(spec, first_ref, at, count, j)[:1], rows)
@@ -254,8 +227,8 @@ def _kernel(spec: Spec, seq_ref, len_ref, low_ref, blocks_ref, first_ref, count_
     seen = (kv_pos < length) & (q_pos >= 0)  # [R, E]; q_pos -1: not a row
     if spec.rule is not None:
       seen = seen & spec.rule.visible(q_pos, kv_pos)
-    compute = functools.partial(_compute, spec, seen, q_ref, kbuf, vbuf, slot, m_scr, l_scr,
-                                acc_scr)
+    compute = functools.partial(_compute, spec, seen, q_ref, scale_ref, kbuf, vbuf, slot, m_scr,
+                                l_scr, acc_scr)
     whole = _whole(spec, count, length, low_ref[t], j)
     if whole is None:
       compute()
@@ -267,6 +240,14 @@ def _kernel(spec: Spec, seq_ref, len_ref, low_ref, blocks_ref, first_ref, count_
   def _():
     for hk in range(spec.block_heads):
       tpu_lists.finish(hk, sink_ref[hk], m_scr, l_scr, acc_scr, o_ref, lse_ref)
+
+
+def _blocks(spec: Spec, seq_ref: Any, len_ref: Any, count_ref: Any, t: Any, h: Any) -> Any:
+  """(tile t, list head h)'s blocks: ceil(count / n), 0 for no tile (lax.div: no floor_divide,
+  list_kernel._div)."""
+  count = count_ref[seq_ref[t] * spec.list_heads + h]
+  return jnp.where(len_ref[t] > 0, jax.lax.div(count + spec.pages_per_block - 1,
+                                               spec.pages_per_block), 0)
 
 
 def vmem_bytes(block_q: int, keys: int, heads: int, kv_heads: int, head_dim: int,
@@ -295,13 +276,22 @@ def next_working(tile_seq: jax.Array, tile_len: jax.Array, count: jax.Array,
           jnp.where(following < 0, -1, following % list_heads))
 
 
+def _scale_spec(spec: Spec) -> Any:
+  """The BlockSpec of `block_scales`: (tile t, list head h)'s block j (past its list: its last
+  one, so no new copy)."""
+  def index(t, h, j, seq_ref, len_ref, low_ref, blocks_ref, first_ref, count_ref, *_):
+    last = jnp.maximum(_blocks(spec, seq_ref, len_ref, count_ref, t, h) - 1, 0)
+    return seq_ref[t], h, jnp.minimum(j, last), 0, 0
+  return pl.BlockSpec((None, None, None, 2 * spec.block_heads, spec.block_keys), index)
+
+
 def attend(spec: Spec, tile_seq: jax.Array, tile_len: jax.Array, tile_low: jax.Array,
-           blocks: jax.Array,
-           first_key: jax.Array, count: jax.Array, q: jax.Array, pos: jax.Array, key: jax.Array,
-           value: jax.Array, sinks: jax.Array) -> tuple[jax.Array, jax.Array]:
+           blocks: jax.Array, first_key: jax.Array, count: jax.Array, q: jax.Array,
+           pos: jax.Array, key: jax.Array, value: jax.Array, sinks: jax.Array,
+           scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """q [W, Hkv, R, D] (kv head hk's rows: query head hk * G + r // bq, row r % bq), pos
   [W, R, 128] int32 (row r's position: r % bq's; -1: no row), the pool key [P, Hkv, page, D]
-  and value [P, Hkv, page, Dv],
+  and value [P, Hkv, page, Dv] (a quantized pool's codes, with `scales`: `block_scales`),
   tile_seq / tile_len / tile_low [W] (each tile's sequence, its length after the write (0: no
   tile) and its first row's position),
   the lists' blocks and first_key [max_seqs, Hl, K] and count [max_seqs, Hl], sinks
@@ -313,6 +303,7 @@ def attend(spec: Spec, tile_seq: jax.Array, tile_len: jax.Array, tile_low: jax.A
               pl.BlockSpec((None, rows, LANES), lambda t, *_: (t, 0, 0)),
               pl.BlockSpec((hb, rows, LANES), lambda t, h, *_: (h, 0, 0)),
               pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+  in_specs += [_scale_spec(spec)] if spec.quantized else []
   out_specs = [pl.BlockSpec((None, hb, rows, dv), tile),
                pl.BlockSpec((None, hb, rows, LANES), tile)]
   out_shape = [jax.ShapeDtypeStruct((tiles, kv_heads, rows, dv), q.dtype),
@@ -334,5 +325,5 @@ def attend(spec: Spec, tile_seq: jax.Array, tile_len: jax.Array, tile_low: jax.A
                           out_shape=out_shape, compiler_params=params,
                           interpret=spec.interpret)(
                               tile_seq, tile_len, tile_low.astype(jnp.int32), flat(blocks),
-                              flat(first_key), flat(count),
-                              next_t, next_h, q, pos, sinks, key, value)
+                              flat(first_key), flat(count), next_t, next_h, q, pos, sinks, key,
+                              value, *([] if scales is None else [scales]))
