@@ -13,6 +13,8 @@ import harness
 import oracle
 import paged_cases
 import splash_hk as sh
+from splash_hk.backends.tpu import list_dkv
+from splash_hk.backends.tpu import list_kernel as tpu_lists
 from splash_hk.backends.tpu import lists as splash_lists
 from splash_hk.backends.tpu import paged_kernel as tpu_paged
 from cases import LIST_CASES, blocks_case, list_attention, list_case, random_choice
@@ -106,6 +108,7 @@ def test_garbage_in_unlisted_blocks_changes_nothing():
   harness.assert_near(grads[0], want_grads[0])
   for g, w in zip(grads[1:], want_grads[1:]):
     harness.assert_near(g[:, listed], w[:, listed])
+    assert not np.asarray(g)[:, ~listed].any()  # no key of theirs is seen: exactly 0
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -130,14 +133,47 @@ def test_what_it_cannot_serve_falls_back_to_xla_naming_it(kwargs, needle):
   assert decision.backend == "xla" and decision.fallback and needle in decision.reason
 
 
-def test_the_transposed_lists_name_every_listing_tile_once():
-  lists = jnp.asarray([[[[2, 0], [1, 1], [0, 3]]]], jnp.int32)  # [1, 1, nq 3, K 2]
-  counts = jnp.asarray([[[2, 1, 1]]], jnp.int32)  # tile 1 lists block 1; tile 2 block 0
-  tlists, tcounts = splash_lists.transpose(lists, counts, 4)
-  np.testing.assert_array_equal(np.asarray(tcounts), [[[2, 1, 1, 0]]])
-  np.testing.assert_array_equal(np.asarray(tlists)[0, 0, 0, :2], [0, 2])
-  np.testing.assert_array_equal(np.asarray(tlists)[0, 0, 1, :1], [1])
-  np.testing.assert_array_equal(np.asarray(tlists)[0, 0, 2, :1], [0])
+def test_the_pairs_name_every_chosen_block_and_tile_once_sorted_by_block():
+  """Two query heads a kv head with lists of their own: each kv head's (key block, head, tile)
+  triples sorted by block, then head, then tile; past the count the last one again."""
+  lists = jnp.asarray([[[[2, 0], [1, 1], [0, 3]],  # head 0: tile 0 lists 2; tile 1 lists 1
+                        [[3, 3], [2, 2], [0, 0]]]], jnp.int32)  # head 1: tiles 0, 1 list 3, 2
+  counts = jnp.asarray([[[1, 1, 2], [1, 1, 0]]], jnp.int32)  # head 0's tile 2 lists 0 and 3
+  blocks, rows, count = splash_lists.pairs(lists, counts, 4, groups=2, list_group=1)
+  assert blocks.shape == rows.shape == (1, 1, 12) and int(count[0, 0]) == 6
+  named = [(int(b), int(r) // 3, int(r) % 3) for b, r in zip(blocks[0, 0], rows[0, 0])]
+  assert named[:6] == [(0, 0, 2), (1, 0, 1), (2, 0, 0), (2, 1, 1), (3, 0, 2), (3, 1, 0)]
+  assert named[6:] == [named[5]] * 6  # no new copy past the count
+  shared, _, shared_count = splash_lists.pairs(lists[:, :1], counts[:, :1], 4, groups=2,
+                                               list_group=2)  # one list for both heads
+  assert int(shared_count[0, 0]) == 8 and list(np.asarray(shared[0, 0, :8])) == [0, 0, 1, 1,
+                                                                                  2, 2, 3, 3]
+
+
+def test_the_dkv_kernel_computes_named_blocks_and_zeroes_the_others():
+  """One kv head whose only pair is (key block 0, query tile 0), another with none: block 0's dK
+  and dV are the float64 gradients of its softmax; every other block is 0, not left unwritten
+  (NaN in interpret mode, anything on a chip: the garbage guard would rerun the backward)."""
+  rng = np.random.default_rng(8)
+  bq, bk, d = 8, 128, 32
+  spec = tpu_lists.Spec(bq, bk, bq, 2 * bk, 1, 1, 1, 0.5, None, None, True)
+  q, do = (rng.standard_normal((1, 2, bq, d)) for _ in range(2))  # [B, H, Tp, D]
+  k, v = (rng.standard_normal((1, 2, 2 * bk, d)) for _ in range(2))  # [B, Hkv, Sp, D]
+  s = 0.5 * q[0, 0] @ k[0, 0, :bk].T  # [bq, bk]: kv head 0's block 0
+  p = np.exp(s - s.max(1, keepdims=True))
+  lse = np.log(p.sum(1)) + s.max(1)
+  p /= p.sum(1, keepdims=True)
+  delta = np.sum(do[0, 0] * (p @ v[0, 0, :bk]), axis=1)
+  ds = p * (do[0, 0] @ v[0, 0, :bk].T - delta[:, None])
+  lanes = lambda a: np.broadcast_to(a[None, None, :, None], (1, 2, bq, 128)).astype(np.float32)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  pairs = jnp.zeros((1, 2, 2), jnp.int32)
+  dk, dv = list_dkv.dkv(spec, pairs, pairs, jnp.asarray([[1, 0]], jnp.int32), f32(q), f32(k),
+                        f32(v), jnp.zeros((1, bq, 128), jnp.int32),
+                        jnp.zeros((1, 8, 2 * bk), jnp.int32), lanes(lse), lanes(delta), f32(do))
+  np.testing.assert_allclose(np.asarray(dv)[0, 0, :bk], p.T @ do[0, 0], **harness.tol())
+  np.testing.assert_allclose(np.asarray(dk)[0, 0, :bk], 0.5 * ds.T @ q[0, 0], **harness.tol())
+  assert not np.asarray(dk)[0, 0, bk:].any() and not np.asarray(dv)[0, 1].any()
 
 
 def test_a_paged_step_with_sinks_gqa_and_a_value_size_matches_the_oracle():

@@ -6,8 +6,8 @@ grid step per listed block (one copy of a block for the group); where each query
 own lists, a program is one query head. The lists sit in scalar prefetch and the key/value
 `BlockSpec` index maps read them, so only listed blocks are copied to VMEM. The online softmax lives in VMEM scratch
 across a tile's steps; steps past a tile's count repeat its last block's index (no copy) and
-compute nothing. The backward is two kernels: dq over the same lists, dK/dV over their
-transpose (for each key block, the query tiles that list it), the group's query heads summed
+compute nothing. The backward is two kernels: dq over the same lists, dK/dV over the chosen
+(key block, query tile) pairs sorted by key block (`list_dkv`), the group's query heads summed
 in the kernel's accumulators.
 
 Glossary (head-major, padded): B batch, H query heads, Hkv kv heads (G = H // Hkv), L list
@@ -119,7 +119,7 @@ def online_step(g: int, s: jax.Array, v: jax.Array, m_scr: Any, l_scr: Any, acc_
   alpha = jnp.exp(m_prev - m_safe)  # [bq, 128]
   l_scr[g] = alpha * l_scr[g] + jnp.sum(p, axis=1, keepdims=True)
   pv = p if value_scale is None else p * value_scale  # [bq, bk]
-  acc_scr[g] = alpha[:, :1] * acc_scr[g] + _dot(pv.astype(v.dtype), v, (1, 0))  # [bq, Dv]
+  acc_scr[g] = alpha[:, :1] * acc_scr[g] + dot(pv.astype(v.dtype), v, (1, 0))  # [bq, Dv]
   m_scr[g] = m_next
 
 
@@ -162,7 +162,7 @@ def _forward_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_r
       finish(g, sink_ref[0, p * spec.per_program + g], m_scr, l_scr, acc_scr, o_ref, lse_ref)
 
 
-def _probabilities(spec: Spec, row, block, q, k, qs, ks, lse) -> tuple[jax.Array, Any]:
+def probabilities(spec: Spec, row, block, q, k, qs, ks, lse) -> tuple[jax.Array, Any]:
   """p [bq, bk] from the saved lse (+inf for rows that see nothing: p 0) and the cap's tanh."""
   s, t = scores(q, k, spec.scale, spec.soft_cap)
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, :1]  # [bq, 1]
@@ -170,13 +170,13 @@ def _probabilities(spec: Spec, row, block, q, k, qs, ks, lse) -> tuple[jax.Array
   return p, t
 
 
-def _d_logits(spec: Spec, p: jax.Array, t: Any, dp: jax.Array, delta: jax.Array) -> jax.Array:
+def d_logits(spec: Spec, p: jax.Array, t: Any, dp: jax.Array, delta: jax.Array) -> jax.Array:
   """d(scaled logits) [bq, bk] from p, dO.V^T and delta, through the soft cap."""
   ds = p * (dp - delta[:, :1])
   return ds if t is None else ds * (1.0 - t * t)
 
 
-def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
+def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
   return jax.lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
                              preferred_element_type=jnp.float32)
 
@@ -195,38 +195,13 @@ def _dq_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_ref, k
     block = _listed(lists_ref, counts_ref, b, l, i, j)
     k, v, qs, ks = k_ref[...], v_ref[...], qs_ref[...], ks_ref[...]
     for g in range(spec.per_program):
-      prob, t = _probabilities(spec, i, block, q_ref[g], k, qs, ks, lse_ref[g])
-      ds = _d_logits(spec, prob, t, _dot(do_ref[g], v, (1, 1)), delta_ref[g])  # [bq, bk]
-      dq_scr[g] += _dot(ds.astype(k.dtype), k, (1, 0))  # [bq, D]
+      prob, t = probabilities(spec, i, block, q_ref[g], k, qs, ks, lse_ref[g])
+      ds = d_logits(spec, prob, t, dot(do_ref[g], v, (1, 1)), delta_ref[g])  # [bq, bk]
+      dq_scr[g] += dot(ds.astype(k.dtype), k, (1, 0))  # [bq, D]
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
     dq_ref[...] = (dq_scr[...] * spec.scale).astype(dq_ref.dtype)
-
-
-def _dkv_kernel(spec: Spec, tlists_ref, tcounts_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref,
-                lse_ref, delta_ref, do_ref, dk_ref, dv_ref, dk_scr, dv_scr, *, rows: int):
-  b, hk, c, jj = (pl.program_id(n) for n in range(4))
-  h, t_index = hk * spec.groups + _div(jj, rows), jax.lax.rem(jj, rows)
-
-  @pl.when(jj == 0)
-  def _():
-    dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
-    dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
-
-  @pl.when(t_index < tcounts_ref[b, spec.list_head(h), c])
-  def _():
-    row = _listed(tlists_ref, tcounts_ref, b, spec.list_head(h), c, t_index)
-    q, do = q_ref[...], do_ref[...]
-    p, t = _probabilities(spec, row, c, q, k_ref[...], qs_ref[...], ks_ref[...], lse_ref[...])
-    dv_scr[...] += _dot(p.astype(do.dtype), do, (0, 0))  # [bk, Dv]
-    ds = _d_logits(spec, p, t, _dot(do, v_ref[...], (1, 1)), delta_ref[...])
-    dk_scr[...] += _dot(ds.astype(q.dtype), q, (0, 0))  # [bk, D]
-
-  @pl.when(jj == pl.num_programs(3) - 1)
-  def _():
-    dk_ref[...] = (dk_scr[...] * spec.scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
 def _call(kernel: Any, spec: Spec, grid: tuple[int, ...], in_specs: list[Any],
@@ -240,7 +215,7 @@ def _call(kernel: Any, spec: Spec, grid: tuple[int, ...], in_specs: list[Any],
                           interpret=spec.interpret)(*args)
 
 
-def _sides(spec: Spec, d: int, dv: int, kv_map: Any, q_spec: Any, q_seg_map: Any,
+def sides(spec: Spec, d: int, dv: int, kv_map: Any, q_spec: Any, q_seg_map: Any,
            kv_seg_map: Any) -> list[Any]:
   """BlockSpecs of q (given), k, v and the two segment-id sides."""
   bq, bk = spec.block_q, spec.block_kv
@@ -274,7 +249,7 @@ def forward(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: ja
   (batch, heads, t_pad, d), dv = q.shape, v.shape[-1]
   bq, n = spec.block_q, spec.per_program
   q_map, kv_map, q_seg_map, kv_seg_map = _list_maps(spec)
-  in_specs = _sides(spec, d, dv, kv_map, pl.BlockSpec((None, None, n, bq, d), q_map), q_seg_map,
+  in_specs = sides(spec, d, dv, kv_map, pl.BlockSpec((None, None, n, bq, d), q_map), q_seg_map,
                     kv_seg_map)
   in_specs.append(pl.BlockSpec((SUBLANES, heads), lambda *_: (0, 0), memory_space=pltpu.SMEM))
   out_specs = [pl.BlockSpec((None, None, n, bq, dv), q_map),
@@ -297,7 +272,7 @@ def dq(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: jax.Arr
   bq, n = spec.block_q, spec.per_program
   q_map, kv_map, q_seg_map, kv_seg_map = _list_maps(spec)
   side = lambda width: pl.BlockSpec((None, None, n, bq, width), q_map)
-  in_specs = _sides(spec, d, dv, kv_map, side(d), q_seg_map, kv_seg_map)
+  in_specs = sides(spec, d, dv, kv_map, side(d), q_seg_map, kv_seg_map)
   in_specs += [side(LANES), side(LANES), side(dv)]
   grid = (batch, heads // n, t_pad // bq, lists.shape[-1])
   grads = _call(_dq_kernel, spec, grid, in_specs, side(d),
@@ -305,29 +280,3 @@ def dq(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: jax.Arr
                 [pltpu.VMEM((n, bq, d), jnp.float32)], lists, counts, _programs(spec, q), k, v,
                 q_seg, kv_seg, *(_programs(spec, a) for a in (lse, delta, d_out)))
   return grads.reshape(q.shape)
-
-
-def dkv(spec: Spec, tlists: jax.Array, tcounts: jax.Array, q: jax.Array, k: jax.Array,
-        v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array, lse: jax.Array, delta: jax.Array,
-        d_out: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """dk [B, Hkv, Sp, D], dv [B, Hkv, Sp, Dv] over the transposed lists (tlists [B, L, nk, nq]:
-  the query tiles listing each key block, tcounts [B, L, nk]); the group's heads summed."""
-  (batch, heads, t_pad, d), (kv_heads, s_pad, dv) = q.shape, v.shape[1:]
-  bq, bk, rows = spec.block_q, spec.block_kv, t_pad // spec.block_q
-  head = lambda hk, jj: hk * spec.groups + _div(jj, rows)
-  row = lambda b, hk, c, jj, tl, tc: _listed(tl, tc, b, spec.list_head(head(hk, jj)), c,
-                                               jax.lax.rem(jj, rows))
-  q_map = lambda b, hk, c, jj, *refs: (b, head(hk, jj), row(b, hk, c, jj, *refs), 0)
-  kv_map = lambda b, hk, c, jj, *_: (b, hk, c, 0)
-  in_specs = _sides(spec, d, dv, kv_map, pl.BlockSpec((None, None, bq, d), q_map),
-                    lambda b, hk, c, jj, *refs: (b, row(b, hk, c, jj, *refs), 0),
-                    lambda b, hk, c, jj, *_: (b, 0, c))
-  in_specs += [pl.BlockSpec((None, None, bq, LANES), q_map),
-               pl.BlockSpec((None, None, bq, LANES), q_map),
-               pl.BlockSpec((None, None, bq, dv), q_map)]
-  out_specs = [pl.BlockSpec((None, None, bk, d), kv_map), pl.BlockSpec((None, None, bk, dv), kv_map)]
-  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-  scratch = [pltpu.VMEM((bk, d), jnp.float32), pltpu.VMEM((bk, dv), jnp.float32)]
-  grid = (batch, kv_heads, s_pad // bk, spec.groups * rows)
-  return _call(functools.partial(_dkv_kernel, rows=rows), spec, grid, in_specs, out_specs,
-               out_shape, scratch, tlists, tcounts, q, k, v, q_seg, kv_seg, lse, delta, d_out)

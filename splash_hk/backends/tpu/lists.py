@@ -1,7 +1,8 @@
 """The TPU backend's calls on chosen blocks (`masks.Blocks`): the block-list kernel.
 
 The choice's map of block pairs becomes lists of key blocks per (batch row, list head, query
-tile) (`xla_lists.tables`, the gathered tiles' own) and their transpose for the dK/dV kernel;
+tile) (`xla_lists.tables`, the gathered tiles' own) and each kv head's chosen pairs sorted by key
+block for the dK/dV kernel (`pairs`, `list_dkv`);
 the inputs go head-major and padded to whole blocks (padding in segments -1 / -2 of its own);
 the kernels (`tpu_lists`) run under a custom VJP whose residuals are the output and lse.
 """
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk.backends import base
+from splash_hk.backends.tpu import list_dkv
 from splash_hk.backends.tpu import list_kernel as tpu_lists
 from splash_hk.backends.xla import lists as xla_lists
 from splash_hk.types import Facts, KernelInputs, KernelOutput
@@ -65,18 +67,26 @@ def _lists(x: KernelInputs) -> tuple[xla_lists.Layout, jax.Array, jax.Array]:
   return lay, jnp.minimum(lists, lay.kv_blocks - 1), counts
 
 
-def transpose(lists: jax.Array, counts: jax.Array, kv_blocks: int) -> tuple[jax.Array, jax.Array]:
-  """For each key block, the query tiles whose lists hold it (ascending) and how many:
-  [B, L, nq, K] -> tlists [B, L, nk, nq], tcounts [B, L, nk]."""
-  most = lists.shape[3]
-  held = jnp.arange(most) < counts[..., None]  # [B, L, nq, K]
-  place = jnp.where(held, lists, kv_blocks)  # [B, L, nq, K]
-  b, l, r = (i[..., None] for i in jnp.indices(lists.shape[:3]))  # [B, L, nq, 1] each
-  hit = jnp.zeros((*lists.shape[:3], kv_blocks + 1), bool).at[b, l, r, place].set(True)
-  hit = jnp.swapaxes(hit[..., :kv_blocks], 2, 3)  # [B, L, nk, nq]: no [.., K, nk] one-hot
-  tcounts = jnp.sum(hit, axis=-1, dtype=jnp.int32)  # [B, L, nk]
-  tlists = jnp.argsort(~hit, axis=-1, stable=True).astype(jnp.int32)  # chosen rows first
-  return tlists, tcounts
+def pairs(lists: jax.Array, counts: jax.Array, kv_blocks: int, groups: int,
+          list_group: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Each kv head's chosen (key block, query head of its group, query tile) triples, sorted by
+  key block (then head, then tile), for the dK/dV kernel (`list_dkv`): lists [B, L, nq, K] and
+  counts [B, L, nq] (L list heads of `list_group` query heads; `groups` query heads a kv head)
+  -> blocks [B, Hkv, P] and rows [B, Hkv, P] (head g, tile r: g * nq + r), P = G * nq * K, and
+  how many there are [B, Hkv]; past the count, the last one again (no new copy)."""
+  batch, _, rows, most = lists.shape
+  heads = jnp.arange(lists.shape[1] * list_group) // list_group  # each query head's list head
+  lists, counts = lists[:, heads], counts[:, heads]  # [B, H, nq, K], [B, H, nq]
+  held = jnp.arange(most) < counts[..., None]  # [B, H, nq, K]
+  block = jnp.where(held, lists, kv_blocks).reshape(batch, -1, groups * rows * most)
+  row = jnp.broadcast_to(jnp.arange(groups * rows)[:, None], (groups * rows, most))
+  order = jnp.argsort(block * (groups * rows) + row.reshape(-1), axis=-1,
+                      stable=True)  # [B, Hkv, P]
+  count = jnp.sum(block < kv_blocks, axis=-1, dtype=jnp.int32)  # [B, Hkv]
+  upto = jnp.minimum(jnp.arange(block.shape[-1]), jnp.maximum(count - 1, 0)[..., None])
+  order = jnp.take_along_axis(order, upto, axis=-1)  # past the count: the last pair again
+  blocks = jnp.minimum(jnp.take_along_axis(block, order, axis=-1), kv_blocks - 1)
+  return blocks.astype(jnp.int32), (order // most).astype(jnp.int32), count
 
 
 def _spec(x: KernelInputs, facts: Facts, lay: xla_lists.Layout) -> tpu_lists.Spec:
@@ -124,8 +134,10 @@ def _backward(spec, saved, d_out):
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, Hq, Tp]
   lanes = lambda a: jnp.broadcast_to(a[..., None], (*a.shape, tpu_lists.LANES))
   dq = tpu_lists.dq(spec, lists, counts, q, k, v, q_seg, kv_seg, lse, lanes(delta), d_out)
-  tlists, tcounts = transpose(lists, counts, k.shape[2] // spec.block_kv)
-  dk, dv = tpu_lists.dkv(spec, tlists, tcounts, q, k, v, q_seg, kv_seg, lse, lanes(delta), d_out)
+  pair_blocks, pair_rows, pair_count = pairs(lists, counts, k.shape[2] // spec.block_kv,
+                                             spec.groups, spec.list_group)
+  dk, dv = list_dkv.dkv(spec, pair_blocks, pair_rows, pair_count, q, k, v, q_seg, kv_seg, lse,
+                        lanes(delta), d_out)
   d_sinks = base.sink_grads(sinks, base.to_bhtd(lse[..., 0]), base.to_bhtd(delta))  # [Hq, n]
   return None, None, None, None, dq, dk, dv, d_sinks.astype(sinks.dtype)
 
