@@ -1,8 +1,11 @@
-"""The bench's table, the ratios docs/guide/performance.md quotes, and its plot."""
+"""The bench's table, the ratios docs/guide/performance.md quotes, and its plot; the TPU
+benches' result files (`write`)."""
 
 from __future__ import annotations
 
 import collections
+import json
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -94,3 +97,12 @@ def plot(rows: Sequence[Any], path: str) -> None:
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=90)
+
+
+def write(out: str, name: str, payload: dict[str, Any], text: str) -> None:
+  """A bench's results into folder `out`: `name`.json (`payload`) and `name`.txt (`text`)."""
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, f"{name}.json"), "w") as f:
+    json.dump(payload, f, indent=1)
+  with open(os.path.join(out, f"{name}.txt"), "w") as f:
+    f.write(text + "\n")

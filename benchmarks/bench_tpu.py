@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 from typing import Any, Callable, NamedTuple
 
@@ -36,12 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import bench_report
 from benchmarks import guards
 from benchmarks import tpu_peers
 from benchmarks import timing
 import splash_hk as sh
 
-FB_FACTOR = 3.5  # forward + backward flops over the forward's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,13 +192,6 @@ def programs(row: Row, x: Inputs, interpret: bool, variants: list[str]
   return found
 
 
-def matmul_peak(repeats: int, size: int = 8192) -> float:
-  """bf16 flop/s of a size^3 product, measured now."""
-  a = jnp.ones((size, size), jnp.bfloat16)
-  seconds = timing.median_seconds(jax.jit(jnp.dot), a, a, repeats=repeats)
-  return 2.0 * size ** 3 / seconds
-
-
 def run_row(name: str, row: Row, peers: list[str], repeats: int, peak: float,
             interpret: bool, candidates: tuple[tuple[int, int, int], ...] = (),
             variants: list[str] = (), with_programs: bool = False) -> dict[str, Any]:
@@ -242,7 +234,7 @@ def _figures(seconds: tuple[float, float], flops: float, peak: float) -> dict[st
   fwd, both = seconds
   return {"ms": [round(fwd * 1e3, 3), round(both * 1e3, 3)],
           "fraction_of_peak": [round(flops / fwd / peak, 3),
-                               round(FB_FACTOR * flops / both / peak, 3)]}
+                               round(timing.FB_FACTOR * flops / both / peak, 3)]}
 
 
 def report(results: list[dict[str, Any]], peak: float) -> str:
@@ -281,7 +273,7 @@ def main(argv: list[str]) -> None:
   if unknown:
     raise app.UsageError(f"unknown rows or peers: {unknown}")
   candidates = tuple(tuple(int(n) for n in t.split("/")) for t in f.peer_tiles)
-  peak = matmul_peak(f.repeats, 1024 if f.smoke else 8192)
+  peak = timing.matmul_peak(f.repeats, 1024 if f.smoke else 8192)
   results = []
   for name in f.rows:
     if name in rows:
@@ -296,11 +288,9 @@ def main(argv: list[str]) -> None:
     for row, found in texts.items():  # one file a row: the machine returns few files
       with open(os.path.join(f.out, f"programs_{row}.txt"), "w") as out:
         out.write("\n".join(f"=== {name}\n{program}" for name, program in found.items()))
-    with open(os.path.join(f.out, "bench_tpu.json"), "w") as out:
-      json.dump({"device": str(jax.devices()[0].device_kind), "peak_flops": peak,
-                 "results": results}, out, indent=1)
-    with open(os.path.join(f.out, "bench_tpu.txt"), "w") as out:
-      out.write(text + "\n")
+    bench_report.write(f.out, "bench_tpu", {
+        "device": str(jax.devices()[0].device_kind), "peak_flops": peak, "results": results},
+        text)
 
 
 if __name__ == "__main__":  # flags defined here: the bench (imported beside) has its own

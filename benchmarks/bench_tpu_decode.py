@@ -11,9 +11,10 @@ each of its candidate block sizes, the fastest kept. Bytes: each sequence's keys
 after the write, once (`decode_steps`: the rows and their steps). A mixed step (prompt chunks
 beside decodes) is also held against its parts apart, a prefill against `sh.attention` of the
 same rows, an int8 pool (no peer: it takes no per-token scales) against the bf16 step of its
-shape. A fixed-cache row is `sh.attention` of T rows (end-aligned causal)
-against B caches of S keys, beside `jax.nn.dot_product_attention(implementation="xla")` of
-the same call (its mask the same rule).
+shape, Quest's step (1/16 of the pages chosen by `top_k_pages` in the step; its bytes are the
+chosen pages') against the step reading every page. A fixed-cache row is `sh.attention` of
+T rows (end-aligned causal) against B caches of S keys, beside
+`jax.nn.dot_product_attention(implementation="xla")` of the same call (its mask the same rule).
 
 Each call is timed three ways (`timing`), and the read bandwidth the same three ways: "ms",
 calls launched back to back (a launch hides behind the call before it, as in a serving loop);
@@ -27,9 +28,6 @@ bandwidth divides by the bandwidth timed the same way.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import time
 from typing import Any, Callable
 
 from absl import app
@@ -39,6 +37,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import bench_report
 from benchmarks import decode_probes
 from benchmarks import decode_steps
 from benchmarks.decode_steps import ROWS, SMOKE_ROWS, Row, Step, make_step, peer_inputs
@@ -78,8 +77,8 @@ def ours_call(step: Step, interpret: bool) -> Callable[[], jax.Array]:
   codes too), no fallback."""
   config = sh.AttentionConfig(platform="splash" if interpret else "auto", interpret=interpret,
                               allow_fallback=False)
-  run = jax.jit(lambda q, k, v, pool, batch: sh.paged_attention(q, k, v, pool, batch,
-                                                                config=config),
+  run = jax.jit(lambda q, k, v, pool, batch: sh.paged_attention(
+      q, k, v, pool, step.chosen(q, pool) if step.top_k else batch, config=config),
                 donate_argnums=3)
   state = {"pool": jax.tree.map(jnp.copy, step.pool)}
 
@@ -143,8 +142,9 @@ def run_row(name: str, row: Row, repeats: int, bandwidth: timing.Bandwidth, inte
   """A row's figures: ours (and at each of `tried` keys a grid step, and with each of `probes`'
   kernel parts alone), the peer's best."""
   step = make_step(row)
-  decision = sh.explain_paged(step.q, step.k, step.v, step.pool, step.batch,
-                              for_platform="tpu", config=sh.AttentionConfig(interpret=interpret))
+  decision = sh.explain_paged(step.q, step.k, step.v, step.pool,
+                              step.chosen(step.q, step.pool), for_platform="tpu",
+                              config=sh.AttentionConfig(interpret=interpret))
   call = ours_call(step, interpret)  # one executable for every figure of ours below
   seconds = timing.back_to_back_seconds(call, repeats=repeats)
   out = call()
@@ -154,7 +154,7 @@ def run_row(name: str, row: Row, repeats: int, bandwidth: timing.Bandwidth, inte
             "decision": f"{decision.backend}: {decision.reason}",
             "bytes_read": step.bytes_read, **ours}
   result.update(_beside(row, step, seconds, repeats, interpret))
-  if peers and not row.int8:  # the peer takes no per-token scales
+  if peers and not row.int8 and not row.quest:  # the peer takes no scales, no choice
     best = peer_best(step, repeats)
     if np.isfinite(best["seconds"]):
       peer = timing.figures(best["call"], step.bytes_read, bandwidth, repeats, best["seconds"])
@@ -174,13 +174,17 @@ def run_row(name: str, row: Row, repeats: int, bandwidth: timing.Bandwidth, inte
 def _beside(row: Row, step: Step, seconds: float, repeats: int,
             interpret: bool) -> dict[str, Any]:
   """What a step of its kind is held against, back to back: a mixed step, its parts apart
-  (`Row.parts`: the prompt chunks alone, the decodes alone); a prefill, `sh.attention` of the
-  same rows (causal, the library's defaults for the hardware)."""
+  (`Row.parts`: the prompt chunks alone, the decodes alone); Quest's, the step reading every
+  page; a prefill, `sh.attention` of the same rows (causal, the library's defaults for the
+  hardware)."""
   parts = row.parts()
   if parts is not None:
     apart = [ours_seconds(make_step(part), repeats, interpret)[0] for part in parts]
     return {"parts_ms": [round(t * 1e3, 4) for t in apart],
             "over_parts": round(seconds / sum(apart), 3)}
+  if row.quest:  # Quest's step (its choice in it) against the step reading every page
+    every = ours_seconds(make_step(dataclasses.replace(row, quest=0)), repeats, interpret)[0]
+    return {"every_page_ms": round(every * 1e3, 4), "every_page_over": round(every / seconds, 3)}
   if row.prompts == row.seqs == 1:  # nothing cached: its keys are its new rows'
     config = sh.AttentionConfig(interpret=interpret)
     call = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config).attention_outputs)
@@ -245,6 +249,9 @@ def report(results: list[dict[str, Any]], bandwidth: timing.Bandwidth) -> str:
                f"{peer['blocks']} (max diff {peer['max_difference']:.3g})")
     if "over_parts" in r:
       cell += f" | over its parts apart: {r['over_parts']:.2f}x"
+    if "every_page_over" in r:
+      cell += (f" | every page over it: {r['every_page_over']:.2f}x "
+               f"({r['every_page_ms']:.3f} ms)")
     if "over_attention" in r:
       cell += f" | over attention: {r['over_attention']:.2f}x ({r['attention_ms']:.3f} ms)"
     cell += _over_bf16(r, results)
@@ -277,13 +284,9 @@ def main(argv: list[str]) -> None:
   text = report(results, bandwidth)
   print(text)
   if f.out:
-    os.makedirs(f.out, exist_ok=True)
-    with open(os.path.join(f.out, "bench_tpu_decode.json"), "w") as out:
-      json.dump({"device": str(jax.devices()[0].device_kind),
-                 "read_bandwidth": dataclasses.asdict(bandwidth),
-                 "results": results}, out, indent=1)
-    with open(os.path.join(f.out, "bench_tpu_decode.txt"), "w") as out:
-      out.write(text + "\n")
+    bench_report.write(f.out, "bench_tpu_decode", {
+        "device": str(jax.devices()[0].device_kind),
+        "read_bandwidth": dataclasses.asdict(bandwidth), "results": results}, text)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ A row is a step's shape: `seqs` sequences whose lengths after the step lie in [s
 longest], each with `rows` new rows (a decode: 1), except the first `prompts`, which bring
 `prompt` new rows (a chunk of a prompt: a mixed step beside decodes, or a prefill alone where
 every sequence is one and its length is the chunk); `int8`: the pool quantized (per-token
-scales, as `KVCache`), which the peer does not take.
+scales, as `KVCache`), which the peer does not take; `quest`: each sequence reads 1/quest of
+its pages, chosen by `sh.sparse.top_k_pages` in the step (the pool keeps page summaries).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Row:
   prompts: int = 0  # the first `prompts` sequences bring `prompt` new rows each
   prompt: int = 0
   int8: bool = False  # the pool quantized to int8 with per-token scales
+  quest: int = 0  # each sequence reads 1/quest of its pages (Quest's choice); 0: every page
 
   @property
   def q_lens(self) -> np.ndarray:
@@ -57,7 +59,8 @@ ROWS = {"decode_p16": Row(32, 1024, 8192, 16), "decode_p64": Row(32, 1024, 8192,
         "mixed_p64": Row(32, 1024, 8192, 64, prompts=2, prompt=512),
         "prefill2k_p64": Row(1, 2048, 2048, 64, prompts=1, prompt=2048),
         "prefill8k_p64": Row(1, 8192, 8192, 64, prompts=1, prompt=8192),
-        "int8_p64": Row(32, 1024, 8192, 64, int8=True)}
+        "int8_p64": Row(32, 1024, 8192, 64, int8=True),
+        "quest16_p64": Row(8, 32768, 32768, 64, quest=16)}
 
 
 def _smoke(row: Row) -> Row:
@@ -79,10 +82,26 @@ class Step:
   pool: sh.PagedKVCache
   batch: sh.RaggedBatch
   lens: np.ndarray  # [S] lengths after the write
+  top_k: int | None = None  # pages Quest chooses beyond each sequence's last (None: all read)
+
+  def chosen(self, q: jax.Array, pool: sh.PagedKVCache) -> sh.RaggedBatch:
+    """The step's batch, with Quest's choice over `pool` where the step makes one."""
+    if self.top_k is None:
+      return self.batch
+    return dataclasses.replace(self.batch, selection=sh.sparse.top_k_pages(
+        q, pool, self.batch, top_k=self.top_k))
+
+  @property
+  def tokens_read(self) -> int:
+    """The tokens a step reads: every sequence's after the write, or its chosen pages'."""
+    if self.top_k is None:
+      return int(self.lens.sum())
+    page = self.pool.page_size
+    return int(np.minimum(self.lens, (self.top_k + 1) * page).sum())
 
   @property
   def bytes_read(self) -> int:
-    """Each sequence's keys and values after the write, once (an int8 pool's scales too)."""
+    """Each token read's keys and values, once (an int8 pool's scales too)."""
     per_token = 0
     for half in (self.pool.key, self.pool.value):
       if isinstance(half, quant.Quantized):
@@ -90,7 +109,7 @@ class Step:
                                              + half.scale.dtype.itemsize)
       else:
         per_token += half.shape[1] * half.shape[3] * half.dtype.itemsize
-    return int(self.lens.sum()) * per_token
+    return self.tokens_read * per_token
 
 
 def _table(rng: np.random.Generator, lens: np.ndarray, page: int) -> tuple[np.ndarray, int]:
@@ -125,7 +144,12 @@ def make_step(row: Row, seed: int = 0) -> Step:
   cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
   batch = sh.RaggedBatch(jnp.asarray(cu), jnp.asarray(lens - q_lens), jnp.asarray(table),
                          jnp.asarray(row.seqs, jnp.int32))
-  return Step(q, k, v, sh.PagedKVCache(key, value), batch, lens)
+  pool, top_k = sh.PagedKVCache(key, value), None
+  if row.quest:  # the bounds of every slot (the bench's pages are full of its tokens)
+    held = jnp.asarray(quant.tile(key, jnp.float32), jnp.float32)  # [P, Hkv, page, D]
+    pool = pool.replace(key_min=jnp.min(held, axis=2), key_max=jnp.max(held, axis=2))
+    top_k = max(table.shape[1] // row.quest - 1, 1)  # and the last page: 1/quest of them
+  return Step(q, k, v, pool, batch, lens, top_k)
 
 
 def peer_inputs(step: Step) -> tuple[jax.Array, ...]:

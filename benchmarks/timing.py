@@ -141,3 +141,13 @@ def top_ops(call: Callable[[], Any], repeats: int, top: int = 25) -> dict[str, f
   """The `top` device operations and programs of a call by time, in microseconds a call."""
   ops = device_profile(call, repeats=repeats)
   return {name: round(us, 2) for name, us in ops.most_common(top)}
+
+
+FB_FACTOR = 3.5  # a forward+backward's flops over its forward's (the TPU benches' convention)
+
+
+def matmul_peak(repeats: int, size: int = 8192) -> float:
+  """bf16 flop/s of a size^3 product, measured now."""
+  a = jnp.ones((size, size), jnp.bfloat16)
+  seconds = median_seconds(jax.jit(jnp.dot), a, a, repeats=repeats)
+  return 2.0 * size ** 3 / seconds

@@ -289,6 +289,11 @@ def test_tpu_decode_bench_holds_each_kind_of_step_against_its_own():
   # a token's k and v over 2 kv heads: int8 codes of 128 and a float32 scale, or 128 bf16
   assert int8["bytes_read"] * (2 * 2 * 128 * 2) == bf16["bytes_read"] * (2 * 2 * (128 + 4))
   assert "over the bf16 step: " in bench_tpu_decode.report([bf16, int8], rate)
+  quest = run("quest16_p64")  # Quest's choice in the step, against every page
+  assert quest["decision"].startswith("splash") and quest["every_page_over"] > 0, quest
+  step = bench_tpu_decode.make_step(rows["quest16_p64"])
+  assert step.tokens_read < int(step.lens.sum()) and step.top_k == 1
+  assert "every page over it: " in bench_tpu_decode.report([quest], rate)
   step = bench_tpu_decode.make_step(rows["mixed_p64"])
   assert list(np.diff(np.asarray(step.batch.cu_q_lens))) == [48, 48, 1]
   _, ours = bench_tpu_decode.ours_seconds(step, 1, True)
@@ -296,3 +301,21 @@ def test_tpu_decode_bench_holds_each_kind_of_step_against_its_own():
                                           sm_scale=128 ** -0.5)
   np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs, np.float32),
                              atol=2e-2, rtol=2e-2)
+
+
+def test_tpu_blocks_bench_holds_the_choice_against_causal_and_names_what_it_does_not_serve():
+  """The chosen-blocks bench in interpret mode (tiny rows): own + 1 of 128 on the block-list
+  kernel against causal attention (the work saved counted from the choice), and per-token
+  choices (query blocks of 1 row) skipped with the kernel's reason."""
+  from benchmarks import bench_tpu_blocks
+  rows = bench_tpu_blocks.SMOKE_ROWS
+  own = bench_tpu_blocks.run_row("own8_128_16k", rows["own8_128_16k"], 1, 1e12, True)
+  assert own["decision"].startswith("splash") and "block-list" in own["decision"], own
+  assert all(x > 0 for x in own["causal_over_chosen"] + own["chosen_ms"]), own
+  # 3 query tiles of 128 over 3 key blocks: own + 1 holds 1, 2, 2 blocks of the 6 causal
+  # reads (in keys: 384 * 385 / 2 per head against 5 * 128 * 128)
+  assert own["work_saved"] == round(384 * 385 / 2 / (5 * 128 * 128), 2), own
+  token = bench_tpu_blocks.run_row("nsa_token_16k", rows["nsa_token_16k"], 1, 1e12, True)
+  assert "skipped" in token and "bq a multiple of 8" in token["skipped"], token
+  text = bench_tpu_blocks.report([own, token], 1e12)
+  assert "own8_128_16k | " in text and "nsa_token_16k | skipped" in text
