@@ -3,13 +3,14 @@
 # libtpu, numpy, pytest; no dm-haiku, chex, jmp, tabulate or tokamax). Installs the wheels
 # carried in .whl-tpu (`make tpu-wheels`) under /tmp (the machine's JAX stays first), then runs
 # the tpu-marked tests compiled on the chip (one process: the chip takes one program at a time;
-# a skipped TPU test fails its step: see tests/conftest.py), the quickcheck and the TPU bench
-# (`benchmarks/bench_tpu.py`), the decode bench (`benchmarks/bench_tpu_decode.py`) and the
-# chosen-blocks bench (`benchmarks/bench_tpu_blocks.py`, step "blocks"). Every log and result
-# goes to $TPU_OUT (default $OUT, else tpu_out/); summary.txt has one line per step.
-# TPU_STEPS picks steps (default: all but tune and blocks; pick so that their limits add up to under
-# the call's 10 minutes); TPU_TESTS_K picks tests (pytest -k), TPU_BENCH to the bench,
-# TPU_DECODE to the decode bench, TPU_BLOCKS to the chosen-blocks bench.
+# a skipped TPU test fails its step: see tests/conftest.py), the quickcheck, the TPU bench
+# (`benchmarks/bench_tpu.py`), the decode bench (`benchmarks/bench_tpu_decode.py`), the
+# serving binary (step "serve": `make serve-demo` on the chip) and the chosen-blocks bench
+# (step "blocks": `benchmarks/bench_tpu_blocks.py`). Every log and result goes to $TPU_OUT
+# (default $OUT, else tpu_out/); summary.txt has one line per step. TPU_STEPS picks steps
+# (default: all but tune, serve and blocks; pick so that their limits add up to under the
+# call's 10 minutes); TPU_TESTS_K picks tests (pytest -k), TPU_BENCH to the bench, TPU_DECODE
+# to the decode bench, TPU_SERVE to the serving binary, TPU_BLOCKS to the chosen-blocks bench.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${TPU_OUT:-${OUT:-tpu_out}}
@@ -58,6 +59,10 @@ step bench 560 python3 -m benchmarks.bench_tpu --out="$OUT" ${TPU_BENCH:-}
 [ -f "$OUT/bench_tpu.txt" ] && sed 's/^/  /' "$OUT/bench_tpu.txt" >> "$OUT/summary.txt"
 step decode 300 python3 -m benchmarks.bench_tpu_decode --out="$OUT" ${TPU_DECODE:-}
 [ -f "$OUT/bench_tpu_decode.txt" ] && sed 's/^/  /' "$OUT/bench_tpu_decode.txt" >> "$OUT/summary.txt"
+# The serving binary on the chip (`make serve-demo`): trains the demo model briefly, serves its
+# requests over pages, checks every output against greedy decoding and prints tokens/s.
+step serve 300 python3 -m examples.serve --check ${TPU_SERVE:-}
+grep -E "tokens/s" "$OUT/serve.log" 2>/dev/null | sed 's/^/  /' >> "$OUT/summary.txt"
 step blocks 300 python3 -m benchmarks.bench_tpu_blocks --out="$OUT" ${TPU_BLOCKS:-}
 [ -f "$OUT/bench_tpu_blocks.txt" ] && sed 's/^/  /' "$OUT/bench_tpu_blocks.txt" >> "$OUT/summary.txt"
 echo "results in $OUT/ (summary.txt, *.log, bench_tpu.json)"
