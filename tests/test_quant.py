@@ -305,12 +305,18 @@ def test_a_quantized_cache_in_the_haiku_module_decodes_as_the_oracle_attends(kin
 @pytest.mark.parametrize("platform", ["xla", "splash"])
 def test_a_paged_step_over_a_quantized_pool_matches_the_oracle_and_writes_its_tokens(
     platform, kind, rule):
-  """xla's tiles and the TPU paged kernel (interpret mode): codes dequantized on the tile or in
-  VMEM, scales per token and kv head; NaN codes and scales in every free slot."""
+  """xla's tiles and the TPU paged kernel (interpret mode; int8 codes, fp8 ones fall back to
+  xla naming their storage): codes dequantized on the tile or in VMEM, scales per token and kv
+  head; NaN codes and scales in every free slot."""
   config, rules = paged_cases.RULES[rule]
   step = _quantized_step(kind, 1)
-  config = dataclasses.replace(config, platform=platform, allow_fallback=False,
+  fp8_on_tpu = platform == "splash" and kind != "int8"
+  config = dataclasses.replace(config, platform=platform, allow_fallback=fp8_on_tpu,
                                interpret=platform == "splash")
+  decision = sh.explain_paged(step.q, step.k, step.v, step.cache, step.batch, config=config)
+  assert (decision.backend == "xla") == (platform == "xla" or fp8_on_tpu), decision
+  if fp8_on_tpu:
+    assert f"{np.dtype(FORMATS[kind][0]).name}/token" in decision.reason, decision
   out, cache = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
       step.q, step.k, step.v, step.cache, step.batch)
   np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())
@@ -353,14 +359,13 @@ def test_a_new_nan_value_in_a_quantized_pool_shows_in_every_column_of_the_rows_t
   np.testing.assert_allclose(out[last:], want[last:], **harness.tol())
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8_e5m2"])
 @pytest.mark.parametrize("chosen", [False, True], ids=["table", "selection"])
-def test_the_tpu_paged_kernel_reads_runs_of_quantized_pages(kind, chosen):
+def test_the_tpu_paged_kernel_reads_runs_of_int8_pages(chosen):
   """Pages of 32 one byte a code: the TPU paged kernel (interpret mode) reads 16 pages a grid
   step with their scales a block beside them (per kv head for a selection); histories of
   700-1100 tokens, causal (whole blocks unguarded) and the free slots' codes and scales NaN."""
   step, batch, want = paged_cases.runs_of_pages(chosen, page=32, kv_lens=(700, 0, 1100, 37),
-                                                window=None, kind=kind)
+                                                window=None, kind="int8")
   config = sh.AttentionConfig(platform="splash", interpret=True, allow_fallback=False)
   out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
       step.q, step.k, step.v, step.cache, batch)

@@ -153,15 +153,14 @@ def test_runs_of_pages_compiled_match_the_oracle(chosen, window, page, keys, mon
                              **harness.tol(dtype=jnp.bfloat16))
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("chosen", [False, True], ids=["table", "selection"])
-def test_quantized_pools_compiled_match_the_oracle(chosen, page, kind):
-  """int8 and fp8 pools (a scale per token and kv head; free slots' codes and scales NaN),
-  bf16 queries, histories of 3000 and 5000 tokens: the codes copied as bytes and dequantized
+def test_int8_pools_compiled_match_the_oracle(chosen, page):
+  """int8 pools (a scale per token and kv head; free slots' codes and scales NaN), bf16
+  queries, histories of 3000 and 5000 tokens: the codes copied as bytes and turned into bf16
   in VMEM, the scales a block beside them, on the chip."""
   step, batch, want = paged_cases.runs_of_pages(chosen, page, kv_lens=(3000, 0, 5000, 37),
-                                                dtype=jnp.bfloat16, window=None, kind=kind)
+                                                dtype=jnp.bfloat16, window=None, kind="int8")
   config = sh.AttentionConfig(**COMPILED)
   out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
       step.q, step.k, step.v, step.cache, batch)

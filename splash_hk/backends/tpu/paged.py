@@ -23,9 +23,11 @@ from splash_hk.backends.tpu import paged_kernel as tpu_paged
 
 
 
-# Quantized pools the kernel reads (`quant.storage`): codes of a byte, one scale per token and kv
-# head or coarser, both keys and values so (the codes dequantized in VMEM, the scales a block).
-QUANTIZED_STORAGE = ("int8/token", "float8_e4m3fn/token", "float8_e5m2/token")
+# Quantized pools the kernel reads (`quant.storage`): int8 codes, one scale per token and kv head
+# or coarser, keys and values both (the codes turned into the query's dtype in VMEM, the scales
+# a block). fp8 codes stay on xla: a v5e has no fp8 arithmetic, and Mosaic's fp8 conversion
+# there is unchecked (tpu-inference reads fp8 caches from v6e on).
+QUANTIZED_STORAGE = ("int8/token",)
 
 
 def block_q(facts: pages.PagedFacts) -> int:
@@ -48,7 +50,7 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
   if facts.quantized and bad:
     return (f"the pool's keys and values are stored as {' and '.join(facts.storage)} (the "
             "paged block-list kernel reads floating pools, or keys and values both "
-            f"{', '.join(QUANTIZED_STORAGE)})")
+            f"{' or '.join(QUANTIZED_STORAGE)}: fp8 codes run on xla)")
   if facts.cascade:
     return "the batch has a shared prefix (a cascade), which the paged block-list kernel lacks"
   if facts.tree:
