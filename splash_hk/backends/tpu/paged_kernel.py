@@ -17,7 +17,10 @@ one copy a page); a selection's lists differ per kv head, so the grid has a step
 its block holds that head's keys only. Online softmax in VMEM scratch per kv head; keys past the
 sequence's length or past the list are invisible and their non-finite values zeroed (free slots
 may hold anything); a visible non-finite value shows as NaN in its column of the rows that see
-it. The new tokens are written into the pool before this kernel runs.
+it. The new tokens are written into the pool before this kernel runs. An int8 pool's codes are
+copied as bytes and turned into the query's dtype in VMEM; their per-key scales come as one
+block a step beside them (`paged.block_scales`), the key scale on the logits' columns, the
+value scale on the probabilities'.
 
 Glossary: W tiles (static bound), Hq query heads, Hkv kv heads (G = Hq // Hkv), Hl list heads
 (1: a page table; Hkv: a selection), Hb = Hkv // Hl kv heads a block, R = G * bq rows a kv head,
@@ -68,7 +71,7 @@ class Spec:
   interpret: bool
   pages_per_block: int = 1  # n
   contiguous: bool = False  # entry e's keys are positions e * page ...: a page-table row
-  quantized: bool = False  # the pool holds int8 / fp8 codes, its scales a block beside them
+  quantized: bool = False  # the pool holds int8 codes, its scales a block beside them
 
   @property
   def block_heads(self) -> int:  # Hb
@@ -152,7 +155,7 @@ def _compute(spec: Spec, seen: jax.Array, q_ref, scale_ref, kbuf, vbuf, slot, m_
   it: free slots and stale buffer rows may hold anything) and NaN added in its column of the
   rows that see it; without (a whole block, `_whole`: every row sees every key) p @ v is the
   oracle's as it is."""
-  codes = spec.quantized and jnp.issubdtype(vbuf.dtype, jnp.integer)  # finite by construction
+  codes = spec.quantized  # int8 codes (`paged.QUANTIZED_STORAGE`): finite by construction
   for hk in range(spec.block_heads):
     q = q_ref[hk]  # [R, D]
     as_ = q.dtype if spec.quantized else kbuf.dtype  # a pool's codes in q's dtype
