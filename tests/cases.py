@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 import splash_hk as sh
+import block_oracle
 import harness
 import oracle
 
@@ -204,3 +205,48 @@ def list_attention(config, mask, kwargs):
     return sh.attention(q, k, v, config=config, mask=mask, softmax_aux=sinks[0] if sinks else None,
                         **kwargs).attention_outputs
   return f
+
+
+def moba_case(length, block, top_k, seed=0, heads=8, kv_heads=2, dim=128):
+  """MoBA's choice at a real size (`sh.sparse.top_k_blocks`: own + top_k key blocks a query
+  tile, one choice a GQA group) over f32 q, k, v with sinks, segment ids (two documents, then
+  padding) and NaN keys and values in every key block no list of its kv head names (kv head 0's
+  lists drop block 1, so there is one): ((q, k, v, sinks), segments, lists, counts), the lists
+  concrete."""
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((1, length, heads, dim)).astype(np.float32)
+  k, v = (rng.standard_normal((1, length, kv_heads, dim)).astype(np.float32) for _ in range(2))
+  at = np.arange(length)
+  seg = np.where(at < length * 3 // 8, 0, np.where(at < length - block[0] // 2, 1, -1))[None]
+  seg = seg.astype(np.int32)  # [1, T]
+  choice = sh.sparse.top_k_blocks(q, k, top_k, block, q_segment_ids=seg, kv_segment_ids=seg)
+  lists, counts = np.array(choice.kv_blocks), np.array(choice.counts)  # [1, Hkv, nq, K]
+  for r in range(lists.shape[2]):  # kv head 0's lists never keep key block 1
+    kept = [c for c in lists[0, 0, r, :counts[0, 0, r]] if c != 1]
+    lists[0, 0, r, :len(kept)], counts[0, 0, r] = kept, len(kept)
+  for hk in range(kv_heads):
+    named = {int(c) for r in range(lists.shape[2]) for c in lists[0, hk, r, :counts[0, hk, r]]}
+    for c in set(range(-(-length // block[1]))) - named:
+      k[0, c * block[1]:(c + 1) * block[1], hk] = np.nan
+      v[0, c * block[1]:(c + 1) * block[1], hk] = np.nan
+  sinks = rng.standard_normal(heads).astype(np.float32)
+  return (q, k, v, sinks), seg, lists, counts
+
+
+def check_moba(config, length, block, top_k, seed=0):
+  """`moba_case`'s values and q, k, v gradients under `config` against the block oracle
+  (`block_oracle.chosen_attention`, float64 over each tile's chosen keys); the unnamed blocks'
+  NaN never read, their dK / dV exactly 0."""
+  (q, k, v, sinks), seg, lists, counts = moba_case(length, block, top_k, seed)
+  mask = sh.masks.Blocks(lists, counts, block) & sh.masks.Causal()
+  f = lambda q, k, v, s: sh.attention(q, k, v, mask=mask, config=config, softmax_aux=s,
+                                      q_segment_ids=seg).attention_outputs
+  cot = np.random.default_rng(seed + 1).standard_normal((*q.shape[:3], v.shape[-1]))
+  out, grads = harness.values_and_grads(f, (q, k, v, sinks), cot.astype(np.float32))
+  want, want_grads = block_oracle.chosen_attention(q, k, v, cot, lists, counts, block, sinks,
+                                                   seg)
+  np.testing.assert_allclose(out, want, **harness.tol())
+  for got, wanted in zip(grads[:3], want_grads):
+    harness.assert_near(got, wanted)
+  for got, where in ((grads[1], np.isnan(k)), (grads[2], np.isnan(v))):
+    assert not np.asarray(got)[where].any()  # 0, not NaN: no key there is seen

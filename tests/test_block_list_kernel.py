@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import block_oracle
 import harness
 import oracle
 import paged_cases
@@ -18,7 +19,7 @@ from splash_hk.backends.tpu import list_dkv
 from splash_hk.backends.tpu import list_kernel as tpu_lists
 from splash_hk.backends.tpu import lists as splash_lists
 from splash_hk.backends.tpu import paged_kernel as tpu_paged
-from cases import LIST_CASES, blocks_case, list_attention, list_case, random_choice
+from cases import LIST_CASES, blocks_case, check_moba, list_attention, list_case, random_choice
 
 TPU = dict(platform="splash", interpret=True, allow_fallback=False)
 
@@ -40,6 +41,35 @@ def test_the_kernels_alone_give_the_oracles_values_and_gradients(name, monkeypat
   (zero, not left unwritten)."""
   monkeypatch.setattr(splash_tpu, "_GUARDED_LISTS", splash_lists.attend)
   test_values_and_gradients_match_the_oracle(name)
+
+
+def test_the_block_oracle_matches_the_dense_oracle():
+  """The tests' float64 oracle over each tile's chosen keys (`block_oracle`) against the dense
+  one on the same choice (GQA, sinks, segments with padding): values and gradients."""
+  rng, size = np.random.default_rng(3), (64, 128)
+  q = rng.standard_normal((1, 320, 4, 16))
+  k, v, = (rng.standard_normal((1, 320, 2, 16)) for _ in range(2))
+  cot, sinks = rng.standard_normal(q.shape), rng.standard_normal(4)
+  lists, counts = random_choice(rng, 1, 2, 320, 320, size, 2)
+  seg = np.repeat(np.array([0, 1, 1, -1]), 80)[None]
+  rules = dict(causal=True, mask=oracle.chosen_blocks(lists, counts, size, 1, 4, 320, 320),
+               q_seg=seg, kv_seg=seg)
+  want, want_grads = harness.oracle_values_and_grads(q, k, v, cot, sinks=sinks, **rules)
+  got, got_grads = block_oracle.chosen_attention(q, k, v, cot, lists, counts, size, sinks, seg)
+  np.testing.assert_allclose(got, want, atol=1e-12)
+  for g, w in zip(got_grads, want_grads[:3]):
+    np.testing.assert_allclose(g, w, atol=1e-12)
+
+
+@pytest.mark.parametrize("block,top_k", [((128, 128), 3), ((256, 256), 1)])
+def test_moba_choices_with_sinks_segments_and_garbage_match_the_block_oracle(
+    block, top_k, monkeypatch):
+  """MoBA's own choice (`top_k_blocks`) at T = 1024, GQA 8 / 2, D 128, sinks, two documents and
+  padding, NaN in every key block no list of its kv head names: the kernels alone (no garbage
+  guard) against the float64 block oracle (interpret mode; the chip runs it at T = 4096 and
+  16384, `test_tpu.py`)."""
+  monkeypatch.setattr(splash_tpu, "_GUARDED_LISTS", splash_lists.attend)
+  check_moba(sh.AttentionConfig(**TPU), 1024, block, top_k)
 
 
 def test_a_real_size_matches_the_oracle():

@@ -26,7 +26,8 @@ from splash_hk.backends.tpu import backend as splash_tpu
 from splash_hk.backends.tpu import lists as splash_lists
 from splash_hk.backends.tpu import paged_kernel as tpu_paged
 import bf16_cases
-from cases import Case, GRAD_CASES, LIST_CASES, SPLASH_CASES, list_attention, list_case
+from cases import Case, GRAD_CASES, LIST_CASES, SPLASH_CASES, check_moba, list_attention
+from cases import list_case
 
 pytestmark = [pytest.mark.tpu,
               pytest.mark.skipif(jax.default_backend() != "tpu",
@@ -123,6 +124,18 @@ def test_the_block_list_kernels_alone_compiled_match_the_oracle(name, monkeypatc
   gave anything not finite), on the chip: their own values and gradients."""
   monkeypatch.setattr(splash_tpu, "_GUARDED_LISTS", splash_lists.attend)
   test_the_block_list_kernel_compiled_matches_the_oracle(name)
+
+
+@pytest.mark.parametrize("block,top_k", [((128, 128), 8), ((512, 512), 3)])
+@pytest.mark.parametrize("length", [4096, 16384])
+def test_moba_choices_at_real_sizes_compiled_match_the_block_oracle(length, block, top_k,
+                                                                    monkeypatch):
+  """MoBA's choice (own + 8 of 128, own + 3 of 512) at T = 4096 and 16384, GQA 8 / 2, D 128,
+  sinks, two documents and padding, NaN in the key blocks no list of their kv head names: the
+  block-list kernels alone (no garbage guard) on the chip against the float64 block oracle,
+  values and gradients."""
+  monkeypatch.setattr(splash_tpu, "_GUARDED_LISTS", splash_lists.attend)
+  check_moba(sh.AttentionConfig(**COMPILED), length, block, top_k)
 
 
 @pytest.mark.parametrize("rule", list(paged_cases.RULES))
