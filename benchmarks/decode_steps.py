@@ -6,7 +6,8 @@ longest], each with `rows` new rows (a decode: 1), except the first `prompts`, w
 `prompt` new rows (a chunk of a prompt: a mixed step beside decodes, or a prefill alone where
 every sequence is one and its length is the chunk); `int8`: the pool quantized (per-token
 scales, as `KVCache`), which the peer does not take; `quest`: each sequence reads 1/quest of
-its pages, chosen by `sh.sparse.top_k_pages` in the step (the pool keeps page summaries).
+its pages, chosen by `sh.sparse.top_k_pages` in the step (the pool keeps page summaries);
+`in_order`: pages handed out in order (a fresh allocator's), not shuffled through the pool.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Row:
   prompt: int = 0
   int8: bool = False  # the pool quantized to int8 with per-token scales
   quest: int = 0  # each sequence reads 1/quest of its pages (Quest's choice); 0: every page
+  in_order: bool = False  # pages handed out in order (each sequence's consecutive), not shuffled
 
   @property
   def q_lens(self) -> np.ndarray:
@@ -60,7 +62,9 @@ ROWS = {"decode_p16": Row(32, 1024, 8192, 16), "decode_p64": Row(32, 1024, 8192,
         "prefill2k_p64": Row(1, 2048, 2048, 64, prompts=1, prompt=2048),
         "prefill8k_p64": Row(1, 8192, 8192, 64, prompts=1, prompt=8192),
         "int8_p64": Row(32, 1024, 8192, 64, int8=True),
-        "quest16_p64": Row(8, 32768, 32768, 64, quest=16)}
+        "quest16_p64": Row(8, 32768, 32768, 64, quest=16),
+        "in_order_p16": Row(32, 1024, 8192, 16, in_order=True),
+        "in_order_p64": Row(32, 1024, 8192, 64, in_order=True)}
 
 
 def _smoke(row: Row) -> Row:
@@ -112,11 +116,13 @@ class Step:
     return self.tokens_read * per_token
 
 
-def _table(rng: np.random.Generator, lens: np.ndarray, page: int) -> tuple[np.ndarray, int]:
-  """Each sequence's pages shuffled through a pool ([S, width]) and the pool's pages (one
-  spare)."""
+def _table(rng: np.random.Generator, lens: np.ndarray, page: int,
+           in_order: bool = False) -> tuple[np.ndarray, int]:
+  """Each sequence's pages shuffled through a pool ([S, width]; `in_order`: handed out in
+  order) and the pool's pages (one spare)."""
   need = -(-lens // page)
   order = rng.permutation(int(need.sum()) + 1)
+  order = np.sort(order) if in_order else order
   table = np.zeros((len(lens), int(need.max())), np.int32)
   at = 0
   for s, n in enumerate(need):
@@ -131,7 +137,7 @@ def make_step(row: Row, seed: int = 0) -> Step:
   q_lens = row.q_lens
   lens = np.maximum(rng.integers(row.shortest, row.longest + 1, row.seqs), q_lens)  # after
   lens = lens.astype(np.int32)
-  table, pages = _table(rng, lens, row.page)
+  table, pages = _table(rng, lens, row.page, row.in_order)
   keys = jax.random.split(jax.random.key(seed), 5)
   shape = (pages, row.kv_heads, row.page, row.head_dim)
   key, value = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in keys[:2])

@@ -34,15 +34,17 @@ class Step:
 
 def step(seed, kv_lens=(5, 0, 12, 3), q_lens=(1, 7, 3, 1), max_seqs=5, pad_rows=2,
           pages_per_seq=6, num_pages=40, value_dim=D, shared_prefix=True, dtype=np.float32,
-          hq=HQ, hkv=HKV, page=PAGE, d=D):
+          hq=HQ, hkv=HKV, page=PAGE, d=D, in_order=False):
   """Sequences at different stages (a decode, a prefill, a chunked prefill, ...), pages shuffled
-  through the pool, NaN in every slot no sequence holds; sequences 0 and 2 share their first
-  page (their histories agree there) when it lies below both their lengths."""
+  through the pool (`in_order`: handed out in order, each sequence's consecutive), NaN in every
+  slot no sequence holds; sequences 0 and 2 share their first page (their histories agree
+  there) when it lies below both their lengths."""
   rng = np.random.default_rng(seed)
   n_seqs, n = len(kv_lens), sum(q_lens) + pad_rows
   key = np.full((num_pages, page, hkv, d), np.nan, dtype)
   value = np.full((num_pages, page, hkv, value_dim), np.nan, dtype)
   free = list(rng.permutation(num_pages))
+  free = sorted(free, reverse=True) if in_order else free  # pop() hands out 0, 1, 2, ...
   table = np.full((max_seqs, pages_per_seq), -1, np.int32)
   history_k, history_v = [], []
   for s, (kv, ql) in enumerate(zip(kv_lens, q_lens)):
@@ -92,15 +94,15 @@ RUNS_WINDOW = (700, 0)
 
 
 def runs_of_pages(chosen, page, kv_lens, q_lens=(1, 40, 3, 1), dtype=np.float32,
-                  window=RUNS_WINDOW, kind=None):
+                  window=RUNS_WINDOW, kind=None, in_order=False):
   """A step over long histories (several of the paged kernel's runs of pages), the batch (with
   `chosen`: each kv head of each sequence reads a random two thirds of its pages, in any
   order) and the float64 oracle of its live rows, causal under `window` (None: none); `kind`:
-  the pool quantized so (`quantized`)."""
+  the pool quantized so (`quantized`); `in_order`: each sequence's pages consecutive (`step`)."""
   longest = max(kv + q for kv, q in zip(kv_lens, q_lens))
   width = -(-longest // page)
   step_ = step(seed=3, kv_lens=kv_lens, q_lens=q_lens, pages_per_seq=width,
-               num_pages=2 * width * len(kv_lens), page=page, dtype=dtype)
+               num_pages=2 * width * len(kv_lens), page=page, dtype=dtype, in_order=in_order)
   step_ = step_ if kind is None else quantized(step_, kind)
   batch, pages, counts = step_.batch, None, None
   if chosen:

@@ -294,6 +294,9 @@ def test_tpu_decode_bench_holds_each_kind_of_step_against_its_own():
   step = bench_tpu_decode.make_step(rows["quest16_p64"])
   assert step.tokens_read < int(step.lens.sum()) and step.top_k == 1
   assert "every page over it: " in bench_tpu_decode.report([quest], rate)
+  ordered = bench_tpu_decode.make_step(rows["in_order_p64"])  # each sequence's pages in a run
+  table, need = np.asarray(ordered.batch.page_table), -(-ordered.lens // 64)
+  assert all((np.diff(table[s, :n]) == 1).all() for s, n in enumerate(need))
   step = bench_tpu_decode.make_step(rows["mixed_p64"])
   assert list(np.diff(np.asarray(step.batch.cu_q_lens))) == [48, 48, 1]
   _, ours = bench_tpu_decode.ours_seconds(step, 1, True)

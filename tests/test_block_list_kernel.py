@@ -261,18 +261,21 @@ def test_a_new_nan_value_shows_only_in_the_rows_that_see_it(platform, new_rows):
                                                allow_fallback=False), new_rows)
 
 
-@pytest.mark.parametrize("chosen,window", [(False, paged_cases.RUNS_WINDOW),
-                                           (True, paged_cases.RUNS_WINDOW), (False, None)],
-                         ids=["table", "selection", "table_causal"])
-def test_runs_of_pages_a_step_match_the_oracle_at_real_lengths(chosen, window):
+@pytest.mark.parametrize("chosen,window,in_order", [
+    (False, paged_cases.RUNS_WINDOW, False), (True, paged_cases.RUNS_WINDOW, False),
+    (False, None, False), (False, paged_cases.RUNS_WINDOW, True), (False, None, True)],
+                         ids=["table", "selection", "table_causal", "in_order",
+                              "in_order_causal"])
+def test_runs_of_pages_a_step_match_the_oracle_at_real_lengths(chosen, window, in_order):
   """Pages of 32 (f32): the kernel reads 16 pages (512 keys) a grid step; histories of 700-1100
   tokens need several steps with a partial last one, the rows a window across steps, the free
   slots NaN. With a selection each kv head reads its own random pages (any order); causal with
-  no window, the blocks every row sees whole run without the values' guard."""
+  no window, the blocks every row sees whole run without the values' guard; pages handed out in
+  order, a block of consecutive pages is one copy a buffer."""
   assert tpu_paged.pages_per_block(32, 40, paged_cases.HKV, paged_cases.D, paged_cases.D, 4,
                                    32) == 16
   step, batch, want = paged_cases.runs_of_pages(chosen, page=32, kv_lens=(700, 0, 1100, 37),
-                                                window=window)
+                                                window=window, in_order=in_order)
   config = sh.AttentionConfig(platform="splash", interpret=True, allow_fallback=False,
                               sliding_window=window)
   out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(

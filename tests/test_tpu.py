@@ -157,18 +157,21 @@ def test_a_new_nan_value_compiled_shows_only_in_the_rows_that_see_it(new_rows):
 
 @pytest.mark.parametrize("keys", [512, 1024])
 @pytest.mark.parametrize("page", [16, 64])
-@pytest.mark.parametrize("chosen,window", [(False, paged_cases.RUNS_WINDOW),
-                                           (True, paged_cases.RUNS_WINDOW), (False, None)],
-                         ids=["table", "selection", "table_causal"])
-def test_runs_of_pages_compiled_match_the_oracle(chosen, window, page, keys, monkeypatch):
+@pytest.mark.parametrize("chosen,window,in_order", [
+    (False, paged_cases.RUNS_WINDOW, False), (True, paged_cases.RUNS_WINDOW, False),
+    (False, None, False), (False, None, True)],
+                         ids=["table", "selection", "table_causal", "in_order_causal"])
+def test_runs_of_pages_compiled_match_the_oracle(chosen, window, in_order, page, keys,
+                                                 monkeypatch):
   """bf16 pools of pages of 16 and 64, histories of 3000 and 5000 tokens: the paged kernel's
   runs of pages (`keys` a grid step, copies started a step ahead, whole blocks unguarded where
-  causal with no window) on the chip."""
+  causal with no window, consecutive pages one copy a buffer) on the chip."""
   monkeypatch.setattr(tpu_paged, "BUFFER_BUDGET", tpu_paged.BUFFER_BUDGET * keys
                       // tpu_paged.BLOCK_KEYS)
   monkeypatch.setattr(tpu_paged, "BLOCK_KEYS", keys)
   step, batch, want = paged_cases.runs_of_pages(chosen, page, kv_lens=(3000, 0, 5000, 37),
-                                                dtype=jnp.bfloat16, window=window)
+                                                dtype=jnp.bfloat16, window=window,
+                                                in_order=in_order)
   config = sh.AttentionConfig(sliding_window=window, **COMPILED)
   out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config))(
       step.q, step.k, step.v, step.cache, batch)
