@@ -188,7 +188,7 @@ LIST_CASES = {  # name: (B, T, S, Hq, Hkv, D, Dv, list heads, block_size, K, res
                                   dict(cap=5.0, sinks=True)),
     "one_choice_packed_no_rule": (1, 256, 256, 2, 2, 32, 32, 1, (128, 128), 2, None,
                                   dict(packed=True)),
-    "decode_rows_against_a_cache": (2, 8, 640, 4, 2, 32, 32, 2, (8, 128), 3, "causal", {}),
+    "decode_rows_against_a_cache": (2, 8, 640, 4, 2, 32, 32, 2, (8, 128), 5, "causal", {}),
     "window_beside_the_choice": (1, 512, 512, 2, 1, 32, 32, 1, (128, 128), 3, "window", {}),
 }
 

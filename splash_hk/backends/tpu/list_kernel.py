@@ -34,6 +34,10 @@ LANES, SUBLANES = 128, 8  # a TPU vector register's (sublanes, lanes): Mosaic's 
 # The kernels' VMEM for one grid step (blocks double-buffered, scores and scratch), kept under a
 # v5e's 16 MiB of scoped VMEM with room for Mosaic's own.
 VMEM_BUDGET = 12 * 2 ** 20
+# Keys the forward and dq kernels read a grid step: m = STEP_KEYS // bk listed blocks (each its
+# own pipelined BlockSpec, so m copies are in flight together), not one: a 128-key block alone
+# is a small step for the chip, bound by its copy's latency.
+STEP_KEYS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +142,19 @@ def finish(g: int, sink: Any, m_scr: Any, l_scr: Any, acc_scr: Any, o_ref: Any,
   lse_ref[g] = jnp.where(seen, top + jnp.log(safe), -jnp.inf)
 
 
-def _forward_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref,
-                    sink_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr):
+def blocks_a_step(spec: Spec, most: int) -> int:
+  """m: the listed blocks a forward / dq grid step reads (about `STEP_KEYS` keys, at most K)."""
+  return max(1, min(most, STEP_KEYS // spec.block_kv))
+
+
+def _split(m: int, refs: tuple[Any, ...]) -> tuple[Any, ...]:
+  """A forward / dq kernel's refs after q: (m k refs, m v refs, q_seg, m kv_seg refs, rest)."""
+  return refs[:m], refs[m:2 * m], refs[2 * m], refs[2 * m + 1:3 * m + 1], refs[3 * m + 1:]
+
+
+def _forward_kernel(spec: Spec, m: int, lists_ref, counts_ref, q_ref, *refs):
+  k_refs, v_refs, qs_ref, ks_refs, rest = _split(m, refs)
+  sink_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = rest
   b, p, i, j = (pl.program_id(n) for n in range(4))
   l = spec.program_heads(p)[1]  # the list head
 
@@ -147,14 +162,15 @@ def _forward_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_r
   def _():
     init_state(m_scr, l_scr, acc_scr)
 
-  @pl.when(j < counts_ref[b, l, i])
-  def _():
-    block = _listed(lists_ref, counts_ref, b, l, i, j)
-    seen = _visible(spec, i, block, qs_ref[...], ks_ref[...])  # [bq, bk]
-    k, v = k_ref[...], v_ref[...]  # one copy of the block for the program's heads
-    for g in range(spec.per_program):
-      s, _ = scores(q_ref[g], k, spec.scale, spec.soft_cap)  # [bq, bk]
-      online_step(g, jnp.where(seen, s, -jnp.inf), v, m_scr, l_scr, acc_scr)
+  for s in range(m):  # the step's m listed blocks, in list order
+    @pl.when(j * m + s < counts_ref[b, l, i])
+    def _():
+      block = _listed(lists_ref, counts_ref, b, l, i, j * m + s)
+      seen = _visible(spec, i, block, qs_ref[...], ks_refs[s][...])  # [bq, bk]
+      k, v = k_refs[s][...], v_refs[s][...]  # one copy of the block for the program's heads
+      for g in range(spec.per_program):
+        logits, _ = scores(q_ref[g], k, spec.scale, spec.soft_cap)  # [bq, bk]
+        online_step(g, jnp.where(seen, logits, -jnp.inf), v, m_scr, l_scr, acc_scr)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
@@ -181,8 +197,8 @@ def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
                              preferred_element_type=jnp.float32)
 
 
-def _dq_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref, lse_ref,
-               delta_ref, do_ref, dq_ref, dq_scr):
+def _dq_kernel(spec: Spec, m: int, lists_ref, counts_ref, q_ref, *refs):
+  k_refs, v_refs, qs_ref, ks_refs, (lse_ref, delta_ref, do_ref, dq_ref, dq_scr) = _split(m, refs)
   b, p, i, j = (pl.program_id(n) for n in range(4))
   l = spec.program_heads(p)[1]  # the list head
 
@@ -190,29 +206,29 @@ def _dq_kernel(spec: Spec, lists_ref, counts_ref, q_ref, k_ref, v_ref, qs_ref, k
   def _():
     dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
 
-  @pl.when(j < counts_ref[b, l, i])
-  def _():
-    block = _listed(lists_ref, counts_ref, b, l, i, j)
-    k, v, qs, ks = k_ref[...], v_ref[...], qs_ref[...], ks_ref[...]
-    for g in range(spec.per_program):
-      prob, t = probabilities(spec, i, block, q_ref[g], k, qs, ks, lse_ref[g])
-      ds = d_logits(spec, prob, t, dot(do_ref[g], v, (1, 1)), delta_ref[g])  # [bq, bk]
-      dq_scr[g] += dot(ds.astype(k.dtype), k, (1, 0))  # [bq, D]
+  for s in range(m):  # the step's m listed blocks
+    @pl.when(j * m + s < counts_ref[b, l, i])
+    def _():
+      block = _listed(lists_ref, counts_ref, b, l, i, j * m + s)
+      k, v, qs, ks = k_refs[s][...], v_refs[s][...], qs_ref[...], ks_refs[s][...]
+      for g in range(spec.per_program):
+        prob, t = probabilities(spec, i, block, q_ref[g], k, qs, ks, lse_ref[g])
+        ds = d_logits(spec, prob, t, dot(do_ref[g], v, (1, 1)), delta_ref[g])  # [bq, bk]
+        dq_scr[g] += dot(ds.astype(k.dtype), k, (1, 0))  # [bq, D]
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
     dq_ref[...] = (dq_scr[...] * spec.scale).astype(dq_ref.dtype)
 
 
-def _call(kernel: Any, spec: Spec, grid: tuple[int, ...], in_specs: list[Any],
-          out_specs: Any, out_shape: Any, scratch: list[Any], *args: Any) -> Any:
+def _call(kernel: Any, grid: tuple[int, ...], in_specs: list[Any], out_specs: Any,
+          out_shape: Any, scratch: list[Any], interpret: bool, *args: Any) -> Any:
   grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=grid, in_specs=in_specs,
                                            out_specs=out_specs, scratch_shapes=scratch)
   params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",))
   with base.kernel_precision(args[2].dtype):  # q's
-    return pl.pallas_call(functools.partial(kernel, spec), grid_spec=grid_spec,
-                          out_shape=out_shape, compiler_params=params,
-                          interpret=spec.interpret)(*args)
+    return pl.pallas_call(kernel, grid_spec=grid_spec, out_shape=out_shape,
+                          compiler_params=params, interpret=interpret)(*args)
 
 
 def sides(spec: Spec, d: int, dv: int, kv_map: Any, q_spec: Any, q_seg_map: Any,
@@ -229,14 +245,24 @@ def _programs(spec: Spec, a: jax.Array) -> jax.Array:
   return a.reshape(a.shape[0], -1, spec.per_program, *a.shape[2:])
 
 
-def _list_maps(spec: Spec) -> tuple[Any, Any, Any, Any]:
-  """Index maps of a program's q-side blocks, k/v blocks and the segment sides."""
-  listed = lambda b, p, i, j, lists, counts: _listed(lists, counts, b, spec.program_heads(p)[1],
-                                                     i, j)
-  kv_map = lambda b, p, i, j, *refs: (b, spec.program_heads(p)[0], listed(b, p, i, j, *refs), 0)
-  q_map = lambda b, p, i, j, *_: (b, p, 0, i, 0)
-  kv_seg_map = lambda b, p, i, j, *refs: (b, 0, listed(b, p, i, j, *refs))
-  return q_map, kv_map, lambda b, p, i, j, *_: (b, i, 0), kv_seg_map
+def _list_sides(spec: Spec, m: int, d: int, dv: int, q_spec: Any) -> list[Any]:
+  """BlockSpecs of a forward / dq step's q (given), its m listed blocks' k and v, q's segment
+  ids and the m blocks' segment ids (block s: listed entry j * m + s; past the count, the last
+  listed block again: no copy)."""
+  bq, bk = spec.block_q, spec.block_kv
+  listed = lambda s, b, p, i, j, lists, counts: _listed(
+      lists, counts, b, spec.program_heads(p)[1], i, j * m + s)
+  kv_map = lambda s: lambda b, p, i, j, *refs: (b, spec.program_heads(p)[0],
+                                                listed(s, b, p, i, j, *refs), 0)
+  kv_seg_map = lambda s: lambda b, p, i, j, *refs: (b, 0, listed(s, b, p, i, j, *refs))
+  return ([q_spec] + [pl.BlockSpec((None, None, bk, d), kv_map(s)) for s in range(m)]
+          + [pl.BlockSpec((None, None, bk, dv), kv_map(s)) for s in range(m)]
+          + [pl.BlockSpec((None, bq, LANES), lambda b, p, i, j, *_: (b, i, 0))]
+          + [pl.BlockSpec((None, SUBLANES, bk), kv_seg_map(s)) for s in range(m)])
+
+
+def _q_map(b, p, i, j, *_):
+  return b, p, 0, i, 0
 
 
 def forward(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: jax.Array,
@@ -245,22 +271,21 @@ def forward(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: ja
   """q [B, H, Tp, D], k [B, Hkv, Sp, D], v [B, Hkv, Sp, Dv], lists [B, L, nq, K] and counts
   [B, L, nq] int32, q_seg [B, Tp, 128], kv_seg [B, 8, Sp], sinks [8, H] f32 (one logit per
   head, -inf for none) -> out [B, H, Tp, Dv], lse [B, H, Tp, 128] f32 (lanes equal). The grid
-  is (batch, program head, query tile, listed block)."""
+  is (batch, program head, query tile, run of m listed blocks)."""
   (batch, heads, t_pad, d), dv = q.shape, v.shape[-1]
-  bq, n = spec.block_q, spec.per_program
-  q_map, kv_map, q_seg_map, kv_seg_map = _list_maps(spec)
-  in_specs = sides(spec, d, dv, kv_map, pl.BlockSpec((None, None, n, bq, d), q_map), q_seg_map,
-                    kv_seg_map)
+  bq, n, m = spec.block_q, spec.per_program, blocks_a_step(spec, lists.shape[-1])
+  in_specs = _list_sides(spec, m, d, dv, pl.BlockSpec((None, None, n, bq, d), _q_map))
   in_specs.append(pl.BlockSpec((SUBLANES, heads), lambda *_: (0, 0), memory_space=pltpu.SMEM))
-  out_specs = [pl.BlockSpec((None, None, n, bq, dv), q_map),
-               pl.BlockSpec((None, None, n, bq, LANES), q_map)]
+  out_specs = [pl.BlockSpec((None, None, n, bq, dv), _q_map),
+               pl.BlockSpec((None, None, n, bq, LANES), _q_map)]
   out_shape = [jax.ShapeDtypeStruct((batch, heads // n, n, t_pad, dv), q.dtype),
                jax.ShapeDtypeStruct((batch, heads // n, n, t_pad, LANES), jnp.float32)]
   scratch = [pltpu.VMEM((n, bq, LANES), jnp.float32), pltpu.VMEM((n, bq, LANES), jnp.float32),
              pltpu.VMEM((n, bq, dv), jnp.float32)]
-  grid = (batch, heads // n, t_pad // bq, lists.shape[-1])
-  out, lse = _call(_forward_kernel, spec, grid, in_specs, out_specs, out_shape, scratch,
-                   lists, counts, _programs(spec, q), k, v, q_seg, kv_seg, sinks)
+  grid = (batch, heads // n, t_pad // bq, -(-lists.shape[-1] // m))
+  out, lse = _call(functools.partial(_forward_kernel, spec, m), grid, in_specs, out_specs,
+                   out_shape, scratch, spec.interpret, lists, counts, _programs(spec, q),
+                   *[k] * m, *[v] * m, q_seg, *[kv_seg] * m, sinks)
   return out.reshape(batch, heads, t_pad, dv), lse.reshape(batch, heads, t_pad, LANES)
 
 
@@ -269,14 +294,13 @@ def dq(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: jax.Arr
        d_out: jax.Array) -> jax.Array:
   """dq [B, H, Tp, D] over the lists (lse, delta [B, H, Tp, 128] f32; d_out as out)."""
   (batch, heads, t_pad, d), dv = q.shape, v.shape[-1]
-  bq, n = spec.block_q, spec.per_program
-  q_map, kv_map, q_seg_map, kv_seg_map = _list_maps(spec)
-  side = lambda width: pl.BlockSpec((None, None, n, bq, width), q_map)
-  in_specs = sides(spec, d, dv, kv_map, side(d), q_seg_map, kv_seg_map)
-  in_specs += [side(LANES), side(LANES), side(dv)]
-  grid = (batch, heads // n, t_pad // bq, lists.shape[-1])
-  grads = _call(_dq_kernel, spec, grid, in_specs, side(d),
+  bq, n, m = spec.block_q, spec.per_program, blocks_a_step(spec, lists.shape[-1])
+  side = lambda width: pl.BlockSpec((None, None, n, bq, width), _q_map)
+  in_specs = _list_sides(spec, m, d, dv, side(d)) + [side(LANES), side(LANES), side(dv)]
+  grid = (batch, heads // n, t_pad // bq, -(-lists.shape[-1] // m))
+  grads = _call(functools.partial(_dq_kernel, spec, m), grid, in_specs, side(d),
                 jax.ShapeDtypeStruct((batch, heads // n, n, t_pad, d), q.dtype),
-                [pltpu.VMEM((n, bq, d), jnp.float32)], lists, counts, _programs(spec, q), k, v,
-                q_seg, kv_seg, *(_programs(spec, a) for a in (lse, delta, d_out)))
+                [pltpu.VMEM((n, bq, d), jnp.float32)], spec.interpret, lists, counts,
+                _programs(spec, q), *[k] * m, *[v] * m, q_seg, *[kv_seg] * m,
+                *(_programs(spec, a) for a in (lse, delta, d_out)))
   return grads.reshape(q.shape)

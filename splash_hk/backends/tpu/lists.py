@@ -23,10 +23,13 @@ from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 
 def vmem_bytes(block_q: int, block_kv: int, head_dim: int, value_dim: int, itemsize: int) -> int:
-  """The largest of the three kernels' VMEM per grid step, estimated (dK/dV's, the largest)."""
-  blocks = 2 * itemsize * (2 * block_q * (head_dim + value_dim) + block_kv * (head_dim + value_dim))
-  lanes = 2 * 4 * block_q * (2 * tpu_lists.LANES) + 2 * 4 * tpu_lists.SUBLANES * block_kv
-  scratch = 4 * block_kv * (head_dim + value_dim)
+  """The largest of the three kernels' VMEM per grid step, estimated: dK/dV's, or the forward /
+  dq's m listed blocks (`list_kernel.STEP_KEYS`) where those are more."""
+  width = head_dim + value_dim
+  keys = max(block_kv, tpu_lists.STEP_KEYS // block_kv * block_kv)  # a forward / dq step's
+  blocks = 2 * itemsize * (2 * block_q * width + keys * width)
+  lanes = 2 * 4 * block_q * (2 * tpu_lists.LANES) + 2 * 4 * tpu_lists.SUBLANES * keys
+  scratch = 4 * block_kv * width
   scores = 4 * 4 * block_q * block_kv  # s, p, dp, ds in float32
   return blocks + lanes + scratch + scores
 
