@@ -1,7 +1,9 @@
 """The block-list kernel's dK/dV (Pallas TPU): a grid step per chosen (key block, query tile).
 
-A kv head's work is the pairs its G query heads' lists choose (`lists.pairs`: at most G * nq * K,
-sorted by key block), so the grid is (batch, kv head, pair) and a step past the kv head's count
+A kv head's work is the pairs its program heads' lists choose (`lists.pairs`: at most
+G / n * nq * K, sorted by key block; a program head is the n query heads one list serves
+together, n = G where lists serve whole groups, as in the forward), so the grid is (batch, kv
+head, pair) and a step past the kv head's count
 repeats its last pair's blocks (no copy) and computes nothing: no step for a pair nobody chose
 (walking every query tile for every key block cost a step each, most of them empty: nk / K
 times the chosen work's steps). A key block's pairs are consecutive, so its dK/dV accumulate in
@@ -9,7 +11,8 @@ VMEM scratch from its first pair and its output block is written at its last; a 
 list chose is no step's, and `dkv` zeroes it after the kernel.
 
 Glossary: B batch, Hkv kv heads, G query heads a kv head, nq query tiles of bq rows, nk key
-blocks of bk keys, P = G * nq * K pairs (K the longest list), D key size, Dv value size.
+blocks of bk keys, n query heads a program head, P = G / n * nq * K pairs (K the longest list), D
+key size, Dv value size.
 """
 
 from __future__ import annotations
@@ -41,13 +44,14 @@ def _kernel(spec: tpu_lists.Spec, rows: int, block_ref, row_ref, count_ref, q_re
   @pl.when(p < count)
   def _():
     row = jax.lax.rem(row_ref[b, hk, p], rows)  # the query tile
-    q, do = q_ref[...], do_ref[...]
-    prob, t = tpu_lists.probabilities(spec, row, block, q, k_ref[...], qs_ref[...], ks_ref[...],
-                                      lse_ref[...])
-    dv_scr[...] += tpu_lists.dot(prob.astype(do.dtype), do, (0, 0))  # [bk, Dv]
-    ds = tpu_lists.d_logits(spec, prob, t, tpu_lists.dot(do, v_ref[...], (1, 1)),
-                            delta_ref[...])  # [bq, bk]
-    dk_scr[...] += tpu_lists.dot(ds.astype(q.dtype), q, (0, 0))  # [bk, D]
+    k, v, qs, ks = k_ref[...], v_ref[...], qs_ref[...], ks_ref[...]
+    for g in range(spec.per_program):  # the pair's program heads: one copy of the block
+      q, do = q_ref[g], do_ref[g]
+      prob, t = tpu_lists.probabilities(spec, row, block, q, k, qs, ks, lse_ref[g])
+      dv_scr[...] += tpu_lists.dot(prob.astype(do.dtype), do, (0, 0))  # [bk, Dv]
+      ds = tpu_lists.d_logits(spec, prob, t, tpu_lists.dot(do, v, (1, 1)),
+                              delta_ref[g])  # [bq, bk]
+      dk_scr[...] += tpu_lists.dot(ds.astype(q.dtype), q, (0, 0))  # [bk, D]
 
   following = block_ref[b, hk, jnp.minimum(p + 1, last)]
 
@@ -59,10 +63,11 @@ def _kernel(spec: tpu_lists.Spec, rows: int, block_ref, row_ref, count_ref, q_re
 
 def _maps(spec: tpu_lists.Spec, rows: int):
   """Index maps of a step's q-side blocks, k/v (and dk/dv) blocks and the two segment sides."""
+  programs = spec.groups // spec.per_program  # program heads a kv head
   head = lambda b, hk, p, blocks, pair_rows, counts: (
-      hk * spec.groups + jax.lax.div(pair_rows[b, hk, p], rows))
+      hk * programs + jax.lax.div(pair_rows[b, hk, p], rows))
   tile = lambda b, hk, p, blocks, pair_rows, counts: jax.lax.rem(pair_rows[b, hk, p], rows)
-  q_map = lambda b, hk, p, *refs: (b, head(b, hk, p, *refs), tile(b, hk, p, *refs), 0)
+  q_map = lambda b, hk, p, *refs: (b, head(b, hk, p, *refs), 0, tile(b, hk, p, *refs), 0)
   kv_map = lambda b, hk, p, blocks, *_: (b, hk, blocks[b, hk, p], 0)
   q_seg_map = lambda b, hk, p, *refs: (b, tile(b, hk, p, *refs), 0)
   kv_seg_map = lambda b, hk, p, blocks, *_: (b, 0, blocks[b, hk, p])
@@ -72,13 +77,14 @@ def _maps(spec: tpu_lists.Spec, rows: int):
 def dkv(spec: tpu_lists.Spec, pair_blocks: jax.Array, pair_rows: jax.Array, counts: jax.Array,
         q: jax.Array, k: jax.Array, v: jax.Array, q_seg: jax.Array, kv_seg: jax.Array,
         lse: jax.Array, delta: jax.Array, d_out: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """dk [B, Hkv, Sp, D], dv [B, Hkv, Sp, Dv] over each kv head's chosen pairs (`lists.pairs`:
-  pair_blocks and pair_rows [B, Hkv, P], counts [B, Hkv]); the group's heads summed, a key
-  block no pair names zero. q [B, H, Tp, D], lse / delta [B, H, Tp, 128] f32, d_out as out."""
+  """dk [B, Hkv, Sp, D], dv [B, Hkv, Sp, Dv] over each kv head's chosen pairs (`lists.pairs`
+  over its program heads, `Spec.per_program` query heads each: pair_blocks and pair_rows
+  [B, Hkv, P], counts [B, Hkv]); the group's heads summed, a key block no pair names zero.
+  q [B, H, Tp, D], lse / delta [B, H, Tp, 128] f32, d_out as out."""
   (batch, heads, t_pad, d), (kv_heads, s_pad, dv) = q.shape, v.shape[1:]
   bq, bk, rows = spec.block_q, spec.block_kv, t_pad // spec.block_q
   q_map, kv_map, q_seg_map, kv_seg_map = _maps(spec, rows)
-  side = lambda width: pl.BlockSpec((None, None, bq, width), q_map)
+  side = lambda width: pl.BlockSpec((None, None, spec.per_program, bq, width), q_map)
   in_specs = tpu_lists.sides(spec, d, dv, kv_map, side(d), q_seg_map, kv_seg_map)
   in_specs += [side(LANES), side(LANES), side(dv)]
   out_specs = [pl.BlockSpec((None, None, bk, d), kv_map),
@@ -93,8 +99,9 @@ def dkv(spec: tpu_lists.Spec, pair_blocks: jax.Array, pair_rows: jax.Array, coun
     dk, dv_ = pl.pallas_call(functools.partial(_kernel, spec, rows), grid_spec=grid_spec,
                              out_shape=out_shape, compiler_params=params,
                              interpret=spec.interpret)(
-                                 pair_blocks, pair_rows, counts, q, k, v, q_seg, kv_seg, lse,
-                                 delta, d_out)
+                                 pair_blocks, pair_rows, counts, tpu_lists.programs(spec, q),
+                                 k, v, q_seg, kv_seg,
+                                 *(tpu_lists.programs(spec, a) for a in (lse, delta, d_out)))
   chosen = _chosen_blocks(pair_blocks, counts, s_pad // bk)  # [B, Hkv, nk]
   keep = lambda a: jnp.where(jnp.repeat(chosen, bk, axis=2)[..., None], a, 0).astype(a.dtype)
   return keep(dk), keep(dv_)

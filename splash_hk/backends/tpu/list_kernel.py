@@ -240,7 +240,7 @@ def sides(spec: Spec, d: int, dv: int, kv_map: Any, q_spec: Any, q_seg_map: Any,
           pl.BlockSpec((None, SUBLANES, bk), kv_seg_map)]
 
 
-def _programs(spec: Spec, a: jax.Array) -> jax.Array:
+def programs(spec: Spec, a: jax.Array) -> jax.Array:
   """[B, H, Tp, X] -> [B, H / n, n, Tp, X]: the query heads of each forward / dq program."""
   return a.reshape(a.shape[0], -1, spec.per_program, *a.shape[2:])
 
@@ -284,7 +284,7 @@ def forward(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: ja
              pltpu.VMEM((n, bq, dv), jnp.float32)]
   grid = (batch, heads // n, t_pad // bq, -(-lists.shape[-1] // m))
   out, lse = _call(functools.partial(_forward_kernel, spec, m), grid, in_specs, out_specs,
-                   out_shape, scratch, spec.interpret, lists, counts, _programs(spec, q),
+                   out_shape, scratch, spec.interpret, lists, counts, programs(spec, q),
                    *[k] * m, *[v] * m, q_seg, *[kv_seg] * m, sinks)
   return out.reshape(batch, heads, t_pad, dv), lse.reshape(batch, heads, t_pad, LANES)
 
@@ -301,6 +301,6 @@ def dq(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: jax.Arr
   grads = _call(functools.partial(_dq_kernel, spec, m), grid, in_specs, side(d),
                 jax.ShapeDtypeStruct((batch, heads // n, n, t_pad, d), q.dtype),
                 [pltpu.VMEM((n, bq, d), jnp.float32)], spec.interpret, lists, counts,
-                _programs(spec, q), *[k] * m, *[v] * m, q_seg, *[kv_seg] * m,
-                *(_programs(spec, a) for a in (lse, delta, d_out)))
+                programs(spec, q), *[k] * m, *[v] * m, q_seg, *[kv_seg] * m,
+                *(programs(spec, a) for a in (lse, delta, d_out)))
   return grads.reshape(q.shape)

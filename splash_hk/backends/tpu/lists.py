@@ -72,11 +72,12 @@ def _lists(x: KernelInputs) -> tuple[xla_lists.Layout, jax.Array, jax.Array]:
 
 def pairs(lists: jax.Array, counts: jax.Array, kv_blocks: int, groups: int,
           list_group: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Each kv head's chosen (key block, query head of its group, query tile) triples, sorted by
-  key block (then head, then tile), for the dK/dV kernel (`list_dkv`): lists [B, L, nq, K] and
-  counts [B, L, nq] (L list heads of `list_group` query heads; `groups` query heads a kv head)
-  -> blocks [B, Hkv, P] and rows [B, Hkv, P] (head g, tile r: g * nq + r), P = G * nq * K, and
-  how many there are [B, Hkv]; past the count, the last one again (no new copy)."""
+  """Each kv head's chosen (key block, head of its group, query tile) triples, sorted by key
+  block (then head, then tile), for the dK/dV kernel (`list_dkv`): lists [B, L, nq, K] and
+  counts [B, L, nq] (L list heads of `list_group` heads; `groups` heads a kv head; a head here
+  is a program head, the query heads one list serves together) -> blocks [B, Hkv, P] and rows
+  [B, Hkv, P] (head g, tile r: g * nq + r), P = groups * nq * K, and how many there are
+  [B, Hkv]; past the count, the last one again (no new copy)."""
   batch, _, rows, most = lists.shape
   heads = jnp.arange(lists.shape[1] * list_group) // list_group  # each query head's list head
   lists, counts = lists[:, heads], counts[:, heads]  # [B, H, nq, K], [B, H, nq]
@@ -137,8 +138,9 @@ def _backward(spec, saved, d_out):
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, Hq, Tp]
   lanes = lambda a: jnp.broadcast_to(a[..., None], (*a.shape, tpu_lists.LANES))
   dq = tpu_lists.dq(spec, lists, counts, q, k, v, q_seg, kv_seg, lse, lanes(delta), d_out)
+  n = spec.per_program  # query heads a program head: one list, one copy of a block
   pair_blocks, pair_rows, pair_count = pairs(lists, counts, k.shape[2] // spec.block_kv,
-                                             spec.groups, spec.list_group)
+                                             spec.groups // n, spec.list_group // n)
   dk, dv = list_dkv.dkv(spec, pair_blocks, pair_rows, pair_count, q, k, v, q_seg, kv_seg, lse,
                         lanes(delta), d_out)
   d_sinks = base.sink_grads(sinks, base.to_bhtd(lse[..., 0]), base.to_bhtd(delta))  # [Hq, n]
