@@ -1,12 +1,13 @@
 """The block-list kernel (Pallas TPU): attention over lists of key blocks, forward and backward.
 
-The grid is (batch, kv head, query tile, listed block): a program's query tile of `block_q`
-rows, for every query head of the kv head's group, reads the key blocks its list names, one
-grid step per listed block (one copy of a block for the group); where each query head has its
-own lists, a program is one query head. The lists sit in scalar prefetch and the key/value
-`BlockSpec` index maps read them, so only listed blocks are copied to VMEM. The online softmax lives in VMEM scratch
-across a tile's steps; steps past a tile's count repeat its last block's index (no copy) and
-compute nothing. The backward is two kernels: dq over the same lists, dK/dV over the chosen
+The grid is (batch, kv head, query tile, run of m listed blocks): a program's query tile of
+`block_q` rows, for every query head of the kv head's group, reads the key blocks its list
+names, m = `blocks_a_step` of them a grid step, each through its own `BlockSpec` (one copy of a
+block for the group; m copies in flight together); where each query head has its own lists, a
+program is one query head. The lists sit in scalar prefetch and the key/value `BlockSpec` index
+maps read them, so only listed blocks are copied to VMEM. The online softmax lives in VMEM
+scratch across a tile's steps; entries past a tile's count repeat its last block's index (no
+copy) and compute nothing. The backward is two kernels: dq over the same lists, dK/dV over the chosen
 (key block, query tile) pairs sorted by key block (`list_dkv`), the group's query heads summed
 in the kernel's accumulators.
 
