@@ -10,7 +10,8 @@
 # (default $OUT, else tpu_out/); summary.txt has one line per step. TPU_STEPS picks steps
 # (default: all but tune, serve and blocks; pick so that their limits add up to under the
 # call's 10 minutes); TPU_TESTS_K picks tests (pytest -k), TPU_BENCH to the bench, TPU_DECODE
-# to the decode bench, TPU_SERVE to the serving binary, TPU_BLOCKS to the chosen-blocks bench.
+# to the decode bench, TPU_SERVE to the serving binary, TPU_BLOCKS to the chosen-blocks bench;
+# TPU_TESTS_LIMIT the tests step's seconds (300).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${TPU_OUT:-${OUT:-tpu_out}}
@@ -50,7 +51,7 @@ print('devices', jax.devices(), jax.devices()[0].device_kind)
 import haiku, chex; print('haiku', haiku.__version__, 'chex', chex.__version__)
 import tokamax; print('tokamax', tokamax.__version__)"
 # -m tpu: conftest leaves the TPU visible, and a skipped TPU test fails (no pass by skipping).
-step tests 300 python3 -m pytest -q -p no:cacheprovider -m tpu -rA ${TPU_TESTS_K:+-k "$TPU_TESTS_K"} \
+step tests "${TPU_TESTS_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider -m tpu -rA ${TPU_TESTS_K:+-k "$TPU_TESTS_K"} \
   tests/test_tpu.py
 grep -E "^(PASSED|FAILED|ERROR|SKIPPED) " "$OUT/tests.log" | sed 's/^/  /' >> "$OUT/summary.txt"
 step quickcheck 150 python3 -m splash_hk.quickcheck
