@@ -309,7 +309,8 @@ def test_a_paged_step_over_a_quantized_pool_matches_the_oracle_and_writes_its_to
   xla naming their storage): codes dequantized on the tile or in VMEM, scales per token and kv
   head; NaN codes and scales in every free slot."""
   config, rules = paged_cases.RULES[rule]
-  step = _quantized_step(kind, 1)
+  page = 32 if platform == "splash" else 4  # the TPU kernel's int8 pages: whole tiles of codes
+  step = _quantized_step(kind, 1, page=page)
   fp8_on_tpu = platform == "splash" and kind != "int8"
   config = dataclasses.replace(config, platform=platform, allow_fallback=fp8_on_tpu,
                                interpret=platform == "splash")
@@ -321,7 +322,7 @@ def test_a_paged_step_over_a_quantized_pool_matches_the_oracle_and_writes_its_to
       step.q, step.k, step.v, step.cache, step.batch)
   np.testing.assert_allclose(np.asarray(out), paged_cases.attend(step, **rules), **harness.tol())
   table, kv_lens = np.asarray(step.batch.page_table), np.asarray(step.batch.kv_lens)
-  slots = [(table[s, t // 4], t % 4) for s, ql in enumerate(step.q_lens)
+  slots = [(table[s, t // page], t % page) for s, ql in enumerate(step.q_lens)
            for t in range(kv_lens[s], kv_lens[s] + ql)]  # where each new row is written
   pools = zip((step.k, step.v), cache.token_major(), step.cache.token_major())
   for new, got, want in pools:  # the new tokens quantized as written ([P, page, Hkv, .])
@@ -342,7 +343,7 @@ def test_a_new_nan_value_in_a_quantized_pool_shows_in_every_column_of_the_rows_t
   (its own and later rows of its sequence) output NaN in every column of its kv head's query
   heads, as the oracle on the dequantized values; the rows before it and the other kv heads
   match the oracle."""
-  case = _quantized_step("int8", 7, q_lens=(1, 9, 3, 1))
+  case = _quantized_step("int8", 7, q_lens=(1, 9, 3, 1), page=32)
   seq, at = 1, 4  # sequence 1 (kv_len 0): its new row at position 4
   row = sum(case.q_lens[:seq]) + at
   case.v[row, 0, 0] = np.nan
@@ -357,6 +358,13 @@ def test_a_new_nan_value_in_a_quantized_pool_shows_in_every_column_of_the_rows_t
   np.testing.assert_allclose(out[first:row], want[first:row], **harness.tol())
   np.testing.assert_allclose(out[row:last, groups:], want[row:last, groups:], **harness.tol())
   np.testing.assert_allclose(out[last:], want[last:], **harness.tol())
+
+
+def test_int8_pages_that_are_not_whole_tiles_of_codes_stay_on_xla_naming_why():
+  step = _quantized_step("int8", 1, page=16)
+  decision = sh.explain_paged(step.q, step.k, step.v, step.cache, step.batch,
+                              config=sh.AttentionConfig(platform="splash", interpret=True))
+  assert decision.backend == "xla" and "int8 pages of 16 slots" in decision.reason, decision
 
 
 @pytest.mark.parametrize("chosen", [False, True], ids=["table", "selection"])

@@ -28,6 +28,7 @@ from splash_hk.backends.tpu import paged_kernel as tpu_paged
 # a block). fp8 codes stay on xla: a v5e has no fp8 arithmetic, and Mosaic's fp8 conversion
 # there is unchecked (tpu-inference reads fp8 caches from v6e on).
 QUANTIZED_STORAGE = ("int8/token",)
+CODE_ROWS = tpu_lists.SUBLANES * 4  # a VMEM tile's rows of one-byte codes (8 of 32-bit words)
 
 
 def block_q(facts: pages.PagedFacts) -> int:
@@ -51,6 +52,10 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
     return (f"the pool's keys and values are stored as {' and '.join(facts.storage)} (the "
             "paged block-list kernel reads floating pools, or keys and values both "
             f"{' or '.join(QUANTIZED_STORAGE)}: fp8 codes run on xla)")
+  if facts.quantized and facts.page_size % CODE_ROWS:
+    return (f"int8 pages of {facts.page_size} slots are not whole VMEM tiles of one-byte codes "
+            f"({CODE_ROWS} rows): the paged kernel would read one page a grid step; pages of a "
+            f"multiple of {CODE_ROWS} slots run on it")
   if facts.cascade:
     return "the batch has a shared prefix (a cascade), which the paged block-list kernel lacks"
   if facts.tree:
