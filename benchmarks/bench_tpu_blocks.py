@@ -61,6 +61,11 @@ def inputs(row: Row, seed: int = 0) -> tuple[jax.Array, ...]:
   return tuple(jax.random.normal(key, shape(h), jnp.bfloat16) for key, h in zip(keys, heads))
 
 
+def mask(row: Row, lists: jax.Array, counts: jax.Array) -> sh.masks.Mask:
+  """The row's choice as a mask: its chosen blocks, causal inside them."""
+  return sh.masks.Blocks(lists, counts, row.block) & sh.masks.Causal()
+
+
 def calls(row: Row, interpret: bool) -> tuple[Callable[..., jax.Array], ...]:
   """(causal, chosen): q, k, v, lists, counts -> out, at the library's defaults."""
   config = sh.AttentionConfig(interpret=interpret)
@@ -70,8 +75,8 @@ def calls(row: Row, interpret: bool) -> tuple[Callable[..., jax.Array], ...]:
     return sh.attention(q, k, v, config=config).attention_outputs
 
   def chosen(q, k, v, lists, counts):
-    mask = sh.masks.Blocks(lists, counts, row.block) & sh.masks.Causal()
-    return sh.attention(q, k, v, mask=mask, config=config).attention_outputs
+    return sh.attention(q, k, v, mask=mask(row, lists, counts),
+                        config=config).attention_outputs
 
   return causal, chosen
 
@@ -96,8 +101,7 @@ def run_row(name: str, row: Row, repeats: int, peak: float, interpret: bool) -> 
   gate_seconds, choice = timing.timed_call(gate, q, k)
   args = (q, k, v, choice.kv_blocks, choice.counts)
   causal, chosen = calls(row, interpret)
-  mask = sh.masks.Blocks(*args[3:], row.block) & sh.masks.Causal()
-  decision = sh.explain(q, k, v, mask=mask, for_platform="tpu",
+  decision = sh.explain(q, k, v, mask=mask(row, *args[3:]), for_platform="tpu",
                         config=sh.AttentionConfig(interpret=interpret))
   result: dict[str, Any] = {"row": name, "shape": dataclasses.asdict(row),
                             "decision": f"{decision.backend}: {decision.reason}",

@@ -28,7 +28,7 @@ from splash_hk.backends.tpu import paged_kernel as tpu_paged
 # a block). fp8 codes stay on xla: a v5e has no fp8 arithmetic, and Mosaic's fp8 conversion
 # there is unchecked (tpu-inference reads fp8 caches from v6e on).
 QUANTIZED_STORAGE = ("int8/token",)
-CODE_ROWS = tpu_lists.SUBLANES * 4  # a VMEM tile's rows of one-byte codes (8 of 32-bit words)
+CODE_ROWS = tpu_paged.tile_rows(1)  # a VMEM tile's rows of one-byte codes
 
 
 def block_q(facts: pages.PagedFacts) -> int:

@@ -86,13 +86,19 @@ class Spec:
     return self.pages_per_block * self.page_size
 
 
+def tile_rows(itemsize: int) -> int:
+  """A VMEM tile's rows of elements of `itemsize` bytes (8 rows of 32-bit words: 16 bf16, 32
+  int8): a page a copy lands in must be a whole number of them."""
+  return SUBLANES * max(1, 4 // itemsize)
+
+
 def pages_per_block(page_size: int, entries: int, kv_heads: int, head_dim: int, value_dim: int,
                     itemsize: int, rows: int) -> int:
   """Pages a grid step reads: a run of about `BLOCK_KEYS` keys whose two buffers fit
   `BUFFER_BUDGET` and whose logits for `rows` (R) fit `SCORES_BUDGET`; one where a page is not
   a whole number of VMEM tiles (rows of 8 32-bit words: 16 bf16, 32 int8), which a copy
   cannot start inside."""
-  if page_size % (SUBLANES * max(1, 4 // itemsize)):
+  if page_size % tile_rows(itemsize):
     return 1
   buffers = BUFFER_BUDGET // (2 * kv_heads * (head_dim + value_dim) * itemsize * page_size)
   scores = SCORES_BUDGET // (2 * 4 * rows * page_size)
@@ -155,7 +161,6 @@ def _compute(spec: Spec, seen: jax.Array, q_ref, scale_ref, kbuf, vbuf, slot, m_
   it: free slots and stale buffer rows may hold anything) and NaN added in its column of the
   rows that see it; without (a whole block, `_whole`: every row sees every key) p @ v is the
   oracle's as it is."""
-  codes = spec.quantized  # int8 codes (`paged.QUANTIZED_STORAGE`): finite by construction
   for hk in range(spec.block_heads):
     q = q_ref[hk]  # [R, D]
     as_ = q.dtype if spec.quantized else kbuf.dtype  # a pool's codes in q's dtype
@@ -167,7 +172,7 @@ def _compute(spec: Spec, seen: jax.Array, q_ref, scale_ref, kbuf, vbuf, slot, m_
       tpu_lists.online_step(hk, s, v, m_scr, l_scr, acc_scr, v_scale)
       continue
     poison: Any = 0.0  # [R, Dv] NaN where a row sees a non-finite value
-    if not codes:
+    if not spec.quantized:  # int8 codes (`paged.QUANTIZED_STORAGE`) are finite
       finite = jnp.isfinite(v.astype(jnp.float32))  # [E, Dv] (Mosaic tests f32 only)
       poison = _poison(seen, finite)  # [R, Dv]
       v = jnp.where(finite, v, 0).astype(v.dtype)
