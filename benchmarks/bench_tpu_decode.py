@@ -12,7 +12,8 @@ after the write, once (`decode_steps`: the rows and their steps). A mixed step (
 beside decodes) is also held against its parts apart, a prefill against `sh.attention` of the
 same rows, an int8 pool (no peer: it takes no per-token scales) against the bf16 step of its
 shape, Quest's step (1/16 of the pages chosen by `top_k_pages` in the step; its bytes are the
-chosen pages') against the step reading every page. A fixed-cache row is `sh.attention` of
+chosen pages') against the step reading every page. A row named `_xla` times the library's
+xla path on its step (what a call the kernel does not serve runs). A fixed-cache row is `sh.attention` of
 T rows (end-aligned causal) against B caches of S keys, beside
 `jax.nn.dot_product_attention(implementation="xla")` of the same call (its mask the same rule).
 
@@ -75,8 +76,8 @@ def ours_call(step: Step, interpret: bool) -> Callable[[], jax.Array]:
   """A call of `sh.paged_attention` on the step, its pool donated and carried from call to call
   (the step's own pool stays for the peer); returns the output. The TPU kernel (an int8 pool's
   codes too), no fallback."""
-  config = sh.AttentionConfig(platform="splash" if interpret else "auto", interpret=interpret,
-                              allow_fallback=False)
+  config = sh.AttentionConfig(platform="splash" if interpret else step.platform,
+                              interpret=interpret, allow_fallback=False)
   run = jax.jit(lambda q, k, v, pool, batch: sh.paged_attention(
       q, k, v, pool, step.chosen(q, pool) if step.top_k else batch, config=config),
                 donate_argnums=3)
@@ -154,7 +155,7 @@ def run_row(name: str, row: Row, repeats: int, bandwidth: timing.Bandwidth, inte
             "decision": f"{decision.backend}: {decision.reason}",
             "bytes_read": step.bytes_read, **ours}
   result.update(_beside(row, step, seconds, repeats, interpret))
-  if peers and not row.int8 and not row.quest:  # the peer takes no scales, no choice
+  if peers and not (row.int8 or row.quest or row.platform != "auto"):  # no scales, no choice
     best = peer_best(step, repeats)
     if np.isfinite(best["seconds"]):
       peer = timing.figures(best["call"], step.bytes_read, bandwidth, repeats, best["seconds"])

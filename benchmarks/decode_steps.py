@@ -37,6 +37,7 @@ class Row:
   int8: bool = False  # the pool quantized to int8 with per-token scales
   quest: int = 0  # each sequence reads 1/quest of its pages (Quest's choice); 0: every page
   in_order: bool = False  # pages handed out in order (each sequence's consecutive), not shuffled
+  platform: str = "auto"  # the library's choice for the chip; "xla": its fallback, timed
 
   @property
   def q_lens(self) -> np.ndarray:
@@ -64,7 +65,9 @@ ROWS = {"decode_p16": Row(32, 1024, 8192, 16), "decode_p64": Row(32, 1024, 8192,
         "int8_p64": Row(32, 1024, 8192, 64, int8=True),
         "quest16_p64": Row(8, 32768, 32768, 64, quest=16),
         "in_order_p16": Row(32, 1024, 8192, 16, in_order=True),
-        "in_order_p64": Row(32, 1024, 8192, 64, in_order=True)}
+        "in_order_p64": Row(32, 1024, 8192, 64, in_order=True),
+        "decode_p64_xla": Row(32, 1024, 8192, 64, platform="xla"),
+        "int8_p64_xla": Row(32, 1024, 8192, 64, int8=True, platform="xla")}
 
 
 def _smoke(row: Row) -> Row:
@@ -87,6 +90,7 @@ class Step:
   batch: sh.RaggedBatch
   lens: np.ndarray  # [S] lengths after the write
   top_k: int | None = None  # pages Quest chooses beyond each sequence's last (None: all read)
+  platform: str = "auto"  # `AttentionConfig.platform` of the timed step (`Row.platform`)
 
   def chosen(self, q: jax.Array, pool: sh.PagedKVCache) -> sh.RaggedBatch:
     """The step's batch, with Quest's choice over `pool` where the step makes one."""
@@ -155,7 +159,7 @@ def make_step(row: Row, seed: int = 0) -> Step:
     held = jnp.asarray(quant.tile(key, jnp.float32), jnp.float32)  # [P, Hkv, page, D]
     pool = pool.replace(key_min=jnp.min(held, axis=2), key_max=jnp.max(held, axis=2))
     top_k = max(table.shape[1] // row.quest - 1, 1)  # and the last page: 1/quest of them
-  return Step(q, k, v, pool, batch, lens, top_k)
+  return Step(q, k, v, pool, batch, lens, top_k, row.platform)
 
 
 def peer_inputs(step: Step) -> tuple[jax.Array, ...]:

@@ -61,7 +61,7 @@ def test_the_block_oracle_matches_the_dense_oracle():
     np.testing.assert_allclose(g, w, atol=1e-12)
 
 
-@pytest.mark.parametrize("block,top_k", [((128, 128), 3), ((256, 256), 1)])
+@pytest.mark.parametrize("block,top_k", [((128, 128), 3), ((256, 256), 1), ((512, 512), 1)])
 def test_moba_choices_with_sinks_segments_and_garbage_match_the_block_oracle(
     block, top_k, monkeypatch):
   """MoBA's own choice (`top_k_blocks`) at T = 1024, GQA 8 / 2, D 128, sinks, two documents and
@@ -70,6 +70,18 @@ def test_moba_choices_with_sinks_segments_and_garbage_match_the_block_oracle(
   16384, `test_tpu.py`)."""
   monkeypatch.setattr(splash_tpu, "_GUARDED_LISTS", splash_lists.attend)
   check_moba(sh.AttentionConfig(**TPU), 1024, block, top_k)
+
+
+@pytest.mark.parametrize("block,itemsize,heads", [
+    (512, 4, 1),  # measured on a v5e: 18.4 MiB of VMEM with the group of 4, over its 16 MiB
+    (512, 2, 1), (256, 4, 4), (128, 4, 4), (128, 2, 4)])
+def test_a_program_serves_the_group_where_its_tiles_fit_in_vmem(block, itemsize, heads):
+  """Lists serving a group of 4 heads: one program for the group (one copy of a block) where
+  its tiles fit the kernel's VMEM budget, else a program a head (f32 tiles of 512 with the
+  group did not compile on the chip)."""
+  assert splash_lists.program_heads(block, block, 128, 128, itemsize, 4) == heads
+  need = splash_lists.vmem_bytes(block, block, 128, 128, itemsize, heads)
+  assert need <= tpu_lists.VMEM_BUDGET < 16 * 2 ** 20
 
 
 def test_a_real_size_matches_the_oracle():

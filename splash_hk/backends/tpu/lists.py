@@ -22,16 +22,28 @@ from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 
 
-def vmem_bytes(block_q: int, block_kv: int, head_dim: int, value_dim: int, itemsize: int) -> int:
-  """The largest of the three kernels' VMEM per grid step, estimated: dK/dV's, or the forward /
-  dq's m listed blocks (`list_kernel.STEP_KEYS`) where those are more."""
+def vmem_bytes(block_q: int, block_kv: int, head_dim: int, value_dim: int, itemsize: int,
+               heads: int = 1) -> int:
+  """The largest of the three kernels' VMEM per grid step, estimated, for programs of `heads`
+  query heads: the forward / dq's m listed blocks (`list_kernel.STEP_KEYS`) or dK/dV's block,
+  the heads' q, dO, out / dq tiles and their lse, delta and softmax state (measured on a v5e:
+  f32, tiles 512 / 512, 4 heads a program: 18.4 MiB, over the 16 MiB of scoped VMEM)."""
   width = head_dim + value_dim
   keys = max(block_kv, tpu_lists.STEP_KEYS // block_kv * block_kv)  # a forward / dq step's
-  blocks = 2 * itemsize * (2 * block_q * width + keys * width)
-  lanes = 2 * 4 * block_q * (2 * tpu_lists.LANES) + 2 * 4 * tpu_lists.SUBLANES * keys
-  scratch = 4 * block_kv * width
+  blocks = 2 * itemsize * (heads * block_q * (width + head_dim) + keys * width)
+  lanes = (2 * 4 * block_q * (2 * heads + 1) * tpu_lists.LANES
+           + 2 * 4 * tpu_lists.SUBLANES * keys)  # lse, delta / softmax state, segment ids
+  scratch = 4 * max(heads * block_q * (2 * tpu_lists.LANES + value_dim), block_kv * width)
   scores = 4 * 4 * block_q * block_kv  # s, p, dp, ds in float32
   return blocks + lanes + scratch + scores
+
+
+def program_heads(block_q: int, block_kv: int, head_dim: int, value_dim: int, itemsize: int,
+                  groups: int) -> int:
+  """Query heads a forward / dq program serves where lists serve whole groups: the group, one
+  copy of a block for all of it, where its tiles fit `list_kernel.VMEM_BUDGET`; else one."""
+  need = vmem_bytes(block_q, block_kv, head_dim, value_dim, itemsize, groups)
+  return groups if need <= tpu_lists.VMEM_BUDGET else 1
 
 
 def why_not(facts: Facts) -> str | None:
@@ -97,8 +109,10 @@ def _spec(x: KernelInputs, facts: Facts, lay: xla_lists.Layout) -> tpu_lists.Spe
   _, rest = xla_lists.choice_of(x)
   groups = lay.num_heads // lay.num_kv_heads
   whole_groups = lay.group % groups == 0  # each list serves whole groups: a program per kv head
+  per_program = (program_heads(lay.block_q, lay.block_kv, facts.head_dim, facts.value_dim,
+                               x.query.dtype.itemsize, groups) if whole_groups else 1)
   return tpu_lists.Spec(lay.block_q, lay.block_kv, lay.query_len, lay.kv_len, groups, lay.group,
-                        groups if whole_groups else 1, facts.scale,
+                        per_program, facts.scale,
                         facts.config.logits_soft_cap, rest, facts.config.interpret)
 
 
