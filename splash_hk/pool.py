@@ -108,17 +108,18 @@ def write(cache: PagedKVCache, key: Any, value: Any, page: jax.Array,
           slot: jax.Array) -> PagedKVCache:
   """Key [N, Hkv, D] / value [N, Hkv, Dv] row n at `slot[n]` of page `page[n]` (a page past the
   pool: nothing written), quantized as written, and each written page's key bounds kept when
-  the pool keeps them (reset where slot 0 is written)."""
-  num_pages = cache.num_pages
+  the pool keeps them (reset where slot 0 is written). The bounds take the keys as held from
+  the rows themselves and touch only the written pages: no read of the pool (on a TPU a gather
+  of the written keys from it cost a copy of the whole pool a step)."""
   at = (page, slice(None), slot)  # each row's [Hkv, X] in [P, Hkv, page, X]
   written = cache.replace(key=quant.write(cache.key, at, key, "key"),
                           value=quant.write(cache.value, at, value, "value"))
   if cache.key_min is None or cache.key_max is None:
     return written
-  stored = quant.cut(written.key, 0, lambda a: a[jnp.clip(page, 0, num_pages - 1), :, slot])
-  stored = jnp.asarray(quant.tile(stored, jnp.float32), jnp.float32)  # [N, Hkv, D] as held
-  reset = jnp.zeros((num_pages,), jnp.bool_).at[jnp.where(slot == 0, page, num_pages)].set(
-      True, mode="drop")[:, None, None]  # [P, 1, 1]: pages whose slot 0 is written now
+  held = quant.as_held(cache.key, key, "key")
+  stored = jnp.asarray(quant.tile(held, jnp.float32), jnp.float32)  # [N, Hkv, D] as held
+  fresh = jnp.where(slot == 0, page, cache.num_pages)  # [N]: pages whose slot 0 is written now
+  bound = lambda a, empty: a.at[fresh].set(empty, mode="drop")  # emptied first, then kept
   return written.replace(
-      key_min=jnp.where(reset, jnp.inf, cache.key_min).at[page].min(stored, mode="drop"),
-      key_max=jnp.where(reset, -jnp.inf, cache.key_max).at[page].max(stored, mode="drop"))
+      key_min=bound(cache.key_min, jnp.inf).at[page].min(stored, mode="drop"),
+      key_max=bound(cache.key_max, -jnp.inf).at[page].max(stored, mode="drop"))

@@ -233,13 +233,22 @@ def write(buf: Any, index: Any, new: Any, name: str) -> Any:
   """`buf.at[index].set(new, mode="drop")` for an array, or for a `Quantized` buffer: `new`
   (floats, or quantized: dequantized first; `name` names it in errors) quantized along its last
   axis as it is written."""
+  held = as_held(buf, new, name)
+  if not isinstance(buf, Quantized):
+    return buf.at[index].set(held, mode="drop")
+  return Quantized(buf.values.at[index].set(held.values, mode="drop"),
+                   buf.scale.at[index].set(held.scale, mode="drop"))
+
+
+def as_held(buf: Any, new: Any, name: str) -> Any:
+  """`new` as `write` stores it in `buf`: cast to its dtype, or quantized as it (a `Quantized`);
+  `tile(as_held(...), float32)` is what a read of the written rows gives, without reading
+  `buf` (a gather from a pool can cost a copy of all of it)."""
   new = as_quantized(new, name)
   new = new.dequantize() if isinstance(new, Quantized) else jnp.asarray(new)
   if not isinstance(buf, Quantized):
-    return buf.at[index].set(new.astype(buf.dtype), mode="drop")
-  q = quantize(new, buf.values.dtype)
-  return Quantized(buf.values.at[index].set(q.values, mode="drop"),
-                   buf.scale.at[index].set(q.scale, mode="drop"))
+    return new.astype(buf.dtype)
+  return quantize(new, buf.values.dtype)
 
 
 def cotangent(primal: Any, grad: jax.Array) -> Any:
