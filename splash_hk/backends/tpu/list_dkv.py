@@ -43,15 +43,20 @@ def _kernel(spec: tpu_lists.Spec, rows: int, block_ref, row_ref, count_ref, q_re
 
   @pl.when(p < count)
   def _():
-    row = jax.lax.rem(row_ref[b, hk, p], rows)  # the query tile
-    k, v, qs, ks = k_ref[...], v_ref[...], qs_ref[...], ks_ref[...]
-    for g in range(spec.per_program):  # the pair's program heads: one copy of the block
-      q, do = q_ref[g], do_ref[g]
-      prob, t = tpu_lists.probabilities(spec, row, block, q, k, qs, ks, lse_ref[g])
-      dv_scr[...] += tpu_lists.dot(prob.astype(do.dtype), do, (0, 0))  # [bk, Dv]
-      ds = tpu_lists.d_logits(spec, prob, t, tpu_lists.dot(do, v, (1, 1)),
-                              delta_ref[g])  # [bq, bk]
-      dk_scr[...] += tpu_lists.dot(ds.astype(q.dtype), q, (0, 0))  # [bk, D]
+    entry = row_ref[b, hk, p]  # head * nq + query tile, `FULL` flagged
+    k, v = k_ref[...], v_ref[...]
+
+    def fold(seen):  # seen [bq, bk] or None: every pair
+      for g in range(spec.per_program):  # the pair's program heads: one copy of the block
+        q, do = q_ref[g], do_ref[g]
+        prob, t = tpu_lists.probabilities(spec, q, k, lse_ref[g], seen)
+        dv_scr[...] += tpu_lists.dot(prob.astype(do.dtype), do, (0, 0))  # [bk, Dv]
+        ds = tpu_lists.d_logits(spec, prob, t, tpu_lists.dot(do, v, (1, 1)),
+                                delta_ref[g])  # [bq, bk]
+        dk_scr[...] += tpu_lists.dot(ds.astype(q.dtype), q, (0, 0))  # [bk, D]
+
+    row = jax.lax.rem(tpu_lists.block_of(entry), rows)  # the query tile
+    tpu_lists.masked(spec, entry, row, block, qs_ref[...], ks_ref[...], fold)
 
   following = block_ref[b, hk, jnp.minimum(p + 1, last)]
 
@@ -64,9 +69,11 @@ def _kernel(spec: tpu_lists.Spec, rows: int, block_ref, row_ref, count_ref, q_re
 def _maps(spec: tpu_lists.Spec, rows: int):
   """Index maps of a step's q-side blocks, k/v (and dk/dv) blocks and the two segment sides."""
   programs = spec.groups // spec.per_program  # program heads a kv head
+  pair_row = lambda b, hk, p, pair_rows: tpu_lists.block_of(pair_rows[b, hk, p])  # flag off
   head = lambda b, hk, p, blocks, pair_rows, counts: (
-      hk * programs + jax.lax.div(pair_rows[b, hk, p], rows))
-  tile = lambda b, hk, p, blocks, pair_rows, counts: jax.lax.rem(pair_rows[b, hk, p], rows)
+      hk * programs + jax.lax.div(pair_row(b, hk, p, pair_rows), rows))
+  tile = lambda b, hk, p, blocks, pair_rows, counts: jax.lax.rem(pair_row(b, hk, p, pair_rows),
+                                                                 rows)
   q_map = lambda b, hk, p, *refs: (b, head(b, hk, p, *refs), 0, tile(b, hk, p, *refs), 0)
   kv_map = lambda b, hk, p, blocks, *_: (b, hk, blocks[b, hk, p], 0)
   q_seg_map = lambda b, hk, p, *refs: (b, tile(b, hk, p, *refs), 0)

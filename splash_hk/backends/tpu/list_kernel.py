@@ -7,7 +7,8 @@ block for the group; m copies in flight together); where each query head has its
 program is one query head. The lists sit in scalar prefetch and the key/value `BlockSpec` index
 maps read them, so only listed blocks are copied to VMEM. The online softmax lives in VMEM
 scratch across a tile's steps; entries past a tile's count repeat its last block's index (no
-copy) and compute nothing. The backward is two kernels: dq over the same lists, dK/dV over the chosen
+copy) and compute nothing; an entry whose block the tile sees whole (`FULL`) skips the element
+mask. The backward is two kernels: dq over the same lists, dK/dV over the chosen
 (key block, query tile) pairs sorted by key block (`list_dkv`), the group's query heads summed
 in the kernel's accumulators.
 
@@ -39,6 +40,10 @@ VMEM_BUDGET = 12 * 2 ** 20
 # own pipelined BlockSpec, so m copies are in flight together), not one: a 128-key block alone
 # is a small step for the chip, bound by its copy's latency.
 STEP_KEYS = 512
+# A list entry at or above FULL names block `entry - FULL`, every (query, key) pair of which the
+# tile sees (one segment, no padding, the rule beside the choice true throughout): the kernels
+# skip its element mask, most of the elementwise work a block costs.
+FULL = 1 << 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +105,30 @@ def _visible(spec: Spec, row: Any, block: Any, q_seg: jax.Array,
 
 
 def _listed(lists_ref: Any, counts_ref: Any, b: Any, l: Any, row: Any, j: Any) -> Any:
-  """The j-th listed block of (b, l, row); past the count, the last listed one (no new copy)."""
+  """The j-th list entry of (b, l, row); past the count, the last listed one (no new copy)."""
   last = jnp.maximum(counts_ref[b, l, row] - 1, 0)
   return lists_ref[b, l, row, jnp.minimum(j, last)]
+
+
+def block_of(entry: Any) -> Any:
+  """The key block a list entry names (`FULL` flag dropped)."""
+  return jnp.bitwise_and(entry, FULL - 1)
+
+
+def masked(spec: Spec, entry: Any, row: Any, block: Any, q_seg: jax.Array, kv_seg: jax.Array,
+           body: Any) -> None:
+  """`body(seen)` for query tile `row` and key block `block` (`entry`: the list entry or pair
+  row that names them, `FULL` flagged or not): seen [bq, bk] bool, or None where the block is
+  full (no element mask to build or apply)."""
+  full = entry >= FULL
+
+  @pl.when(full)
+  def _():
+    body(None)
+
+  @pl.when(jnp.logical_not(full))
+  def _():
+    body(_visible(spec, row, block, q_seg, kv_seg))
 
 
 def init_state(m_scr: Any, l_scr: Any, acc_scr: Any) -> None:
@@ -166,12 +192,16 @@ def _forward_kernel(spec: Spec, m: int, lists_ref, counts_ref, q_ref, *refs):
   for s in range(m):  # the step's m listed blocks, in list order
     @pl.when(j * m + s < counts_ref[b, l, i])
     def _():
-      block = _listed(lists_ref, counts_ref, b, l, i, j * m + s)
-      seen = _visible(spec, i, block, qs_ref[...], ks_refs[s][...])  # [bq, bk]
       k, v = k_refs[s][...], v_refs[s][...]  # one copy of the block for the program's heads
-      for g in range(spec.per_program):
-        logits, _ = scores(q_ref[g], k, spec.scale, spec.soft_cap)  # [bq, bk]
-        online_step(g, jnp.where(seen, logits, -jnp.inf), v, m_scr, l_scr, acc_scr)
+
+      def fold(seen):  # seen [bq, bk] or None: every pair
+        for g in range(spec.per_program):
+          logits, _ = scores(q_ref[g], k, spec.scale, spec.soft_cap)  # [bq, bk]
+          logits = logits if seen is None else jnp.where(seen, logits, -jnp.inf)
+          online_step(g, logits, v, m_scr, l_scr, acc_scr)
+
+      entry = _listed(lists_ref, counts_ref, b, l, i, j * m + s)
+      masked(spec, entry, i, block_of(entry), qs_ref[...], ks_refs[s][...], fold)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
@@ -179,12 +209,14 @@ def _forward_kernel(spec: Spec, m: int, lists_ref, counts_ref, q_ref, *refs):
       finish(g, sink_ref[0, p * spec.per_program + g], m_scr, l_scr, acc_scr, o_ref, lse_ref)
 
 
-def probabilities(spec: Spec, row, block, q, k, qs, ks, lse) -> tuple[jax.Array, Any]:
-  """p [bq, bk] from the saved lse (+inf for rows that see nothing: p 0) and the cap's tanh."""
+def probabilities(spec: Spec, q: jax.Array, k: jax.Array, lse: jax.Array,
+                  seen: jax.Array | None) -> tuple[jax.Array, Any]:
+  """p [bq, bk] from the saved lse (+inf for rows that see nothing: p 0) where `seen` [bq, bk]
+  (None: every pair), and the cap's tanh."""
   s, t = scores(q, k, spec.scale, spec.soft_cap)
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, :1]  # [bq, 1]
-  p = jnp.where(_visible(spec, row, block, qs, ks), jnp.exp(s - lse), 0.0)
-  return p, t
+  p = jnp.exp(s - lse)  # [bq, bk]
+  return (p if seen is None else jnp.where(seen, p, 0.0)), t
 
 
 def d_logits(spec: Spec, p: jax.Array, t: Any, dp: jax.Array, delta: jax.Array) -> jax.Array:
@@ -210,12 +242,16 @@ def _dq_kernel(spec: Spec, m: int, lists_ref, counts_ref, q_ref, *refs):
   for s in range(m):  # the step's m listed blocks
     @pl.when(j * m + s < counts_ref[b, l, i])
     def _():
-      block = _listed(lists_ref, counts_ref, b, l, i, j * m + s)
-      k, v, qs, ks = k_refs[s][...], v_refs[s][...], qs_ref[...], ks_refs[s][...]
-      for g in range(spec.per_program):
-        prob, t = probabilities(spec, i, block, q_ref[g], k, qs, ks, lse_ref[g])
-        ds = d_logits(spec, prob, t, dot(do_ref[g], v, (1, 1)), delta_ref[g])  # [bq, bk]
-        dq_scr[g] += dot(ds.astype(k.dtype), k, (1, 0))  # [bq, D]
+      k, v = k_refs[s][...], v_refs[s][...]
+
+      def fold(seen):  # seen [bq, bk] or None: every pair
+        for g in range(spec.per_program):
+          prob, t = probabilities(spec, q_ref[g], k, lse_ref[g], seen)
+          ds = d_logits(spec, prob, t, dot(do_ref[g], v, (1, 1)), delta_ref[g])  # [bq, bk]
+          dq_scr[g] += dot(ds.astype(k.dtype), k, (1, 0))  # [bq, D]
+
+      entry = _listed(lists_ref, counts_ref, b, l, i, j * m + s)
+      masked(spec, entry, i, block_of(entry), qs_ref[...], ks_refs[s][...], fold)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
@@ -251,8 +287,8 @@ def _list_sides(spec: Spec, m: int, d: int, dv: int, q_spec: Any) -> list[Any]:
   ids and the m blocks' segment ids (block s: listed entry j * m + s; past the count, the last
   listed block again: no copy)."""
   bq, bk = spec.block_q, spec.block_kv
-  listed = lambda s, b, p, i, j, lists, counts: _listed(
-      lists, counts, b, spec.program_heads(p)[1], i, j * m + s)
+  listed = lambda s, b, p, i, j, lists, counts: block_of(_listed(
+      lists, counts, b, spec.program_heads(p)[1], i, j * m + s))
   kv_map = lambda s: lambda b, p, i, j, *refs: (b, spec.program_heads(p)[0],
                                                 listed(s, b, p, i, j, *refs), 0)
   kv_seg_map = lambda s: lambda b, p, i, j, *refs: (b, 0, listed(s, b, p, i, j, *refs))

@@ -18,6 +18,7 @@ from splash_hk.backends import base
 from splash_hk.backends.tpu import list_dkv
 from splash_hk.backends.tpu import list_kernel as tpu_lists
 from splash_hk.backends.xla import lists as xla_lists
+from splash_hk.masks import _plan
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 
@@ -74,12 +75,19 @@ def why_not(facts: Facts) -> str | None:
 
 
 def _lists(x: KernelInputs) -> tuple[xla_lists.Layout, jax.Array, jax.Array]:
-  """The layout, lists [B, L, nq, K] (past a count: a valid block, never read) and counts."""
-  choice, _ = xla_lists.choice_of(x)
+  """The layout, lists [B, L, nq, K] (past a count: a valid block, never read; a block every
+  pair of which its tile sees, `FULL` flagged: `list_kernel.block_of`) and counts [B, L, nq]."""
+  choice, rest = xla_lists.choice_of(x)
   lay = xla_lists.layout(x, choice)
   lists = xla_lists.tables(choice, lay).lists[:, :, :lay.rows]  # [B, L, nq, K], nk: empty
   counts = jnp.sum(lists < lay.kv_blocks, axis=-1, dtype=jnp.int32)  # [B, L, nq]
-  return lay, jnp.minimum(lists, lay.kv_blocks - 1), counts
+  lists = jnp.minimum(lists, lay.kv_blocks - 1)
+  blocks = _plan.plan_blocks(x.q_positions, x.kv_positions, x.q_segment_ids, x.kv_segment_ids,
+                             lay.block_q, lay.block_kv)
+  _, full = _plan.blocks_see(rest, blocks)  # [B|1, nq, nk]: segments, padding and the rule
+  full = jnp.broadcast_to(full[:, None], (lay.batch, lists.shape[1], *full.shape[1:]))
+  flags = jnp.take_along_axis(full, lists, axis=-1)  # [B, L, nq, K]
+  return lay, jnp.where(flags, lists + tpu_lists.FULL, lists), counts
 
 
 def pairs(lists: jax.Array, counts: jax.Array, kv_blocks: int, groups: int,
@@ -88,11 +96,13 @@ def pairs(lists: jax.Array, counts: jax.Array, kv_blocks: int, groups: int,
   block (then head, then tile), for the dK/dV kernel (`list_dkv`): lists [B, L, nq, K] and
   counts [B, L, nq] (L list heads of `list_group` heads; `groups` heads a kv head; a head here
   is a program head, the query heads one list serves together) -> blocks [B, Hkv, P] and rows
-  [B, Hkv, P] (head g, tile r: g * nq + r), P = groups * nq * K, and how many there are
-  [B, Hkv]; past the count, the last one again (no new copy)."""
+  [B, Hkv, P] (head g, tile r: g * nq + r; plus `FULL` where the list entry has it), P =
+  groups * nq * K, and how many there are [B, Hkv]; past the count, the last one again."""
   batch, _, rows, most = lists.shape
   heads = jnp.arange(lists.shape[1] * list_group) // list_group  # each query head's list head
   lists, counts = lists[:, heads], counts[:, heads]  # [B, H, nq, K], [B, H, nq]
+  flags = (lists >= tpu_lists.FULL).reshape(batch, -1, groups * rows * most)
+  lists = tpu_lists.block_of(lists)
   held = jnp.arange(most) < counts[..., None]  # [B, H, nq, K]
   block = jnp.where(held, lists, kv_blocks).reshape(batch, -1, groups * rows * most)
   row = jnp.broadcast_to(jnp.arange(groups * rows)[:, None], (groups * rows, most))
@@ -102,7 +112,8 @@ def pairs(lists: jax.Array, counts: jax.Array, kv_blocks: int, groups: int,
   upto = jnp.minimum(jnp.arange(block.shape[-1]), jnp.maximum(count - 1, 0)[..., None])
   order = jnp.take_along_axis(order, upto, axis=-1)  # past the count: the last pair again
   blocks = jnp.minimum(jnp.take_along_axis(block, order, axis=-1), kv_blocks - 1)
-  return blocks.astype(jnp.int32), (order // most).astype(jnp.int32), count
+  full = jnp.take_along_axis(flags, order, axis=-1) * tpu_lists.FULL
+  return blocks.astype(jnp.int32), (order // most + full).astype(jnp.int32), count
 
 
 def _spec(x: KernelInputs, facts: Facts, lay: xla_lists.Layout) -> tpu_lists.Spec:
