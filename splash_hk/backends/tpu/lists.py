@@ -85,8 +85,8 @@ def _lists(x: KernelInputs) -> tuple[xla_lists.Layout, jax.Array, jax.Array]:
   blocks = _plan.plan_blocks(x.q_positions, x.kv_positions, x.q_segment_ids, x.kv_segment_ids,
                              lay.block_q, lay.block_kv)
   _, full = _plan.blocks_see(rest, blocks)  # [B|1, nq, nk]: segments, padding and the rule
-  full = jnp.broadcast_to(full[:, None], (lay.batch, lists.shape[1], *full.shape[1:]))
-  flags = jnp.take_along_axis(full, lists, axis=-1)  # [B, L, nq, K]
+  b = jnp.arange(lay.batch)[:, None, None, None] % full.shape[0]  # [B, 1, 1, 1]
+  flags = full[b, jnp.arange(lay.rows)[:, None], lists]  # [B, L, nq, K]: no [B, L, nq, nk]
   return lay, jnp.where(flags, lists + tpu_lists.FULL, lists), counts
 
 
