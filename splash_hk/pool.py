@@ -112,12 +112,12 @@ def write(cache: PagedKVCache, key: Any, value: Any, page: jax.Array,
   the rows themselves and touch only the written pages: no read of the pool (on a TPU a gather
   of the written keys from it cost a copy of the whole pool a step)."""
   at = (page, slice(None), slot)  # each row's [Hkv, X] in [P, Hkv, page, X]
-  written = cache.replace(key=quant.write(cache.key, at, key, "key"),
+  held = quant.as_held(cache.key, key, "key")  # [N, Hkv, D] as the pool holds them
+  written = cache.replace(key=quant.put(cache.key, at, held),
                           value=quant.write(cache.value, at, value, "value"))
   if cache.key_min is None or cache.key_max is None:
     return written
-  held = quant.as_held(cache.key, key, "key")
-  stored = jnp.asarray(quant.tile(held, jnp.float32), jnp.float32)  # [N, Hkv, D] as held
+  stored = jnp.asarray(quant.tile(held, jnp.float32), jnp.float32)  # [N, Hkv, D] float32
   fresh = jnp.where(slot == 0, page, cache.num_pages)  # [N]: pages whose slot 0 is written now
   bound = lambda a, empty: a.at[fresh].set(empty, mode="drop")  # emptied first, then kept
   return written.replace(

@@ -233,7 +233,12 @@ def write(buf: Any, index: Any, new: Any, name: str) -> Any:
   """`buf.at[index].set(new, mode="drop")` for an array, or for a `Quantized` buffer: `new`
   (floats, or quantized: dequantized first; `name` names it in errors) quantized along its last
   axis as it is written."""
-  held = as_held(buf, new, name)
+  return put(buf, index, as_held(buf, new, name))
+
+
+def put(buf: Any, index: Any, held: Any) -> Any:
+  """`buf.at[index].set(held, mode="drop")` of rows already as `buf` holds them (`as_held`):
+  for a `Quantized` buffer, its codes and its scales."""
   if not isinstance(buf, Quantized):
     return buf.at[index].set(held, mode="drop")
   return Quantized(buf.values.at[index].set(held.values, mode="drop"),

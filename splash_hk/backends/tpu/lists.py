@@ -87,7 +87,7 @@ def _lists(x: KernelInputs) -> tuple[xla_lists.Layout, jax.Array, jax.Array]:
   _, full = _plan.blocks_see(rest, blocks)  # [B|1, nq, nk]: segments, padding and the rule
   b = jnp.arange(lay.batch)[:, None, None, None] % full.shape[0]  # [B, 1, 1, 1]
   flags = full[b, jnp.arange(lay.rows)[:, None], lists]  # [B, L, nq, K]: no [B, L, nq, nk]
-  return lay, jnp.where(flags, lists + tpu_lists.FULL, lists), counts
+  return lay, lists + tpu_lists.FULL * flags, counts
 
 
 def pairs(lists: jax.Array, counts: jax.Array, kv_blocks: int, groups: int,
