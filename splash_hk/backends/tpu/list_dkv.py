@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from splash_hk.backends import base
 from splash_hk.backends.tpu import list_kernel as tpu_lists
+from splash_hk.backends.tpu import softmax
 
 LANES = tpu_lists.LANES
 
@@ -50,10 +51,10 @@ def _kernel(spec: tpu_lists.Spec, rows: int, block_ref, row_ref, count_ref, q_re
       for g in range(spec.per_program):  # the pair's program heads: one copy of the block
         q, do = q_ref[g], do_ref[g]
         prob, t = tpu_lists.probabilities(spec, q, k, lse_ref[g], seen)
-        dv_scr[...] += tpu_lists.dot(prob.astype(do.dtype), do, (0, 0))  # [bk, Dv]
-        ds = tpu_lists.d_logits(spec, prob, t, tpu_lists.dot(do, v, (1, 1)),
+        dv_scr[...] += softmax.dot(prob.astype(do.dtype), do, (0, 0))  # [bk, Dv]
+        ds = tpu_lists.d_logits(spec, prob, t, softmax.dot(do, v, (1, 1)),
                                 delta_ref[g])  # [bq, bk]
-        dk_scr[...] += tpu_lists.dot(ds.astype(q.dtype), q, (0, 0))  # [bk, D]
+        dk_scr[...] += softmax.dot(ds.astype(q.dtype), q, (0, 0))  # [bk, D]
 
     row = jax.lax.rem(tpu_lists.block_of(entry), rows)  # the query tile
     tpu_lists.masked(spec, entry, row, block, qs_ref[...], ks_ref[...], fold)

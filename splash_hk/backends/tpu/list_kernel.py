@@ -30,6 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
 from splash_hk.backends import base
+from splash_hk.backends.tpu import softmax
 from splash_hk.masks._mask import Mask
 
 LANES, SUBLANES = 128, 8  # a TPU vector register's (sublanes, lanes): Mosaic's tiling
@@ -40,6 +41,9 @@ VMEM_BUDGET = 12 * 2 ** 20
 # own pipelined BlockSpec, so m copies are in flight together), not one: a 128-key block alone
 # is a small step for the chip, bound by its copy's latency.
 STEP_KEYS = 512
+# A forward step's stacked rows (its heads' query tiles) times its keys at most: the f32 logits
+# and probabilities it holds in VMEM (1 MiB each); a program of many rows reads fewer blocks.
+STEP_LOGITS = 512 * 512
 # A list entry at or above FULL names block `entry - FULL`, every (query, key) pair of which the
 # tile sees (one segment, no padding, the rule beside the choice true throughout): the kernels
 # skip its element mask, most of the elementwise work a block costs.
@@ -74,21 +78,6 @@ def _div(a: Any, b: int) -> Any:
   """a // b for a >= 0 (grid indices) without `floor_divide`, whose `sign` Mosaic lowers only
   where it knows the TPU's version (never when lowered on another host)."""
   return jax.lax.div(a, b)
-
-
-def scores(q: jax.Array, k: jax.Array, scale: float, soft_cap: float | None,
-           key_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
-  """Scaled (and soft-capped) logits [bq, bk] f32 of q [bq, D] and k [bk, D] (quantized keys'
-  codes with `key_scale` [1, bk]: each key's scale, applied to its column), and tanh of the cap
-  (for its derivative)."""
-  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                          preferred_element_type=jnp.float32) * scale  # [bq, bk]
-  if key_scale is not None:
-    s = s * key_scale
-  if soft_cap is None:
-    return s, None
-  t = jnp.tanh(s / soft_cap)
-  return soft_cap * t, t
 
 
 def _visible(spec: Spec, row: Any, block: Any, q_seg: jax.Array,
@@ -131,47 +120,18 @@ def masked(spec: Spec, entry: Any, row: Any, block: Any, q_seg: jax.Array, kv_se
     body(_visible(spec, row, block, q_seg, kv_seg))
 
 
-def init_state(m_scr: Any, l_scr: Any, acc_scr: Any) -> None:
-  """The online softmax's state in VMEM scratch, emptied: max -inf, sum 0, accumulator 0."""
-  m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
-  l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-  acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
-
-
-def online_step(g: int, s: jax.Array, v: jax.Array, m_scr: Any, l_scr: Any, acc_scr: Any,
-                value_scale: jax.Array | None = None) -> None:
-  """Head g's state (m, l [H', bq, 128], acc [H', bq, Dv]): visible logits s [bq, bk] of one
-  block and its values v [bk, Dv] (quantized values' codes with `value_scale` [1, bk]: each
-  value's scale, applied to its probability's column) folded in."""
-  m_prev = m_scr[g]  # [bq, 128]
-  m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
-  m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-  p = jnp.exp(s - m_safe[:, :1])  # [bq, bk]
-  alpha = jnp.exp(m_prev - m_safe)  # [bq, 128]
-  l_scr[g] = alpha * l_scr[g] + jnp.sum(p, axis=1, keepdims=True)
-  pv = p if value_scale is None else p * value_scale  # [bq, bk]
-  acc_scr[g] = alpha[:, :1] * acc_scr[g] + dot(pv.astype(v.dtype), v, (1, 0))  # [bq, Dv]
-  m_scr[g] = m_next
-
-
-def finish(g: int, sink: Any, m_scr: Any, l_scr: Any, acc_scr: Any, o_ref: Any,
-           lse_ref: Any) -> None:
-  """Head g's output and lse from its state, its sinks joining the denominator as one logit
-  (-inf: none); a row that sees nothing outputs 0 with lse -inf."""
-  m = m_scr[g]  # [bq, 128]
-  top = jnp.maximum(m, sink)
-  top = jnp.where(top == -jnp.inf, 0.0, top)
-  norm = l_scr[g] * jnp.exp(m - top) + jnp.exp(sink - top)  # [bq, 128]
-  seen = norm != 0  # NaN (a visible NaN) too: it must show, not read as a row seeing nothing
-  safe = jnp.where(seen, norm, 1.0)
-  out = acc_scr[g] * (jnp.exp(m - top) / safe)[:, :1]  # [bq, Dv]
-  o_ref[g] = jnp.where(seen[:, :1], out, 0.0).astype(o_ref.dtype)
-  lse_ref[g] = jnp.where(seen, top + jnp.log(safe), -jnp.inf)
+def step_blocks(block_q: int, block_kv: int, heads: int) -> int:
+  """The listed blocks a forward / dq step reads at most: about `STEP_KEYS` keys, fewer where
+  the program's `heads` * `block_q` stacked rows would pass `STEP_LOGITS`; at least one."""
+  return max(1, min(STEP_KEYS, STEP_LOGITS // (heads * block_q)) // block_kv)
 
 
 def blocks_a_step(spec: Spec, most: int) -> int:
-  """m: the listed blocks a forward / dq grid step reads (about `STEP_KEYS` keys, at most K)."""
-  return max(1, min(most, STEP_KEYS // spec.block_kv))
+  """m: the listed blocks a forward / dq grid step reads (`step_blocks`), spread evenly over
+  the steps a list of `most` (K) takes (K 9 at 4 a step: 3 steps of 3, not 4 4 1: a forward
+  step computes all its m blocks)."""
+  first = min(most, step_blocks(spec.block_q, spec.block_kv, spec.per_program))
+  return -(-most // -(-most // max(1, first)))
 
 
 def _split(m: int, refs: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -179,41 +139,64 @@ def _split(m: int, refs: tuple[Any, ...]) -> tuple[Any, ...]:
   return refs[:m], refs[m:2 * m], refs[2 * m], refs[2 * m + 1:3 * m + 1], refs[3 * m + 1:]
 
 
+def _step_logits(spec: Spec, q: jax.Array, k_ref: Any, ks_ref: Any, qs: jax.Array, row: Any,
+                 entry: Any, listed: Any, s: int, s_scr: Any) -> None:
+  """Listed block s of a forward step: the stacked rows' logits [R, bk] into its columns of
+  `s_scr` [R, m * bk], masked (-inf where unseen; every column where the list ends before s)."""
+  cols = pl.ds(s * spec.block_kv, spec.block_kv)
+  heads = q.shape[0] // spec.block_q
+
+  def fold(seen):  # seen [bq, bk] or None: every pair
+    logits, _ = softmax.scores(q, k_ref[...], spec.scale, spec.soft_cap)  # [R, bk]
+    if seen is not None:
+      logits = jnp.where(jnp.concatenate([seen] * heads, axis=0), logits, -jnp.inf)
+    s_scr[:, cols] = logits
+
+  @pl.when(listed)
+  def _():
+    masked(spec, entry, row, block_of(entry), qs, ks_ref[...], fold)
+
+  @pl.when(jnp.logical_not(listed))
+  def _():
+    s_scr[:, cols] = jnp.full((q.shape[0], spec.block_kv), -jnp.inf, jnp.float32)
+
+
 def _forward_kernel(spec: Spec, m: int, lists_ref, counts_ref, q_ref, *refs):
+  """A step: the program's heads' rows stacked ([R = n * bq, D]) against its m listed blocks'
+  keys side by side ([R, m * bk] logits in `s_scr`), one online-softmax update a step (one
+  row max and sum over m * bk keys, one rescale of the accumulator)."""
   k_refs, v_refs, qs_ref, ks_refs, rest = _split(m, refs)
-  sink_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = rest
+  sink_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, s_scr = rest
   b, p, i, j = (pl.program_id(n) for n in range(4))
   l = spec.program_heads(p)[1]  # the list head
+  count = counts_ref[b, l, i]
 
   @pl.when(j == 0)
   def _():
-    init_state(m_scr, l_scr, acc_scr)
+    softmax.init_state(m_scr, l_scr, acc_scr)
 
-  for s in range(m):  # the step's m listed blocks, in list order
-    @pl.when(j * m + s < counts_ref[b, l, i])
-    def _():
-      k, v = k_refs[s][...], v_refs[s][...]  # one copy of the block for the program's heads
-
-      def fold(seen):  # seen [bq, bk] or None: every pair
-        for g in range(spec.per_program):
-          logits, _ = scores(q_ref[g], k, spec.scale, spec.soft_cap)  # [bq, bk]
-          logits = logits if seen is None else jnp.where(seen, logits, -jnp.inf)
-          online_step(g, logits, v, m_scr, l_scr, acc_scr)
-
+  @pl.when(j * m < count)
+  def _():
+    q = q_ref[...].reshape(-1, q_ref.shape[-1])  # [R, D]
+    qs = qs_ref[...]
+    for s in range(m):  # the step's m listed blocks, in list order
       entry = _listed(lists_ref, counts_ref, b, l, i, j * m + s)
-      masked(spec, entry, i, block_of(entry), qs_ref[...], ks_refs[s][...], fold)
+      _step_logits(spec, q, k_refs[s], ks_refs[s], qs, i, entry, j * m + s < count, s, s_scr)
+    v = jnp.concatenate([v_ref[...] for v_ref in v_refs], axis=0)  # [m * bk, Dv]
+    softmax.online_step(None, s_scr[...], v, m_scr, l_scr, acc_scr)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
     for g in range(spec.per_program):  # each head's sinks as one logit
-      finish(g, sink_ref[0, p * spec.per_program + g], m_scr, l_scr, acc_scr, o_ref, lse_ref)
+      sink = sink_ref[0, p * spec.per_program + g]
+      softmax.finish(g, sink, m_scr, l_scr, acc_scr, o_ref, lse_ref)
 
 
 def probabilities(spec: Spec, q: jax.Array, k: jax.Array, lse: jax.Array,
                   seen: jax.Array | None) -> tuple[jax.Array, Any]:
   """p [bq, bk] from the saved lse (+inf for rows that see nothing: p 0) where `seen` [bq, bk]
   (None: every pair), and the cap's tanh."""
-  s, t = scores(q, k, spec.scale, spec.soft_cap)
+  s, t = softmax.scores(q, k, spec.scale, spec.soft_cap)
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)[:, :1]  # [bq, 1]
   p = jnp.exp(s - lse)  # [bq, bk]
   return (p if seen is None else jnp.where(seen, p, 0.0)), t
@@ -223,11 +206,6 @@ def d_logits(spec: Spec, p: jax.Array, t: Any, dp: jax.Array, delta: jax.Array) 
   """d(scaled logits) [bq, bk] from p, dO.V^T and delta, through the soft cap."""
   ds = p * (dp - delta[:, :1])
   return ds if t is None else ds * (1.0 - t * t)
-
-
-def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
-  return jax.lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
-                             preferred_element_type=jnp.float32)
 
 
 def _dq_kernel(spec: Spec, m: int, lists_ref, counts_ref, q_ref, *refs):
@@ -247,8 +225,9 @@ def _dq_kernel(spec: Spec, m: int, lists_ref, counts_ref, q_ref, *refs):
       def fold(seen):  # seen [bq, bk] or None: every pair
         for g in range(spec.per_program):
           prob, t = probabilities(spec, q_ref[g], k, lse_ref[g], seen)
-          ds = d_logits(spec, prob, t, dot(do_ref[g], v, (1, 1)), delta_ref[g])  # [bq, bk]
-          dq_scr[g] += dot(ds.astype(k.dtype), k, (1, 0))  # [bq, D]
+          dp = softmax.dot(do_ref[g], v, (1, 1))  # [bq, bk]
+          ds = d_logits(spec, prob, t, dp, delta_ref[g])  # [bq, bk]
+          dq_scr[g] += softmax.dot(ds.astype(k.dtype), k, (1, 0))  # [bq, D]
 
       entry = _listed(lists_ref, counts_ref, b, l, i, j * m + s)
       masked(spec, entry, i, block_of(entry), qs_ref[...], ks_refs[s][...], fold)
@@ -318,7 +297,8 @@ def forward(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: ja
   out_shape = [jax.ShapeDtypeStruct((batch, heads // n, n, t_pad, dv), q.dtype),
                jax.ShapeDtypeStruct((batch, heads // n, n, t_pad, LANES), jnp.float32)]
   scratch = [pltpu.VMEM((n, bq, LANES), jnp.float32), pltpu.VMEM((n, bq, LANES), jnp.float32),
-             pltpu.VMEM((n, bq, dv), jnp.float32)]
+             pltpu.VMEM((n, bq, dv), jnp.float32),
+             pltpu.VMEM((n * bq, m * spec.block_kv), jnp.float32)]
   grid = (batch, heads // n, t_pad // bq, -(-lists.shape[-1] // m))
   out, lse = _call(functools.partial(_forward_kernel, spec, m), grid, in_specs, out_specs,
                    out_shape, scratch, spec.interpret, lists, counts, programs(spec, q),

@@ -6,9 +6,9 @@ block of about 512 keys, whatever the page size): the kernel copies the run's pa
 pool in HBM into a VMEM block itself, each page's slab [Hb, page, D] whole where it lands (one
 contiguous copy a page, only the entries the list holds; a kv head's E keys are its n page tiles
 in order: measured 13% faster than copies cut per kv head at pages of 64), and starts the next
-working step's copies before it computes on the current ones (two buffers: a step's compute
-hides the next step's reads; the grid runs in order). The lists sit in scalar prefetch with,
-for each (tile, list head), the next one that has work.
+working step's copies before it waits for the current ones (two buffers, two blocks in
+flight: a step's wait and compute hide the next step's reads; the grid runs in order). The
+lists sit in scalar prefetch with, for each (tile, list head), the next one that has work.
 
 A program is one tile of `block_q` rows of one sequence for every query head of the block's kv
 heads, a kv head's G query heads stacked as G * bq rows of one product. A page-table row serves
@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from splash_hk.backends import base
 from splash_hk.backends.tpu import list_kernel as tpu_lists
+from splash_hk.backends.tpu import softmax
 from splash_hk.backends.tpu import paged_copies
 from splash_hk.backends.tpu import plan as splash_plan
 from splash_hk.masks import _objects
@@ -166,10 +167,10 @@ def _compute(spec: Spec, seen: jax.Array, q_ref, scale_ref, kbuf, vbuf, slot, m_
     as_ = q.dtype if spec.quantized else kbuf.dtype  # a pool's codes in q's dtype
     k, v = _head_block(spec, kbuf, slot, hk, as_), _head_block(spec, vbuf, slot, hk, as_)
     k_scale, v_scale = _scales(spec, scale_ref, hk)  # [1, E] each, or None
-    s, _ = tpu_lists.scores(q, k, spec.scale, spec.soft_cap, k_scale)  # [R, E]
+    s, _ = softmax.scores(q, k, spec.scale, spec.soft_cap, k_scale)  # [R, E]
     s = jnp.where(seen, s, -jnp.inf)
     if not guard:
-      tpu_lists.online_step(hk, s, v, m_scr, l_scr, acc_scr, v_scale)
+      softmax.online_step(hk, s, v, m_scr, l_scr, acc_scr, v_scale)
       continue
     poison: Any = 0.0  # [R, Dv] NaN where a row sees a non-finite value
     if not spec.quantized:  # int8 codes (`paged.QUANTIZED_STORAGE`) are finite
@@ -179,7 +180,7 @@ def _compute(spec: Spec, seen: jax.Array, q_ref, scale_ref, kbuf, vbuf, slot, m_
     if v_scale is not None:
       poison = poison + _poison_rows(seen, v_scale, v.shape[-1])
       v_scale = jnp.where(jnp.isfinite(v_scale), v_scale, 0.0)
-    tpu_lists.online_step(hk, s, v, m_scr, l_scr, acc_scr, v_scale)
+    softmax.online_step(hk, s, v, m_scr, l_scr, acc_scr, v_scale)
     acc_scr[hk] = acc_scr[hk] + poison
 
 
@@ -217,17 +218,19 @@ def _kernel(spec: Spec, seq_ref, len_ref, low_ref, blocks_ref, first_ref, count_
 
   @pl.when(j == 0)
   def _():
-    tpu_lists.init_state(m_scr, l_scr, acc_scr)
+    softmax.init_state(m_scr, l_scr, acc_scr)
 
   @pl.when(j < blocks(t, h))
   def _():
     slot = slot_ref[0]
-    paged_copies.wait(copies(t, h, j, slot), (kbuf, vbuf), sems, slot)
     after = t * spec.list_heads + h + 1  # the next (tile, list head) with work
     more = j + 1 < blocks(t, h)
+    # The next block's copies start before this block's are waited for (into the other
+    # buffer, whose block the last step computed on): two blocks in flight, no idle gap.
     pl.when(more)(lambda: paged_copies.start(copies(t, h, j + 1, 1 - slot)))
     pl.when(~more & (next_t_ref[after] >= 0))(lambda: paged_copies.start(copies(
         jnp.maximum(next_t_ref[after], 0), jnp.maximum(next_h_ref[after], 0), 0, 1 - slot)))
+    paged_copies.wait(copies(t, h, j, slot), (kbuf, vbuf), sems, slot)
     slot_ref[0] = 1 - slot
     rows = (spec.groups * spec.block_q, spec.block_keys)
     kv_pos = jnp.broadcast_to(_key_positions(spec, first_ref, at, count, j)[:1], rows)
@@ -247,7 +250,7 @@ def _kernel(spec: Spec, seq_ref, len_ref, low_ref, blocks_ref, first_ref, count_
   @pl.when(j == pl.num_programs(2) - 1)
   def _():
     for hk in range(spec.block_heads):
-      tpu_lists.finish(hk, sink_ref[hk], m_scr, l_scr, acc_scr, o_ref, lse_ref)
+      softmax.finish(hk, sink_ref[hk], m_scr, l_scr, acc_scr, o_ref, lse_ref)
 
 
 def _blocks(spec: Spec, seq_ref: Any, len_ref: Any, count_ref: Any, t: Any, h: Any) -> Any:
