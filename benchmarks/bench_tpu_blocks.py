@@ -2,7 +2,7 @@
 in for, in one run, on the chip.
 
   python -m benchmarks.bench_tpu_blocks --out=DIR [--rows=own8_128_16k,...] [--repeats=5]
-                                        [--smoke]
+                                        [--smoke] [--profile]
 
 Rows (bf16, B1 Hq16 Hkv4 D128, causal): each query block's own block and the top_k others of
 `sh.sparse.top_k_blocks` (MoBA's gate, one choice per GQA group; computed once, passed in, its
@@ -93,9 +93,21 @@ def timings(call: Callable[..., jax.Array], args: tuple[jax.Array, ...], cot: ja
   return median(jax.jit(call)), median(both)
 
 
-def run_row(name: str, row: Row, repeats: int, peak: float, interpret: bool) -> dict[str, Any]:
+def profile(call: Callable[..., jax.Array], args: tuple[jax.Array, ...], cot: jax.Array,
+            repeats: int) -> dict[str, dict[str, float]]:
+  """The chosen call's device operations by time (microseconds a call), forward and
+  forward+backward (`timing.top_ops`): the kernels against the XLA around them."""
+  loss = lambda *a: jnp.sum(call(*a).astype(jnp.float32) * cot.astype(jnp.float32))
+  fns = {"forward": jax.jit(call), "forward+backward": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
+  return {what: timing.top_ops(lambda fn=fn: fn(*args), repeats, top=12)
+          for what, fn in fns.items()}
+
+
+def run_row(name: str, row: Row, repeats: int, peak: float, interpret: bool,
+            with_profile: bool = False) -> dict[str, Any]:
   """A row's figures: causal and chosen times, causal over chosen, the work saved and the
-  chosen work's fraction of the peak; a choice the kernel does not serve, its reason."""
+  chosen work's fraction of the peak (with `with_profile`, the chosen call's operations); a
+  choice the kernel does not serve, its reason."""
   q, k, v, cot = inputs(row)
   gate = jax.jit(lambda q, k: sh.sparse.top_k_blocks(q, k, row.top_k, row.block))
   gate_seconds, choice = timing.timed_call(gate, q, k)
@@ -113,6 +125,8 @@ def run_row(name: str, row: Row, repeats: int, peak: float, interpret: bool) -> 
   causal_keys = row.heads * row.length * (row.length + 1) / 2
   work = 4.0 * row.dim * held  # the listed blocks' whole products, forward
   ours, theirs = timings(chosen, args, cot, repeats), timings(causal, args, cot, repeats)
+  if with_profile:
+    result["ops_us"] = profile(chosen, args, cot, repeats)
   return {**result, "chosen_ms": [round(t * 1e3, 3) for t in ours],
           "causal_ms": [round(t * 1e3, 3) for t in theirs],
           "causal_over_chosen": [round(c / o, 3) for c, o in zip(theirs, ours)],
@@ -148,7 +162,7 @@ def main(argv: list[str]) -> None:
   if unknown:
     raise app.UsageError(f"unknown rows: {unknown}; rows are {list(ROWS)}")
   peak = timing.matmul_peak(f.repeats, 1024 if f.smoke else 8192)
-  results = [run_row(name, rows[name], f.repeats, peak, f.smoke) for name in f.rows
+  results = [run_row(name, rows[name], f.repeats, peak, f.smoke, f.profile) for name in f.rows
              if name in rows]
   text = report(results, peak)
   print(text)
@@ -162,4 +176,6 @@ if __name__ == "__main__":
   flags.DEFINE_integer("repeats", 5, "Timed calls per figure (the median is kept).")
   flags.DEFINE_string("out", None, "A folder for bench_tpu_blocks.json (None: print only).")
   flags.DEFINE_bool("smoke", False, "Tiny rows in interpret mode (a CPU check).")
+  flags.DEFINE_bool("profile", False, "Also trace the chosen call (forward, forward+backward) "
+                    "and keep its device operations' times (ops_us in the json).")
   app.run(main)

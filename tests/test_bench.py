@@ -312,8 +312,10 @@ def test_tpu_blocks_bench_holds_the_choice_against_causal_and_names_what_it_does
   choices (query blocks of 1 row) skipped with the kernel's reason."""
   from benchmarks import bench_tpu_blocks
   rows = bench_tpu_blocks.SMOKE_ROWS
-  own = bench_tpu_blocks.run_row("own8_128_16k", rows["own8_128_16k"], 1, 1e12, True)
+  own = bench_tpu_blocks.run_row("own8_128_16k", rows["own8_128_16k"], 1, 1e12, True,
+                                 with_profile=True)
   assert own["decision"].startswith("splash") and "block-list" in own["decision"], own
+  assert own["ops_us"] == {"forward": {}, "forward+backward": {}}, own  # a CPU: no chip ops
   assert all(x > 0 for x in own["causal_over_chosen"] + own["chosen_ms"]), own
   # 3 query tiles of 128 over 3 key blocks: own + 1 holds 1, 2, 2 blocks of the 6 causal
   # reads (in keys: 384 * 385 / 2 per head against 5 * 128 * 128)

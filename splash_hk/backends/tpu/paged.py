@@ -54,7 +54,7 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
             f"{' or '.join(QUANTIZED_STORAGE)}: fp8 codes run on xla)")
   if facts.quantized and facts.page_size % CODE_ROWS:
     return (f"int8 pages of {facts.page_size} slots are not whole VMEM tiles of one-byte codes "
-            f"({CODE_ROWS} rows): the paged kernel would read one page a grid step; pages of a "
+            f"({CODE_ROWS} rows): the paged kernel would read one page a step; pages of a "
             f"multiple of {CODE_ROWS} slots run on it")
   if facts.cascade:
     return "the batch has a shared prefix (a cascade), which the paged block-list kernel lacks"
@@ -73,7 +73,7 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
 
 
 def _pages_per_block(facts: pages.PagedFacts, itemsize: int, entries: int | None = None) -> int:
-  """Pages the kernel reads a grid step (`paged_kernel.pages_per_block`)."""
+  """Pages the kernel reads a step (`paged_kernel.pages_per_block`)."""
   return tpu_paged.pages_per_block(facts.page_size, entries or facts.pages_per_seq,
                                    facts.num_kv_heads, facts.head_dim, facts.value_dim,
                                    itemsize, facts.num_heads // facts.num_kv_heads * block_q(facts))

@@ -1,14 +1,16 @@
 """The block-list kernel over a paged pool (Pallas TPU): a paged step's rows against their pages.
 
 A step's lists of pages (`splash_hk.lists`: each sequence's page-table row, or the pages a
-selection chose for each kv head) are read a run of `pages_per_block` entries a grid step (a
+selection chose for each kv head) are read a run of `pages_per_block` entries a loop step (a
 block of about 512 keys, whatever the page size): the kernel copies the run's pages from the
 pool in HBM into a VMEM block itself, each page's slab [Hb, page, D] whole where it lands (one
 contiguous copy a page, only the entries the list holds; a kv head's E keys are its n page tiles
 in order: measured 13% faster than copies cut per kv head at pages of 64), and starts the next
-working step's copies before it waits for the current ones (two buffers, two blocks in
-flight: a step's wait and compute hide the next step's reads; the grid runs in order). The
-lists sit in scalar prefetch with, for each (tile, list head), the next one that has work.
+block's copies before it waits for the current ones (two buffers, two blocks in flight: a
+step's wait and compute hide the next step's reads). The grid is (tile, list head), in order;
+a program loops over its list's blocks (as many as the list holds: no grid step for a block
+past a short list), and its last block starts the first copies of the next (tile, list head)
+with work: the lists sit in scalar prefetch with, for each, the next one that has work.
 
 A program is one tile of `block_q` rows of one sequence for every query head of the block's kv
 heads, a kv head's G query heads stacked as G * bq rows of one product. A page-table row serves
@@ -18,9 +20,9 @@ its block holds that head's keys only. Online softmax in VMEM scratch per kv hea
 sequence's length or past the list are invisible and their non-finite values zeroed (free slots
 may hold anything); a visible non-finite value shows as NaN in its column of the rows that see
 it. The new tokens are written into the pool before this kernel runs. An int8 pool's codes are
-copied as bytes and turned into the query's dtype in VMEM; their per-key scales come as one
-block a step beside them (`paged.block_scales`), the key scale on the logits' columns, the
-value scale on the probabilities'.
+copied as bytes and turned into the query's dtype in VMEM; their per-key scales are copied as
+one block beside them (`paged.block_scales`), the key scale on the logits' columns, the value
+scale on the probabilities'.
 
 Glossary: W tiles (static bound), Hq query heads, Hkv kv heads (G = Hq // Hkv), Hl list heads
 (1: a page table; Hkv: a selection), Hb = Hkv // Hl kv heads a block, R = G * bq rows a kv head,
@@ -48,7 +50,7 @@ from splash_hk.masks import _objects
 from splash_hk.masks._mask import Mask
 
 LANES, SUBLANES = tpu_lists.LANES, tpu_lists.SUBLANES
-BLOCK_KEYS = 512  # keys a grid step reads (a run of pages): the most a step's copies hide
+BLOCK_KEYS = 512  # keys a loop step reads (a run of pages): the most a step's copies hide
 BUFFER_BUDGET = 4 * 2 ** 20  # VMEM for the two key and value blocks
 SCORES_BUDGET = 2 * 2 ** 20  # VMEM for a kv head's logits and probabilities (f32 [R, E] each)
 NO_STEP = 2 ** 30  # a key position no length reaches (an entry past its list)
@@ -95,7 +97,7 @@ def tile_rows(itemsize: int) -> int:
 
 def pages_per_block(page_size: int, entries: int, kv_heads: int, head_dim: int, value_dim: int,
                     itemsize: int, rows: int) -> int:
-  """Pages a grid step reads: a run of about `BLOCK_KEYS` keys whose two buffers fit
+  """Pages a loop step reads: a run of about `BLOCK_KEYS` keys whose two buffers fit
   `BUFFER_BUDGET` and whose logits for `rows` (R) fit `SCORES_BUDGET`; one where a page is not
   a whole number of VMEM tiles (rows of 8 32-bit words: 16 bf16, 32 int8), which a copy
   cannot start inside."""
@@ -140,11 +142,12 @@ def _head_block(spec: Spec, buf: Any, slot: Any, hk: int, dtype: Any) -> jax.Arr
   return block.reshape(spec.block_keys, block.shape[-1]).astype(dtype)
 
 
-def _scales(spec: Spec, scale_ref: Any, hk: int) -> tuple[Any, Any]:
-  """kv head hk's key and value scales [1, E] f32 of the block (a quantized pool), or Nones."""
-  if scale_ref is None:
+def _scales(spec: Spec, scales: Any, hk: int) -> tuple[Any, Any]:
+  """kv head hk's key and value scales [1, E] f32 of the block's `scales` [2 Hb, E] (a
+  quantized pool), or Nones."""
+  if scales is None:
     return None, None
-  return scale_ref[hk:hk + 1, :], scale_ref[spec.block_heads + hk:spec.block_heads + hk + 1, :]
+  return scales[hk:hk + 1, :], scales[spec.block_heads + hk:spec.block_heads + hk + 1, :]
 
 
 def _poison_rows(seen: jax.Array, value_scale: jax.Array, dv: int) -> jax.Array:
@@ -155,7 +158,7 @@ def _poison_rows(seen: jax.Array, value_scale: jax.Array, dv: int) -> jax.Array:
   return jnp.broadcast_to(jnp.where(hits > 0, jnp.nan, 0.0), (seen.shape[0], dv))
 
 
-def _compute(spec: Spec, seen: jax.Array, q_ref, scale_ref, kbuf, vbuf, slot, m_scr, l_scr,
+def _compute(spec: Spec, seen: jax.Array, q_ref, scales, kbuf, vbuf, slot, m_scr, l_scr,
              acc_scr, guard: bool = True):
   """Every kv head of the block folded into its rows' online softmax. With `guard`, a
   non-finite value (or value scale) is zeroed (0 * NaN must not reach the rows that do not see
@@ -166,7 +169,7 @@ def _compute(spec: Spec, seen: jax.Array, q_ref, scale_ref, kbuf, vbuf, slot, m_
     q = q_ref[hk]  # [R, D]
     as_ = q.dtype if spec.quantized else kbuf.dtype  # a pool's codes in q's dtype
     k, v = _head_block(spec, kbuf, slot, hk, as_), _head_block(spec, vbuf, slot, hk, as_)
-    k_scale, v_scale = _scales(spec, scale_ref, hk)  # [1, E] each, or None
+    k_scale, v_scale = _scales(spec, scales, hk)  # [1, E] each, or None
     s, _ = softmax.scores(q, k, spec.scale, spec.soft_cap, k_scale)  # [R, E]
     s = jnp.where(seen, s, -jnp.inf)
     if not guard:
@@ -200,57 +203,66 @@ def _whole(spec: Spec, count: Any, length: Any, low: Any, j: Any) -> Any:
 
 def _kernel(spec: Spec, seq_ref, len_ref, low_ref, blocks_ref, first_ref, count_ref, next_t_ref,
             next_h_ref, q_ref, pos_ref, sink_ref, key_hbm, value_hbm, *rest):
-  scale_ref, rest = (rest[0], rest[1:]) if spec.quantized else (None, rest)
-  o_ref, lse_ref, kbuf, vbuf, sems, slot_ref, m_scr, l_scr, acc_scr = rest
-  t, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  refs = (seq_ref, blocks_ref, count_ref, key_hbm, value_hbm, kbuf, vbuf, sems)
+  """A program: tile t's rows against list head h's blocks, a loop over them (no grid step
+  for a block past the list: lists of one step differ in length)."""
+  scale_hbm, rest = (rest[0], rest[1:]) if spec.quantized else (None, rest)
+  o_ref, lse_ref, kbuf, vbuf, *sbuf, sems, slot_ref, m_scr, l_scr, acc_scr = rest
+  t, h = pl.program_id(0), pl.program_id(1)
+  refs = paged_copies.Refs(seq_ref, blocks_ref, count_ref, key_hbm, value_hbm, kbuf, vbuf, sems,
+                           scale_hbm, sbuf[0] if sbuf else None)
   copies = lambda tt, hh, jj, to: paged_copies.block_copies(spec, refs, tt, hh, jj, to)
-  length = len_ref[t]
-  at = seq_ref[t] * spec.list_heads + h
-  count = count_ref[at]
-  blocks = lambda tt, hh: _blocks(spec, seq_ref, len_ref, count_ref, tt, hh)
 
-  @pl.when((t == 0) & (h == 0) & (j == 0))
+  @pl.when((t == 0) & (h == 0))
   def _():  # the first working step's copies
     slot_ref[0] = 0
     pl.when(next_t_ref[0] >= 0)(lambda: paged_copies.start(copies(
         jnp.maximum(next_t_ref[0], 0), jnp.maximum(next_h_ref[0], 0), 0, 0)))
 
-  @pl.when(j == 0)
-  def _():
-    softmax.init_state(m_scr, l_scr, acc_scr)
+  softmax.init_state(m_scr, l_scr, acc_scr)
+  blocks = _blocks(spec, seq_ref, len_ref, count_ref, t, h)
+  after = t * spec.list_heads + h + 1  # the next (tile, list head) with work
 
-  @pl.when(j < blocks(t, h))
-  def _():
+  def step(j, carry):
     slot = slot_ref[0]
-    after = t * spec.list_heads + h + 1  # the next (tile, list head) with work
-    more = j + 1 < blocks(t, h)
+    more = j + 1 < blocks
     # The next block's copies start before this block's are waited for (into the other
     # buffer, whose block the last step computed on): two blocks in flight, no idle gap.
     pl.when(more)(lambda: paged_copies.start(copies(t, h, j + 1, 1 - slot)))
     pl.when(~more & (next_t_ref[after] >= 0))(lambda: paged_copies.start(copies(
         jnp.maximum(next_t_ref[after], 0), jnp.maximum(next_h_ref[after], 0), 0, 1 - slot)))
-    paged_copies.wait(copies(t, h, j, slot), (kbuf, vbuf), sems, slot)
+    paged_copies.wait(copies(t, h, j, slot), refs, slot)
     slot_ref[0] = 1 - slot
-    rows = (spec.groups * spec.block_q, spec.block_keys)
-    kv_pos = jnp.broadcast_to(_key_positions(spec, first_ref, at, count, j)[:1], rows)
-    q_pos = jnp.broadcast_to(pos_ref[...][:, :1], rows)  # [R, E]
-    seen = (kv_pos < length) & (q_pos >= 0)  # [R, E]; q_pos -1: not a row
-    if spec.rule is not None:
-      seen = seen & spec.rule.visible(q_pos, kv_pos)
-    compute = functools.partial(_compute, spec, seen, q_ref, scale_ref, kbuf, vbuf, slot, m_scr,
-                                l_scr, acc_scr)
-    whole = _whole(spec, count, length, low_ref[t], j)
-    if whole is None:
-      compute()
-    else:
-      pl.when(whole)(lambda: compute(guard=False))
-      pl.when(~whole)(compute)
+    _block(spec, (seq_ref, len_ref, low_ref, first_ref, count_ref), (q_ref, pos_ref),
+           (kbuf, vbuf, sbuf[0] if sbuf else None), (m_scr, l_scr, acc_scr), t, h, j, slot)
+    return carry
 
-  @pl.when(j == pl.num_programs(2) - 1)
-  def _():
-    for hk in range(spec.block_heads):
-      softmax.finish(hk, sink_ref[hk], m_scr, l_scr, acc_scr, o_ref, lse_ref)
+  jax.lax.fori_loop(0, blocks, step, 0)
+  for hk in range(spec.block_heads):
+    softmax.finish(hk, sink_ref[hk], m_scr, l_scr, acc_scr, o_ref, lse_ref)
+
+
+def _block(spec: Spec, lists: tuple[Any, ...], rows: tuple[Any, Any], bufs: tuple[Any, ...],
+           state: tuple[Any, Any, Any], t: Any, h: Any, j: Any, slot: Any) -> None:
+  """Block j of (tile t, list head h), its copies in buffer `slot`, folded into the state."""
+  seq_ref, len_ref, low_ref, first_ref, count_ref = lists
+  q_ref, pos_ref = rows
+  kbuf, vbuf, sbuf = bufs
+  length, at = len_ref[t], seq_ref[t] * spec.list_heads + h
+  count = count_ref[at]
+  shape = (spec.groups * spec.block_q, spec.block_keys)
+  kv_pos = jnp.broadcast_to(_key_positions(spec, first_ref, at, count, j)[:1], shape)
+  q_pos = jnp.broadcast_to(pos_ref[...][:, :1], shape)  # [R, E]
+  seen = (kv_pos < length) & (q_pos >= 0)  # [R, E]; q_pos -1: not a row
+  if spec.rule is not None:
+    seen = seen & spec.rule.visible(q_pos, kv_pos)
+  scales = None if sbuf is None else sbuf[slot]  # [2 Hb, E]
+  compute = functools.partial(_compute, spec, seen, q_ref, scales, kbuf, vbuf, slot, *state)
+  whole = _whole(spec, count, length, low_ref[t], j)
+  if whole is None:
+    compute()
+  else:
+    pl.when(whole)(lambda: compute(guard=False))
+    pl.when(~whole)(compute)
 
 
 def _blocks(spec: Spec, seq_ref: Any, len_ref: Any, count_ref: Any, t: Any, h: Any) -> Any:
@@ -263,7 +275,7 @@ def _blocks(spec: Spec, seq_ref: Any, len_ref: Any, count_ref: Any, t: Any, h: A
 
 def vmem_bytes(block_q: int, keys: int, heads: int, kv_heads: int, head_dim: int,
                value_dim: int, itemsize: int) -> int:
-  """The kernel's VMEM per grid step, estimated (q and outputs double-buffered, the two key
+  """The kernel's VMEM per loop step, estimated (q and outputs double-buffered, the two key
   and value blocks of `keys` keys, scratch, scores)."""
   rows = heads * block_q
   blocks = 2 * itemsize * rows * (head_dim + value_dim)
@@ -287,15 +299,6 @@ def next_working(tile_seq: jax.Array, tile_len: jax.Array, count: jax.Array,
           jnp.where(following < 0, -1, following % list_heads))
 
 
-def _scale_spec(spec: Spec) -> Any:
-  """The BlockSpec of `block_scales`: (tile t, list head h)'s block j (past its list: its last
-  one, so no new copy)."""
-  def index(t, h, j, seq_ref, len_ref, low_ref, blocks_ref, first_ref, count_ref, *_):
-    last = jnp.maximum(_blocks(spec, seq_ref, len_ref, count_ref, t, h) - 1, 0)
-    return seq_ref[t], h, jnp.minimum(j, last), 0, 0
-  return pl.BlockSpec((None, None, None, 2 * spec.block_heads, spec.block_keys), index)
-
-
 def attend(spec: Spec, tile_seq: jax.Array, tile_len: jax.Array, tile_low: jax.Array,
            blocks: jax.Array, first_key: jax.Array, count: jax.Array, q: jax.Array,
            pos: jax.Array, key: jax.Array, value: jax.Array, sinks: jax.Array,
@@ -314,21 +317,22 @@ def attend(spec: Spec, tile_seq: jax.Array, tile_len: jax.Array, tile_low: jax.A
               pl.BlockSpec((None, rows, LANES), lambda t, *_: (t, 0, 0)),
               pl.BlockSpec((hb, rows, LANES), lambda t, h, *_: (h, 0, 0)),
               pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
-  in_specs += [_scale_spec(spec)] if spec.quantized else []
+  in_specs += [pl.BlockSpec(memory_space=pl.ANY)] if spec.quantized else []
   out_specs = [pl.BlockSpec((None, hb, rows, dv), tile),
                pl.BlockSpec((None, hb, rows, LANES), tile)]
   out_shape = [jax.ShapeDtypeStruct((tiles, kv_heads, rows, dv), q.dtype),
                jax.ShapeDtypeStruct((tiles, kv_heads, rows, LANES), jnp.float32)]
   buffers = lambda x: (2, spec.pages_per_block, hb, spec.page_size, x)  # a page a copy
+  scales_buf = [pltpu.VMEM((2, 2 * hb, spec.block_keys), jnp.float32)] if spec.quantized else []
   scratch = [pltpu.VMEM(buffers(d), key.dtype), pltpu.VMEM(buffers(dv), value.dtype),
-             pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32),
+             *scales_buf, pltpu.SemaphoreType.DMA((2, 3)), pltpu.SMEM((1,), jnp.int32),
              pltpu.VMEM((hb, rows, LANES), jnp.float32),
              pltpu.VMEM((hb, rows, LANES), jnp.float32), pltpu.VMEM((hb, rows, dv), jnp.float32)]
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=8, grid=(tiles, spec.list_heads, spec.blocks), in_specs=in_specs,
+      num_scalar_prefetch=8, grid=(tiles, spec.list_heads), in_specs=in_specs,
       out_specs=out_specs, scratch_shapes=scratch)
   # In order: a step starts the next working step's copies.
-  params = pltpu.CompilerParams(dimension_semantics=("arbitrary",) * 3)
+  params = pltpu.CompilerParams(dimension_semantics=("arbitrary",) * 2)
   flat = lambda a: a.astype(jnp.int32).reshape(-1)
   next_t, next_h = next_working(tile_seq, tile_len, count, spec.list_heads)
   with base.kernel_precision(q.dtype):
