@@ -31,7 +31,7 @@ def block_keys(keys: int | None) -> Iterator[None]:
     yield
     return
   saved = tpu_paged.BLOCK_KEYS, tpu_paged.BUFFER_BUDGET
-  tpu_paged.BLOCK_KEYS, tpu_paged.BUFFER_BUDGET = keys, saved[1] * max(1, keys // saved[0])
+  tpu_paged.BLOCK_KEYS, tpu_paged.BUFFER_BUDGET = keys, saved[1] * keys // saved[0]
   try:
     yield
   finally:

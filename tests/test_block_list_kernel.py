@@ -14,10 +14,12 @@ import harness
 import oracle
 import paged_cases
 import splash_hk as sh
+from splash_hk import pages
 from splash_hk.backends.tpu import backend as splash_tpu
 from splash_hk.backends.tpu import list_dkv
 from splash_hk.backends.tpu import list_kernel as tpu_lists
 from splash_hk.backends.tpu import lists as splash_lists
+from splash_hk.backends.tpu import paged as splash_paged
 from splash_hk.backends.tpu import paged_kernel as tpu_paged
 from cases import LIST_CASES, blocks_case, check_moba, list_attention, list_case, random_choice
 
@@ -273,19 +275,34 @@ def test_a_new_nan_value_shows_only_in_the_rows_that_see_it(platform, new_rows):
                                                allow_fallback=False), new_rows)
 
 
+def test_a_paged_step_reads_fewer_pages_where_its_vmem_would_pass_the_budget():
+  """f32 prefill tiles of 128 rows for 8 query heads over pages of 64: the buffers' budget
+  allows 8 pages a step (512 keys), the tiles beside them leave room for 5 (11.8 MiB of the
+  kernel's 12; 6 would take 12.9); the call is still served."""
+  facts = pages.PagedFacts(config=sh.AttentionConfig(), query_shape=(2048, 8, 128),
+                           cache_shape=(64, 8, 64, 128), value_dim=128, max_seqs=1,
+                           pages_per_seq=32)
+  assert tpu_paged.pages_per_block(64, 32, 8, 128, 128, 4, 128) == 8
+  n = splash_paged.pages_a_step(facts, 4)
+  assert n == 5
+  assert splash_paged.step_vmem_bytes(facts, n, 4) <= tpu_lists.VMEM_BUDGET
+  assert splash_paged.step_vmem_bytes(facts, n + 1, 4) > tpu_lists.VMEM_BUDGET
+  assert splash_paged.why_not(facts, "tpu") is None
+
+
 @pytest.mark.parametrize("chosen,window,in_order", [
     (False, paged_cases.RUNS_WINDOW, False), (True, paged_cases.RUNS_WINDOW, False),
     (False, None, False), (False, paged_cases.RUNS_WINDOW, True), (False, None, True)],
                          ids=["table", "selection", "table_causal", "in_order",
                               "in_order_causal"])
 def test_runs_of_pages_a_step_match_the_oracle_at_real_lengths(chosen, window, in_order):
-  """Pages of 32 (f32): the kernel reads 16 pages (512 keys) a grid step; histories of 700-1100
-  tokens need several steps with a partial last one, the rows a window across steps, the free
-  slots NaN. With a selection each kv head reads its own random pages (any order); causal with
-  no window, the blocks every row sees whole run without the values' guard; pages handed out in
-  order, a block of consecutive pages is one copy a buffer."""
+  """Pages of 32 (f32): the kernel reads 32 pages (1024 keys) a step; a history of 1100 tokens
+  needs two steps with a partial last one (700: one partial), the rows a window across them,
+  the free slots NaN. With a selection each kv head reads its own random pages (any order);
+  causal with no window, the blocks every row sees whole run without the values' guard; pages
+  handed out in order, a block of consecutive pages is one copy a buffer."""
   assert tpu_paged.pages_per_block(32, 40, paged_cases.HKV, paged_cases.D, paged_cases.D, 4,
-                                   32) == 16
+                                   32) == 32
   step, batch, want = paged_cases.runs_of_pages(chosen, page=32, kv_lens=(700, 0, 1100, 37),
                                                 window=window, in_order=in_order)
   config = sh.AttentionConfig(platform="splash", interpret=True, allow_fallback=False,

@@ -62,9 +62,7 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
     return "the batch has draft trees (RaggedBatch.tree), which the paged block-list kernel lacks"
   if facts.config.dropout_rate > 0:
     return base.DROPOUT_REFUSAL
-  need = tpu_paged.vmem_bytes(block_q(facts), _pages_per_block(facts, 4) * facts.page_size,
-                              facts.num_heads, facts.num_kv_heads, facts.head_dim,
-                              facts.value_dim, 4)
+  need = step_vmem_bytes(facts, pages_a_step(facts, 4), 4)
   if need > tpu_lists.VMEM_BUDGET:
     return (f"{facts.num_heads} query heads over pages of {facts.page_size} need about "
             f"{need / 2 ** 20:.1f} MiB of VMEM per step, over the kernel's "
@@ -72,11 +70,21 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
   return None
 
 
-def _pages_per_block(facts: pages.PagedFacts, itemsize: int, entries: int | None = None) -> int:
-  """Pages the kernel reads a step (`paged_kernel.pages_per_block`)."""
-  return tpu_paged.pages_per_block(facts.page_size, entries or facts.pages_per_seq,
+def step_vmem_bytes(facts: pages.PagedFacts, count: int, itemsize: int) -> int:
+  """The kernel's VMEM a step of `count` pages, estimated (`paged_kernel.vmem_bytes`)."""
+  return tpu_paged.vmem_bytes(block_q(facts), count * facts.page_size, facts.num_heads,
+                              facts.num_kv_heads, facts.head_dim, facts.value_dim, itemsize)
+
+
+def pages_a_step(facts: pages.PagedFacts, itemsize: int, entries: int | None = None) -> int:
+  """Pages the kernel reads a step (`paged_kernel.pages_per_block`), fewer where the step's
+  VMEM would pass the kernel's budget (wide tiles beside long runs); at least one."""
+  most = tpu_paged.pages_per_block(facts.page_size, entries or facts.pages_per_seq,
                                    facts.num_kv_heads, facts.head_dim, facts.value_dim,
                                    itemsize, facts.num_heads // facts.num_kv_heads * block_q(facts))
+  fits = [n for n in range(most, 1, -1)
+          if step_vmem_bytes(facts, n, itemsize) <= tpu_lists.VMEM_BUDGET]
+  return fits[0] if fits else 1
 
 
 def most_tiles(num_tokens: int, max_seqs: int, bq: int) -> int:
@@ -149,7 +157,7 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, ja
   spec = tpu_paged.Spec(bq, facts.page_size, facts.num_pages, kv_heads, groups,
                         lists.list_heads, entries, facts.scale, facts.config.logits_soft_cap,
                         facts.rule, facts.config.interpret,
-                        _pages_per_block(facts, key.dtype.itemsize, entries),
+                        pages_a_step(facts, key.dtype.itemsize, entries),
                         lists.positional, quantized)
   scales = block_scales(spec, lists.blocks, key_scale, value_scale) if quantized else None
   stacked = (kv_heads, groups * bq)  # a kv head's query heads as rows of one product
