@@ -81,26 +81,29 @@ def calls(row: Row, interpret: bool) -> tuple[Callable[..., jax.Array], ...]:
   return causal, chosen
 
 
+def programs(call: Callable[..., jax.Array],
+             cot: jax.Array) -> dict[str, Callable[..., Any]]:
+  """`call` jitted, forward and forward+backward (the gradient of q, k and v against `cot`)."""
+  loss = lambda *a: jnp.sum(call(*a).astype(jnp.float32) * cot.astype(jnp.float32))
+  return {"forward": jax.jit(call), "forward+backward": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
+
+
 def timings(call: Callable[..., jax.Array], args: tuple[jax.Array, ...], cot: jax.Array,
             repeats: int) -> tuple[float, float]:
   """(forward, forward+backward) seconds of `call`, medians of `repeats` timed calls, each after
   an untimed one."""
-  loss = lambda q, k, v, *rest: jnp.sum(call(q, k, v, *rest).astype(jnp.float32)
-                                        * cot.astype(jnp.float32))
-  both = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   median = lambda fn: float(np.median([timing.timed_call(fn, *args)[0]
                                        for _ in range(repeats)]))
-  return median(jax.jit(call)), median(both)
+  forward, both = programs(call, cot).values()
+  return median(forward), median(both)
 
 
 def profile(call: Callable[..., jax.Array], args: tuple[jax.Array, ...], cot: jax.Array,
             repeats: int) -> dict[str, dict[str, float]]:
   """The chosen call's device operations by time (microseconds a call), forward and
   forward+backward (`timing.top_ops`): the kernels against the XLA around them."""
-  loss = lambda *a: jnp.sum(call(*a).astype(jnp.float32) * cot.astype(jnp.float32))
-  fns = {"forward": jax.jit(call), "forward+backward": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
   return {what: timing.top_ops(lambda fn=fn: fn(*args), repeats, top=12)
-          for what, fn in fns.items()}
+          for what, fn in programs(call, cot).items()}
 
 
 def run_row(name: str, row: Row, repeats: int, peak: float, interpret: bool,

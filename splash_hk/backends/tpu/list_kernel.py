@@ -120,18 +120,21 @@ def masked(spec: Spec, entry: Any, row: Any, block: Any, q_seg: jax.Array, kv_se
     body(_visible(spec, row, block, q_seg, kv_seg))
 
 
-def step_blocks(block_q: int, block_kv: int, heads: int) -> int:
+def step_blocks(block_q: int, block_kv: int, rows: int) -> int:
   """The listed blocks a forward / dq step reads at most: about `STEP_KEYS` keys, fewer where
-  the program's `heads` * `block_q` stacked rows would pass `STEP_LOGITS`; at least one."""
-  return max(1, min(STEP_KEYS, STEP_LOGITS // (heads * block_q)) // block_kv)
+  the step's `rows` (the forward's stacked heads' tiles; dq's one tile) times its keys would
+  pass `STEP_LOGITS`; at least one."""
+  return max(1, min(STEP_KEYS, STEP_LOGITS // rows) // block_kv)
 
 
-def blocks_a_step(spec: Spec, most: int) -> int:
-  """m: the listed blocks a forward / dq grid step reads (`step_blocks`), spread evenly over
-  the steps a list of `most` (K) takes (K 9 at 4 a step: 3 steps of 3, not 4 4 1: a forward
-  step computes all its m blocks)."""
-  first = min(most, step_blocks(spec.block_q, spec.block_kv, spec.per_program))
-  return -(-most // -(-most // max(1, first)))
+def blocks_a_step(spec: Spec, most: int, stacked: bool) -> int:
+  """m: the listed blocks a forward (`stacked`: its heads' rows one operand) or dq grid step
+  reads (`step_blocks`), spread evenly over the steps a list of `most` (K) takes (K 9 at 4 a
+  step: 3 steps of 3, not 4 4 1: a forward step computes all its m blocks)."""
+  most = max(1, most)
+  rows = spec.block_q * (spec.per_program if stacked else 1)
+  steps = -(-most // min(most, step_blocks(spec.block_q, spec.block_kv, rows)))
+  return -(-most // steps)
 
 
 def _split(m: int, refs: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -144,12 +147,11 @@ def _step_logits(spec: Spec, q: jax.Array, k_ref: Any, ks_ref: Any, qs: jax.Arra
   """Listed block s of a forward step: the stacked rows' logits [R, bk] into its columns of
   `s_scr` [R, m * bk], masked (-inf where unseen; every column where the list ends before s)."""
   cols = pl.ds(s * spec.block_kv, spec.block_kv)
-  heads = q.shape[0] // spec.block_q
 
   def fold(seen):  # seen [bq, bk] or None: every pair
     logits, _ = softmax.scores(q, k_ref[...], spec.scale, spec.soft_cap)  # [R, bk]
-    if seen is not None:
-      logits = jnp.where(jnp.concatenate([seen] * heads, axis=0), logits, -jnp.inf)
+    if seen is not None:  # the same pairs for each of the program's heads
+      logits = jnp.where(jnp.concatenate([seen] * spec.per_program, axis=0), logits, -jnp.inf)
     s_scr[:, cols] = logits
 
   @pl.when(listed)
@@ -289,7 +291,7 @@ def forward(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: ja
   head, -inf for none) -> out [B, H, Tp, Dv], lse [B, H, Tp, 128] f32 (lanes equal). The grid
   is (batch, program head, query tile, run of m listed blocks)."""
   (batch, heads, t_pad, d), dv = q.shape, v.shape[-1]
-  bq, n, m = spec.block_q, spec.per_program, blocks_a_step(spec, lists.shape[-1])
+  bq, n, m = spec.block_q, spec.per_program, blocks_a_step(spec, lists.shape[-1], True)
   in_specs = _list_sides(spec, m, d, dv, pl.BlockSpec((None, None, n, bq, d), _q_map))
   in_specs.append(pl.BlockSpec((SUBLANES, heads), lambda *_: (0, 0), memory_space=pltpu.SMEM))
   out_specs = [pl.BlockSpec((None, None, n, bq, dv), _q_map),
@@ -311,7 +313,7 @@ def dq(spec: Spec, lists: jax.Array, counts: jax.Array, q: jax.Array, k: jax.Arr
        d_out: jax.Array) -> jax.Array:
   """dq [B, H, Tp, D] over the lists (lse, delta [B, H, Tp, 128] f32; d_out as out)."""
   (batch, heads, t_pad, d), dv = q.shape, v.shape[-1]
-  bq, n, m = spec.block_q, spec.per_program, blocks_a_step(spec, lists.shape[-1])
+  bq, n, m = spec.block_q, spec.per_program, blocks_a_step(spec, lists.shape[-1], False)
   side = lambda width: pl.BlockSpec((None, None, n, bq, width), _q_map)
   in_specs = _list_sides(spec, m, d, dv, side(d)) + [side(LANES), side(LANES), side(dv)]
   grid = (batch, heads // n, t_pad // bq, -(-lists.shape[-1] // m))

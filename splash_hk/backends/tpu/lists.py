@@ -31,12 +31,13 @@ def vmem_bytes(block_q: int, block_kv: int, head_dim: int, value_dim: int, items
   before the forward stacked its heads' rows: f32, tiles 512 / 512, 4 heads a program: 18.4
   MiB, over the 16 MiB of scoped VMEM)."""
   width = head_dim + value_dim
-  keys = block_kv * tpu_lists.step_blocks(block_q, block_kv, heads)  # a forward / dq step's
+  keys = block_kv * tpu_lists.step_blocks(block_q, block_kv, block_q)  # a dq step's (the most)
+  stacked = block_kv * tpu_lists.step_blocks(block_q, block_kv, heads * block_q)  # a forward's
   blocks = 2 * itemsize * (heads * block_q * (width + head_dim) + keys * width)
   lanes = (2 * 4 * block_q * (2 * heads + 1) * tpu_lists.LANES
            + 2 * 4 * tpu_lists.SUBLANES * keys)  # lse, delta / softmax state, segment ids
   scratch = 4 * max(heads * block_q * (2 * tpu_lists.LANES + value_dim), block_kv * width)
-  scores = max(2 * 4 * heads * block_q * keys,  # the forward's stacked logits and p in f32
+  scores = max(2 * 4 * heads * block_q * stacked,  # the forward's stacked logits and p in f32
                4 * 4 * block_q * block_kv)  # dq's and dK/dV's s, p, dp, ds of a head
   return blocks + lanes + scratch + scores
 

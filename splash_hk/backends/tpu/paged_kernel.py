@@ -208,10 +208,11 @@ def _kernel(spec: Spec, seq_ref, len_ref, low_ref, blocks_ref, first_ref, count_
   """A program: tile t's rows against list head h's blocks, a loop over them (no grid step
   for a block past the list: lists of one step differ in length)."""
   scale_hbm, rest = (rest[0], rest[1:]) if spec.quantized else (None, rest)
-  o_ref, lse_ref, kbuf, vbuf, *sbuf, sems, slot_ref, m_scr, l_scr, acc_scr = rest
+  o_ref, lse_ref, kbuf, vbuf, *scale_buf, sems, slot_ref, m_scr, l_scr, acc_scr = rest
+  sbuf = scale_buf[0] if scale_buf else None  # a quantized pool's block scales
   t, h = pl.program_id(0), pl.program_id(1)
   refs = paged_copies.Refs(seq_ref, blocks_ref, count_ref, key_hbm, value_hbm, kbuf, vbuf, sems,
-                           scale_hbm, sbuf[0] if sbuf else None)
+                           scale_hbm, sbuf)
   copies = lambda tt, hh, jj, to: paged_copies.block_copies(spec, refs, tt, hh, jj, to)
 
   @pl.when((t == 0) & (h == 0))
@@ -235,7 +236,7 @@ def _kernel(spec: Spec, seq_ref, len_ref, low_ref, blocks_ref, first_ref, count_
     paged_copies.wait(copies(t, h, j, slot), refs, slot)
     slot_ref[0] = 1 - slot
     _block(spec, (seq_ref, len_ref, low_ref, first_ref, count_ref), (q_ref, pos_ref),
-           (kbuf, vbuf, sbuf[0] if sbuf else None), (m_scr, l_scr, acc_scr), t, h, j, slot)
+           (kbuf, vbuf, sbuf), (m_scr, l_scr, acc_scr), t, h, j, slot)
     return carry
 
   jax.lax.fori_loop(0, blocks, step, 0)
