@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from splash_hk import lowering
 from splash_hk import owners
 from splash_hk import quant
 
@@ -104,17 +105,99 @@ class PagedKVCache:
     return dataclasses.replace(self, **changes)
 
 
-def write(cache: PagedKVCache, key: Any, value: Any, page: jax.Array,
-          slot: jax.Array) -> PagedKVCache:
+def tile_slots(dtype: Any) -> int:
+  """The slots of a page one TPU tile holds for a pool of `dtype` where a slot is a part of a
+  32-bit word (8 rows of words: 16 bfloat16 slots, 32 int8 or fp8, 64 int4), else 1 (a slot is
+  whole words)."""
+  kind = jnp.dtype(dtype)
+  bits = (jnp.iinfo(kind) if jnp.issubdtype(kind, jnp.integer) else jnp.finfo(kind)).bits
+  return 8 * 32 // bits if bits < 32 else 1
+
+
+def put_rows(buf: Any, page: jax.Array, slot: jax.Array, held: Any,
+             runs: int | None = None) -> Any:
+  """`buf` [P, Hkv, page, X] (an array or `Quantized`) with row n of `held` [N, Hkv, X] (as
+  `buf` holds them) at `slot[n]` of page `page[n]`; a page or slot past the pool: nothing.
+  `runs`: the most runs of consecutive slots the rows make (static: a ragged step's sequences),
+  or None. A quantized pool's scales are set one (row, kv head) at a time (`_put_scales`)."""
+  if not isinstance(buf, quant.Quantized):
+    return _put_slots(buf, page, slot, held, runs)
+  return quant.Quantized(_put_slots(buf.values, page, slot, held.values, runs),
+                         _put_scales(buf.scale, page, slot, held.scale))
+
+
+def _put_slots(buf: jax.Array, page: jax.Array, slot: jax.Array, rows: jax.Array,
+               runs: int | None) -> jax.Array:
+  """`put_rows` of an array. Lowered for a TPU, a pool whose slot is part of a 32-bit word is
+  written a tile's slots at a time (`put_tiles`): XLA scatters such rows in a layout of its own,
+  a copy of the whole pool out of the kernels' tiling and back each step (compiled for a v5e:
+  4 copies of 158 MB in a decode step over an int8 pool at pages of 64, and of 317 MB in a
+  bfloat16 step of 2 prompt chunks of 512 beside 30 decodes)."""
+  plain = lambda a: a[0].at[a[1], :, a[2]].set(a[3], mode="drop")
+  group = min(tile_slots(buf.dtype), buf.shape[2])
+  most = groups_touched(page.shape[0], group, runs)
+  if group == 1 or buf.shape[2] % group or 2 * most * group > buf.shape[0] * buf.shape[2]:
+    return plain((buf, page, slot, rows))  # (the tiles would read over half the pool)
+  tiled = lambda a: put_tiles(a[0], a[1], a[2], a[3], group, most)
+  return lowering.per_platform({"tpu": tiled, "cpu": plain, "gpu": plain},
+                               (buf, page, slot, rows))
+
+
+def groups_touched(rows: int, group: int, runs: int | None) -> int:
+  """The most groups of `group` slots `rows` rows in `runs` runs of consecutive slots fall in
+  (a run of L slots: at most L // group + 2), or `rows` (runs None: no bound)."""
+  return rows if runs is None else min(rows, rows // group + 2 * runs)
+
+
+def put_tiles(buf: jax.Array, page: jax.Array, slot: jax.Array, rows: jax.Array, group: int,
+              most: int | None = None) -> jax.Array:
+  """`buf` [P, Hkv, page, X] with `rows` [N, Hkv, X] set, whole groups of `group` slots at a
+  time: the groups the rows fall in read, every row set in its group's copy, the copies written
+  back (a group rows share is written once, with all of them). `most`: the most groups the rows
+  may fall in (static; default N), which bounds what is read and written."""
+  p, _, size, _ = buf.shape
+  n, per = rows.shape[0], size // group
+  most = n if most is None else min(n, most)
+  groups = buf.reshape(p, buf.shape[1], per, group, buf.shape[3])  # [P, Hkv, page / G, G, X]
+  page, slot = (jnp.where(a < 0, a + m, a) for a, m in ((page, p), (slot, size)))  # as `.at`
+  ok = (page >= 0) & (page < p) & (slot >= 0) & (slot < size)  # [N]
+  key = jnp.where(ok, page * per + slot // group, p * per)  # [N] each row's group (or none)
+  first = jnp.full((p * per + 1,), n, jnp.int32).at[key].min(jnp.arange(n, dtype=jnp.int32))
+  lead = ok & (first[key] == jnp.arange(n))  # [N] the first row written into its group
+  rank = jnp.cumsum(lead) - 1  # [N] a first row's place among the groups
+  place = rank[jnp.minimum(first[key], n - 1)]  # [N] each row's group's place
+  where = jnp.full((most + 1,), p * per, jnp.int32).at[jnp.where(lead, rank, most)].set(
+      key, mode="drop")[:most]  # [M] each place's group (p * per: none)
+  at = (jnp.minimum(where // per, p - 1), slice(None), where % per)
+  held = groups[at]  # [M, Hkv, G, X] the groups as the pool holds them
+  held = held.at[jnp.where(ok, place, most), :, slot % group].set(rows, mode="drop")
+  return groups.at[jnp.where(where < p * per, where // per, p), :, at[2]].set(
+      held, mode="drop").reshape(buf.shape)
+
+
+def _put_scales(scale: jax.Array, page: jax.Array, slot: jax.Array,
+                rows: jax.Array) -> jax.Array:
+  """A pool's scales [P, Hkv, page, 1] with `rows` [N, Hkv, 1] set one element a (row, kv head)
+  (a [Hkv] row a token: XLA copies the scales into a layout of its own and back, each copy
+  1.4-2x cheaper than for the row's scatter; compiled for a v5e); other scale shapes as
+  `.at[...].set`."""
+  if scale.ndim != 4 or scale.shape[3] != 1 or scale.shape[1] != rows.shape[1]:
+    return scale.at[page, :, slot].set(rows, mode="drop")
+  heads = jnp.arange(scale.shape[1])[None, :]  # [1, Hkv]
+  return scale.at[page[:, None], heads, slot[:, None], 0].set(rows[..., 0], mode="drop")
+
+
+def write(cache: PagedKVCache, key: Any, value: Any, page: jax.Array, slot: jax.Array,
+          runs: int | None = None) -> PagedKVCache:
   """Key [N, Hkv, D] / value [N, Hkv, Dv] row n at `slot[n]` of page `page[n]` (a page past the
-  pool: nothing written), quantized as written, and each written page's key bounds kept when
-  the pool keeps them (reset where slot 0 is written). The bounds take the keys as held from
-  the rows themselves and touch only the written pages: no read of the pool (on a TPU a gather
-  of the written keys from it cost a copy of the whole pool a step)."""
-  at = (page, slice(None), slot)  # each row's [Hkv, X] in [P, Hkv, page, X]
+  pool: nothing written; `runs`: as `put_rows`), quantized as written, and each written page's
+  key bounds kept when the pool keeps them (reset where slot 0 is written). The bounds take the
+  keys as held from the rows themselves and touch only the written pages: no read of the pool
+  (on a TPU a gather of the written keys from it cost a copy of the whole pool a step)."""
   held = quant.as_held(cache.key, key, "key")  # [N, Hkv, D] as the pool holds them
-  written = cache.replace(key=quant.put(cache.key, at, held),
-                          value=quant.write(cache.value, at, value, "value"))
+  values = quant.as_held(cache.value, value, "value")  # [N, Hkv, Dv]
+  written = cache.replace(key=put_rows(cache.key, page, slot, held, runs),
+                          value=put_rows(cache.value, page, slot, values, runs))
   if cache.key_min is None or cache.key_max is None:
     return written
   stored = jnp.asarray(quant.tile(held, jnp.float32), jnp.float32)  # [N, Hkv, D] float32

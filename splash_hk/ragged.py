@@ -172,8 +172,9 @@ def layout(batch: RaggedBatch, num_tokens: int, num_pages: int, page_size: int) 
 
 def write(cache: PagedKVCache, key: Any, value: Any, layout: Layout) -> PagedKVCache:
   """Each live row's key [N, Hkv, D] / value at its position in its sequence's pages; others
-  write nothing (`pool.write`)."""
-  return pool.write(cache, key, value, layout.page, layout.slot)
+  write nothing (`pool.write`: a sequence's rows are one run of slots)."""
+  return pool.write(cache, key, value, layout.page, layout.slot,
+                    runs=layout.kv_len_after.shape[0])
 
 
 MISUSE_WORDS = {  # Misuse field -> (argument, what is wrong, what to pass instead)

@@ -211,3 +211,48 @@ def check_new_nan(config: sh.AttentionConfig, new_rows: int) -> None:
   want = attend(dataclasses.replace(case, v=np.nan_to_num(case.v)))
   np.testing.assert_allclose(out[first:row], want[first:row], **harness.tol())
   np.testing.assert_allclose(out[last:], want[last:], **harness.tol())
+
+
+def written_rows(buf, page, slot, rows):
+  """NumPy's write of `rows` [N, Hkv, X] into pages `buf` [P, Hkv, page, X], row by row in order
+  (a page or slot past the pool: nothing; a negative one from the end, as `.at`)."""
+  out = np.array(buf)
+  for n in range(len(page)):
+    p, s = int(page[n]), int(slot[n])
+    p, s = p + out.shape[0] if p < 0 else p, s + out.shape[2] if s < 0 else s
+    if 0 <= p < out.shape[0] and 0 <= s < out.shape[2]:
+      out[p, :, s] = rows[n]
+  return out
+
+
+# A step's writes: a prompt chunk of 70 rows from slot 30 of page 3 on (its run crosses into
+# page 1), beside decode rows into pages 3, 6 and 0 (groups the chunk's rows share)
+# and a row past the pool (of 24 pages: the groups read are under half of it).
+WRITE_PAGES = np.asarray([3] * 34 + [1] * 36 + [3, 6, 0, 24], np.int32)
+WRITE_SLOTS = np.asarray(list(range(30, 64)) + list(range(36)) + [2, 40, 63, 0], np.int32)
+WRITE_RUNS = 5
+
+
+def check_a_write(kind):
+  """`pool.write` of `WRITE_PAGES`/`WRITE_SLOTS` into a pool of 24 pages of 64 (`kind`: "bf16"
+  or "int8", 2 kv heads of D 128) under jit on this host's default device: every row's codes
+  and scales at its slot (the oracle's quantization of it), every other slot unchanged."""
+  from splash_hk import pool  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(3)
+  shape, n = (24, 2, 64, 128), len(WRITE_PAGES)
+  old = rng.normal(size=shape).astype(np.float32)
+  k, v = (rng.normal(size=(n, 2, 128)).astype(np.float32) for _ in range(2))
+  if kind == "int8":
+    held = lambda a: sh.quantize(jnp.asarray(a), jnp.int8)
+    cache = sh.PagedKVCache(held(old), held(old))
+  else:
+    held = lambda a: jnp.asarray(a, jnp.bfloat16)
+    cache = sh.PagedKVCache(held(old), held(old))
+  write = jax.jit(lambda c, k, v, p, s: pool.write(c, k, v, p, s, runs=WRITE_RUNS))
+  out = write(cache, k, v, WRITE_PAGES, WRITE_SLOTS)
+  for got, was, new in ((out.key, cache.key, k), (out.value, cache.value, v)):
+    parts = ((got.values, was.values, held(new).values), (got.scale, was.scale,
+             held(new).scale)) if kind == "int8" else ((got, was, held(new)),)
+    for g, w, r in parts:
+      want = written_rows(np.asarray(w), WRITE_PAGES, WRITE_SLOTS, np.asarray(r))
+      np.testing.assert_array_equal(np.asarray(g), want)

@@ -179,6 +179,13 @@ def test_runs_of_pages_compiled_match_the_oracle(chosen, window, in_order, page,
                              **harness.tol(dtype=jnp.bfloat16))
 
 
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_a_steps_write_compiled_lands_at_its_slots_and_nowhere_else(kind):
+  """The pool's write as the chip runs it (a bf16 or int8 pool's slots written a tile of slots
+  at a time: `pool.put_tiles`), against NumPy's row-by-row write."""
+  paged_cases.check_a_write(kind)
+
+
 @pytest.mark.parametrize("page", [32, 64])
 @pytest.mark.parametrize("chosen", [False, True], ids=["table", "selection"])
 def test_int8_pools_compiled_match_the_oracle(chosen, page):
