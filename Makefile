@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test docs typecheck wheel-check bazel-install bazel-test bazel-smoke demo multihost-demo serve-demo bench quickcheck clean gpu-wheels gpu-check tpu-wheels tpu-check tpu-tune
+.PHONY: setup test docs typecheck wheel-check bazel-install bazel-test bazel-smoke demo multihost-demo serve-demo bench quickcheck clean gpu-wheels gpu-check tpu-wheels tpu-check tpu-aot tpu-tune
 
 LOCK := requirements-lock.txt
 
@@ -110,6 +110,14 @@ tpu-wheels:
 # the quickcheck and the TPU bench, into $$OUT (or tpu_out/); summary.txt a line per step.
 tpu-check:
 	bash scripts/tpu_check.sh
+
+# On this CPU host, no chip: the benches' TPU programs compiled for a v5e by libtpu (installed
+# into .libtpu at the version jax[tpu] pins), their copies and kernels listed
+# (benchmarks/tpu_programs.py; TPU_AOT passes its flags).
+LIBTPU := 0.0.42.1
+tpu-aot: $(STAMP)
+	test -d .libtpu/libtpu || $(PY) -m pip install -q --no-deps --target .libtpu libtpu==$(LIBTPU)
+	PYTHONPATH=.libtpu $(PY) -m benchmarks.tpu_programs $(TPU_AOT)
 
 # On the TPU machine: measures the TPU kernel's tiles (python -m splash_hk.tune) for the bench's
 # shapes into $$OUT/tiles.json; the shipped table (splash_hk/backends/tpu/tiles_v5e.json) is its

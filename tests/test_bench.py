@@ -22,6 +22,7 @@ from benchmarks import bench_quant
 from benchmarks import bench_tpu
 from benchmarks import bench_tpu_decode
 from benchmarks import timing
+from benchmarks import tpu_programs
 from benchmarks import bench_report
 from benchmarks import bench_workloads
 from benchmarks import guards
@@ -324,3 +325,31 @@ def test_tpu_blocks_bench_holds_the_choice_against_causal_and_names_what_it_does
   assert "skipped" in token and "bq a multiple of 8" in token["skipped"], token
   text = bench_tpu_blocks.report([own, token], 1e12)
   assert "own8_128_16k | " in text and "nsa_token_16k | skipped" in text
+
+
+HLO = """HloModule jit_step
+
+%fused_computation (param_0: s8[4,8,64,128]) -> s8[4,8,64,128] {
+  %param_0 = s8[4,8,64,128]{3,2,1,0:T(32,128)(4,1)} parameter(0)
+  ROOT %copy.9 = s8[4,8,64,128]{3,1,2,0:T(8,128)(4,1)} copy(%param_0), backend_config={"estimated_cycles":"7"}
+}
+
+ENTRY %main.1 (pool.1: s8[4,8,64,128]) -> s8[4,8,64,128] {
+  %pool.1 = s8[4,8,64,128]{3,2,1,0:T(32,128)(4,1)} parameter(0)
+  %copy.3 = s8[4,8,64,128]{3,1,2,0:T(8,128)(4,1)} copy(%pool.1), backend_config={"window_config":{},"estimated_cycles":"2217"}
+  %scatter_fusion = s8[4,8,64,128]{3,1,2,0:T(8,128)(4,1)} fusion(%copy.3), kind=kCustom, calls=%fused_computation
+  %call.1 = (bf16[32,8,16,128]{3,2,1,0:T(8,128)(2,1)}, f32[8]{0}) custom-call(%scatter_fusion), custom_call_target="tpu_custom_call", backend_config={"estimated_cycles":"50"}
+  ROOT %copy.4 = s8[4,8,64,128]{3,2,1,0:T(32,128)(4,1)} copy(%scatter_fusion), backend_config={"estimated_cycles":"2300"}
+}
+"""
+
+
+def test_the_tpu_programs_summary_counts_the_entrys_kernels_and_copies_and_ranks_by_cycles():
+  ops = list(tpu_programs.operations(HLO))
+  assert [(kind, name) for kind, name, _, _ in ops] == [
+      ("copy", "copy.3"), ("fusion", "scatter_fusion"), ("custom-call:tpu_custom_call", "call.1"),
+      ("copy", "copy.4")]  # the entry's only: the fusion's own copy is not one
+  assert ops[2][2] == "(bf16[32,8,16,128]" and ops[1][3] == 0
+  lines = tpu_programs.summary(HLO, top=2)
+  assert lines[0] == "  1 Mosaic kernels, 2 copies (4517 estimated cycles)"
+  assert "copy.4" in lines[1] and "copy.3" in lines[2] and len(lines) == 3
