@@ -290,6 +290,20 @@ def test_a_paged_step_reads_fewer_pages_where_its_vmem_would_pass_the_budget():
   assert splash_paged.why_not(facts, "tpu") is None
 
 
+def test_a_prompt_chunk_of_many_heads_gets_tiles_whose_step_fits_the_budget():
+  """A chunk of 512 rows of 32 query heads over pages of 64: 128 rows a tile would need 27 MiB
+  a step of one page (refused before); the tile is cut to the most rows (a multiple of 2: 4
+  heads a kv head) at which a step of `FLOOR_KEYS` keys fits, and the call is served."""
+  facts = pages.PagedFacts(config=sh.AttentionConfig(), query_shape=(1024, 32, 128),
+                           cache_shape=(400, 8, 64, 128), value_dim=128, max_seqs=2,
+                           pages_per_seq=64)
+  bq = splash_paged.block_q(facts)
+  fits = lambda rows: splash_paged._vmem_bytes(  # pylint: disable=protected-access
+      facts, rows, splash_paged.FLOOR_KEYS, 4) <= tpu_lists.VMEM_BUDGET
+  assert bq % 2 == 0 and bq < 128 and fits(bq) and not fits(bq + 2)
+  assert splash_paged.why_not(facts, "tpu") is None
+
+
 @pytest.mark.parametrize("chosen,window,in_order", [
     (False, paged_cases.RUNS_WINDOW, False), (True, paged_cases.RUNS_WINDOW, False),
     (False, None, False), (False, paged_cases.RUNS_WINDOW, True), (False, None, True)],

@@ -29,15 +29,22 @@ from splash_hk.backends.tpu import paged_kernel as tpu_paged
 # there is unchecked (tpu-inference reads fp8 caches from v6e on).
 QUANTIZED_STORAGE = ("int8/token",)
 CODE_ROWS = tpu_paged.tile_rows(1)  # a VMEM tile's rows of one-byte codes
+FLOOR_KEYS = 256  # a prompt chunk's tiles are cut so that a step of this many keys fits
 
 
 def block_q(facts: pages.PagedFacts) -> int:
   """Query rows per tile: a sequence's share of the step's rows, at most 128, the fewest whose
-  G * bq stacked rows fill whole VMEM tiles (a decode row of 4 query heads: bq 2, 8 rows)."""
+  G * bq stacked rows fill whole VMEM tiles (a decode row of 4 query heads: bq 2, 8 rows), and
+  fewer where a step of `FLOOR_KEYS` keys would pass the VMEM budget (a prompt chunk of 32 query
+  heads: at 128 rows a tile, 27 MiB a step of one page of 64)."""
   share = -(-facts.num_tokens // facts.max_seqs)
   groups = facts.num_heads // facts.num_kv_heads
   step = tpu_lists.SUBLANES // math.gcd(tpu_lists.SUBLANES, groups)  # G * bq: whole tiles
-  return min(base.round_up(128, step), base.round_up(max(share, 1), step))
+  top = min(base.round_up(128, step), base.round_up(max(share, 1), step))
+  keys = min(FLOOR_KEYS, facts.pages_per_seq * facts.page_size)
+  fits = [bq for bq in range(top, step, -step)
+          if _vmem_bytes(facts, bq, keys, 4) <= tpu_lists.VMEM_BUDGET]
+  return fits[0] if fits else step
 
 
 def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
@@ -72,8 +79,12 @@ def why_not(facts: pages.PagedFacts, hardware: str) -> str | None:
 
 def step_vmem_bytes(facts: pages.PagedFacts, count: int, itemsize: int) -> int:
   """The kernel's VMEM a step of `count` pages, estimated (`paged_kernel.vmem_bytes`)."""
-  return tpu_paged.vmem_bytes(block_q(facts), count * facts.page_size, facts.num_heads,
-                              facts.num_kv_heads, facts.head_dim, facts.value_dim, itemsize)
+  return _vmem_bytes(facts, block_q(facts), count * facts.page_size, itemsize)
+
+
+def _vmem_bytes(facts: pages.PagedFacts, bq: int, keys: int, itemsize: int) -> int:
+  return tpu_paged.vmem_bytes(bq, keys, facts.num_heads, facts.num_kv_heads, facts.head_dim,
+                              facts.value_dim, itemsize)
 
 
 def pages_a_step(facts: pages.PagedFacts, itemsize: int, entries: int | None = None) -> int:
