@@ -12,7 +12,7 @@ reads "tpu" while tracing). Each program's operations are listed with XLA's esti
 (its cost model's, not a measurement: the chip's trace, `--profile` of the TPU benches, is the
 measure): the copies and fusions XLA adds around the kernels (a layout change of a pool or of
 q, k, v is a copy of all of it), the largest first. Rows: `bench_tpu_decode`'s steps and
-`bench_tpu_blocks`' chosen-block rows (forward and forward+backward).
+fixed-cache rows, `bench_tpu_blocks`' chosen-block rows (forward and forward+backward).
 """
 
 from __future__ import annotations
@@ -91,8 +91,13 @@ def compiled(fn: Callable[..., Any], args: tuple[Any, ...], device: Any,
 def programs(name: str) -> dict[str, tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]:
   """A bench row's programs: name -> (function, arguments, jit options)."""
   # pylint: disable=import-outside-toplevel
-  from benchmarks import bench_tpu_blocks, decode_steps
+  from benchmarks import bench_tpu_blocks, bench_tpu_decode, decode_steps
   import splash_hk as sh
+  if name in bench_tpu_decode.FIXED_ROWS:
+    row = bench_tpu_decode.FIXED_ROWS[name]
+    q = jax.ShapeDtypeStruct((row.batch, row.rows, row.heads, row.head_dim), jax.numpy.bfloat16)
+    k = jax.ShapeDtypeStruct((row.batch, row.keys, row.kv_heads, row.head_dim), q.dtype)
+    return {"call": (lambda q, k, v: sh.attention(q, k, v).attention_outputs, (q, k, k), {})}
   if name in decode_steps.ROWS:
     step = decode_steps.make_step(decode_steps.ROWS[name])
     config = sh.AttentionConfig(platform=step.platform, allow_fallback=False)
@@ -118,6 +123,7 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   flags.DEFINE_list("rows", ["decode_p64", "int8_p64"],
-                    "Rows of bench_tpu_decode (decode_steps.ROWS) or bench_tpu_blocks.")
+                    "Rows of bench_tpu_decode (decode_steps.ROWS, FIXED_ROWS) or "
+                    "bench_tpu_blocks.")
   flags.DEFINE_integer("top", 12, "Operations listed a program, by estimated cycles.")
   app.run(main)

@@ -179,6 +179,38 @@ def test_runs_of_pages_compiled_match_the_oracle(chosen, window, in_order, page,
                              **harness.tol(dtype=jnp.bfloat16))
 
 
+@pytest.mark.parametrize("rows,kv_heads,dtype", [
+    (1, 8, jnp.bfloat16), (4, 8, jnp.bfloat16), (8, 8, jnp.bfloat16), (3, 8, jnp.float32),
+    (4, 4, jnp.bfloat16), (4, 2, jnp.bfloat16)])
+def test_the_decode_kernel_compiled_matches_the_oracle(rows, kv_heads, dtype):
+  """A few rows over fixed caches of 3000 keys (not whole blocks) filled to their own lengths
+  (the rest padding, NaN in its keys and values), explicit positions, sinks and a soft cap, on
+  the chip (`backends/tpu/decode.py`)."""
+  rng = np.random.default_rng(rows)
+  batch, heads, keys = 3, 32, 3000
+  q = rng.normal(size=(batch, rows, heads, 128)).astype(np.float32)
+  k, v = (rng.normal(size=(batch, keys, kv_heads, 128)).astype(np.float32) for _ in range(2))
+  lengths = np.asarray([3000, 41, 1700])
+  kv_seg = np.where(np.arange(keys)[None] < lengths[:, None], 0, -1).astype(np.int32)
+  k[kv_seg < 0], v[kv_seg < 0] = np.nan, np.nan
+  q_pos = (lengths[:, None] - rows + np.arange(rows)[None]).astype(np.int32)
+  kv_pos = np.broadcast_to(np.arange(keys, dtype=np.int32), (batch, keys))
+  sinks = rng.normal(size=(heads, 1)).astype(np.float32)
+  config = sh.AttentionConfig(causal=True, logits_soft_cap=30.0, **COMPILED)
+  named = dict(q_segment_ids=np.zeros((batch, rows), np.int32), kv_segment_ids=kv_seg,
+               q_positions=q_pos, kv_positions=kv_pos, softmax_aux=sinks)
+  cast = lambda a: jnp.asarray(a, dtype)
+  assert "TPU decode kernel" in sh.explain(cast(q), cast(k), cast(v), config=config,
+                                           **named).reason
+  out = jax.jit(lambda q, k, v, n: sh.attention(q, k, v, config=config, **n).attention_outputs)(
+      cast(q), cast(k), cast(v), named)
+  want = oracle.attention(np.asarray(cast(q), np.float32), np.asarray(cast(k), np.float32),
+                          np.asarray(cast(v), np.float32), causal=True, soft_cap=30.0,
+                          q_seg=named["q_segment_ids"], kv_seg=kv_seg, q_pos=q_pos,
+                          kv_pos=kv_pos, sinks=sinks)[0]
+  np.testing.assert_allclose(np.asarray(out, np.float32), want, **harness.tol(dtype=dtype))
+
+
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_a_steps_write_compiled_lands_at_its_slots_and_nowhere_else(kind):
   """The pool's write as the chip runs it (a bf16 or int8 pool's slots written a tile of slots

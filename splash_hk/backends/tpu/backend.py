@@ -27,6 +27,7 @@ from splash_hk.masks import _objects
 from splash_hk.masks import _rules
 from splash_hk.backends import base
 from splash_hk.backends import guard
+from splash_hk.backends.tpu import decode as splash_decode
 from splash_hk.backends.tpu import documents as splash_documents
 from splash_hk.backends.tpu import forward as fast_forward
 from splash_hk.backends.tpu import horizon as splash_horizon
@@ -37,7 +38,7 @@ from splash_hk.backends.tpu import tiles as tiles_lib
 from splash_hk.backends.xla import backend as xla
 from splash_hk.backends.xla import lists as xla_lists
 from splash_hk.config import AttentionConfig
-from splash_hk.types import Facts, KernelInputs, KernelOutput, Mode
+from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 LANE = tiles_lib.LANE  # splash blocks are multiples of this
 # A sink this low adds exp(-1e30 - m) == 0 to every real row, but gives a row
@@ -57,8 +58,8 @@ def why_not(facts: Facts, hardware: str) -> str | None:
             "AttentionConfig(interpret=True) to run it in interpret mode")
   if xla_lists.chooses(facts):  # chosen blocks: the library's own block-list kernel
     return splash_lists.why_not(facts)
-  if facts.mode is Mode.DECODE:
-    return "decode (T == 1): one query row does not fill a splash block"
+  if splash_decode.serves_rows(facts):  # a few rows over a cache: the decode kernel
+    return splash_decode.why_not(facts)
   if facts.bias is not None:
     return "a `bias` was given, and JAX's splash kernel takes no bias"
   if shards > 1 and query_len // shards < LANE:
@@ -176,6 +177,8 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   (`splash_lists`), the rest on the dense kernel (`attend_head_major`)."""
   if xla_lists.chooses(facts):
     return splash_lists.attend(x, facts)
+  if splash_decode.serves_rows(facts):
+    return splash_decode.attend(x, facts)
   out = attend_head_major(guard.head_major(x, facts), facts).out  # [B, Hq, T, Dv]
   return KernelOutput(base.to_bhtd(out))
 
@@ -322,6 +325,8 @@ def describe(facts: Facts) -> str | None:
   kernel's own)."""
   if xla_lists.chooses(facts):
     return None
+  if splash_decode.serves_rows(facts):
+    return splash_decode.describe(facts)
   documents = ("; segment ids: each example runs only the block pairs its documents share"
                if facts.segments and not splash_horizon.serves(facts.rule) else "")
   return "JAX's splash kernel at " + tiles_lib.for_call(facts).words() + documents
@@ -332,7 +337,10 @@ _GUARDED_LISTS = guard.guard_garbage(splash_lists.attend, xla.attend)
 
 
 def guarded_attend(x: KernelInputs, facts: Facts) -> KernelOutput:
-  """`attend` kept from spreading garbage (`guard`): the dense kernel on the arrays it reads."""
+  """`attend` kept from spreading garbage (`guard`): the dense kernel on the arrays it reads;
+  a few rows over a cache on the decode kernel (which guards its own values)."""
+  if splash_decode.serves_rows(facts) and not xla_lists.chooses(facts):
+    return splash_decode.attend(x, facts)
   return (_GUARDED_LISTS if xla_lists.chooses(facts) else _GUARDED_DENSE)(x, facts)
 
 

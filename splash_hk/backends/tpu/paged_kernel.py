@@ -127,15 +127,6 @@ def _key_positions(spec: Spec, first_ref: Any, at: Any, count: Any, j: Any) -> j
   return pos
 
 
-def _poison(seen: jax.Array, finite: jax.Array) -> jax.Array:
-  """[R, Dv]: NaN in value column c of the rows that see a key whose column c is not finite
-  (`finite` [E, Dv]; a visible NaN shows there, and only there), else 0."""
-  bad = (~finite).astype(jnp.float32)  # [E, Dv]
-  hits = jax.lax.dot_general(seen.astype(jnp.float32), bad, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [R, Dv]
-  return jnp.where(hits > 0, jnp.nan, 0.0)
-
-
 def _head_block(spec: Spec, buf: Any, slot: Any, hk: int, dtype: Any) -> jax.Array:
   """[E, D]: kv head hk's keys (or values) of the block in buffer `slot` (its n pages in order:
   whole VMEM tiles a page, so joining them moves nothing), as `dtype` (a quantized pool's
@@ -180,7 +171,7 @@ def _compute(spec: Spec, seen: jax.Array, q_ref, scales, kbuf, vbuf, slot, m_scr
     poison: Any = 0.0  # [R, Dv] NaN where a row sees a non-finite value
     if not spec.quantized:  # int8 codes (`paged.QUANTIZED_STORAGE`) are finite
       finite = jnp.isfinite(v.astype(jnp.float32))  # [E, Dv] (Mosaic tests f32 only)
-      poison = _poison(seen, finite)  # [R, Dv]
+      poison = softmax.poison(seen, finite)  # [R, Dv]
       v = jnp.where(finite, v, 0).astype(v.dtype)
     if v_scale is not None:
       poison = poison + _poison_rows(seen, v_scale, v.shape[-1])

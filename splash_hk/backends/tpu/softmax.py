@@ -34,6 +34,15 @@ def dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
                              preferred_element_type=jnp.float32)
 
 
+def poison(seen: jax.Array, finite: jax.Array) -> jax.Array:
+  """[R, Dv]: NaN in value column c of the rows that see a key whose column c is not finite
+  (`finite` [E, Dv]; a visible NaN shows there, and only there), else 0."""
+  bad = (~finite).astype(jnp.float32)  # [E, Dv]
+  hits = jax.lax.dot_general(seen.astype(jnp.float32), bad, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [R, Dv]
+  return jnp.where(hits > 0, jnp.nan, 0.0)
+
+
 def init_state(m_scr: Any, l_scr: Any, acc_scr: Any) -> None:
   """The online softmax's state in VMEM scratch, emptied: max -inf, sum 0, accumulator 0."""
   m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
