@@ -57,9 +57,7 @@ class FixedRow:
 
 
 FIXED_ROWS = {"fixed_t1": FixedRow(32, 1, 8192), "fixed_t4": FixedRow(32, 4, 8192),
-              "fixed_t8": FixedRow(32, 8, 8192),
-              "fixed_t4_kv4": FixedRow(32, 4, 8192, kv_heads=4),
-              "fixed_t4_kv2": FixedRow(32, 4, 8192, kv_heads=2)}
+              "fixed_t8": FixedRow(32, 8, 8192)}
 SMOKE_FIXED = {name: dataclasses.replace(r, batch=2, keys=300, heads=4, kv_heads=2)
                for name, r in FIXED_ROWS.items()}
 PEER_KEYS = (512, 1024)  # the peer's keys a block (its pages a block: these over the page)
