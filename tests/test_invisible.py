@@ -185,3 +185,36 @@ def test_the_splash_primal_checks_values_before_its_kernel_runs():
   _, _, dirty_v = _with_garbage(q, k, v, extras, np.inf)
   got, ran = _splash_primal_or_seven(q, k, dirty_v, extras, config)
   assert np.all(got == 7.0) and not ran
+
+
+def test_the_block_list_primal_checks_values_before_its_kernel_runs():
+  """Chosen blocks (every block listed: the rule is the case's), not differentiated: garbage in
+  q and k at padding reaches only logits the block-list kernel replaces by -inf, so the kernel
+  runs and its output is the oracle's; with garbage in v it does not run (`values_finite`),
+  the exact path does."""
+  from splash_hk.backends.tpu import lists as splash_lists  # pylint: disable=import-outside-toplevel
+  from splash_hk.backends.xla import backend as xla  # pylint: disable=import-outside-toplevel
+  case, (q, k, v, extras) = _padded_case(128)
+  blocks = (sh.masks.Blocks(np.tile(np.arange(2, dtype=np.int32), (2, 2, 2, 1)),
+                            np.full((2, 2, 2), 2, np.int32), (64, 64))
+            & sh.masks.Causal() & sh.masks.SlidingWindow((64, 0)))  # the case's rule
+  want, _ = case.oracle(*_with_garbage(q, k, v, extras, 0.0), extras)
+  ran = []
+
+  def kernel(y, f):
+    jax.debug.callback(lambda: ran.append(True))
+    return splash_lists.attend(y, f)
+
+  guarded = guard.guard_garbage(kernel, xla.attend, check_first=guard.values_finite)
+  config = case.config.replace(**SPLASH, sliding_window=None)
+
+  def run(q, k, v):
+    x, facts = inputs.normalise(q, k, v, config=config, extras=Extras(mask=blocks, **extras))
+    return np.asarray(jax.jit(lambda x: guarded(x, facts).out)(x))
+
+  dirty_q, dirty_k, dirty_v = _with_garbage(q, k, v, extras, np.nan)
+  np.testing.assert_allclose(run(dirty_q, dirty_k, v), want, **harness.tol())
+  assert ran
+  ran.clear()
+  np.testing.assert_allclose(run(q, k, dirty_v), want, **harness.tol())
+  assert not ran

@@ -46,6 +46,13 @@ def all_finite(*arrays: Any) -> jax.Array:
   return functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(a)) for a in leaves])
 
 
+def values_finite(x: KernelInputs) -> jax.Array:
+  """Whether a call's values are all finite: not differentiated, the only way garbage a query
+  should not see reaches a kernel's output that replaces masked logits by its mask value (a
+  hidden key or query reaches only those logits)."""
+  return all_finite(x.value)
+
+
 def guard_garbage(kernel: base.Attend, exact: base.Attend, keep: Keep = kept_unless,
                   check_first: Callable[[KernelInputs], jax.Array] | None = None) -> base.Attend:
   """`kernel` guarded: an output, or a gradient, that is not all finite is recomputed by `exact`
@@ -118,5 +125,5 @@ def guard_head_major(kernel: base.Attend, exact: base.Attend,
   spreads through values alone (differentiated, q and k reach the gradients too: the outputs
   are checked there)."""
   guarded = guard_garbage(kernel, exact_head_major(exact),
-                          check_first=(lambda y: all_finite(y.value)) if values_first else None)
+                          check_first=values_finite if values_first else None)
   return lambda x, facts: KernelOutput(base.to_bhtd(guarded(head_major(x, facts), facts).out))

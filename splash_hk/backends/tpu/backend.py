@@ -333,7 +333,8 @@ def describe(facts: Facts) -> str | None:
 
 
 _GUARDED_DENSE = guard.guard_head_major(attend_head_major, xla.attend)
-_GUARDED_LISTS = guard.guard_garbage(splash_lists.attend, xla.attend)
+_GUARDED_LISTS = guard.guard_garbage(splash_lists.attend, xla.attend,  # values checked first
+                                     check_first=guard.values_finite)
 
 
 def guarded_attend(x: KernelInputs, facts: Facts) -> KernelOutput:
