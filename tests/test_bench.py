@@ -273,38 +273,45 @@ def test_tpu_decode_bench_times_the_paged_kernel_and_hands_the_peer_the_same_ste
   assert "jax_nn_xla: " in bench_tpu_decode.report([fixed], rate)
 
 
-def test_tpu_decode_bench_holds_each_kind_of_step_against_its_own():
-  """A mixed step against its parts apart, a prefill against `attention`, an int8 pool against
-  the bf16 step (its bytes: codes and per-token scales); a mixed step's peer inputs give our
-  output through JAX's reference (interpret mode, tiny rows)."""
-  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+def _smoke_decode_row(name):
   rate = timing.Bandwidth(back_to_back=1e10, launch=1e10, device=None)
-  rows = bench_tpu_decode.SMOKE_ROWS
-  run = lambda name: bench_tpu_decode.run_row(name, rows[name], 1, bandwidth=rate,
-                                              interpret=True, peers=False)
-  mixed, prefill = run("mixed_p64"), run("prefill2k_p64")
-  int8, bf16 = run("int8_p64"), run("decode_p64")
+  return bench_tpu_decode.run_row(name, bench_tpu_decode.SMOKE_ROWS[name], 1, bandwidth=rate,
+                                  interpret=True, peers=False), rate
+
+
+def test_tpu_decode_bench_holds_a_mixed_step_and_a_prefill_against_their_own():
+  """A mixed step against its parts apart, a prefill against `attention`; a mixed step's peer
+  inputs give our output through JAX's reference (interpret mode, tiny rows)."""
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+  (mixed, _), (prefill, _) = _smoke_decode_row("mixed_p64"), _smoke_decode_row("prefill2k_p64")
   assert len(mixed["parts_ms"]) == 2 and mixed["over_parts"] > 0, mixed
   assert prefill["attention_ms"] > 0 and prefill["over_attention"] > 0, prefill
-  assert int8["decision"].startswith("splash"), int8  # the TPU kernel reads the codes
-  # a token's k and v over 2 kv heads: int8 codes of 128 and a float32 scale, or 128 bf16
-  assert int8["bytes_read"] * (2 * 2 * 128 * 2) == bf16["bytes_read"] * (2 * 2 * (128 + 4))
-  assert "over the bf16 step: " in bench_tpu_decode.report([bf16, int8], rate)
-  quest = run("quest16_p64")  # Quest's choice in the step, against every page
-  assert quest["decision"].startswith("splash") and quest["every_page_over"] > 0, quest
-  step = bench_tpu_decode.make_step(rows["quest16_p64"])
-  assert step.tokens_read < int(step.lens.sum()) and step.top_k == 1
-  assert "every page over it: " in bench_tpu_decode.report([quest], rate)
-  ordered = bench_tpu_decode.make_step(rows["in_order_p64"])  # each sequence's pages in a run
-  table, need = np.asarray(ordered.batch.page_table), -(-ordered.lens // 64)
-  assert all((np.diff(table[s, :n]) == 1).all() for s, n in enumerate(need))
-  step = bench_tpu_decode.make_step(rows["mixed_p64"])
+  step = bench_tpu_decode.make_step(bench_tpu_decode.SMOKE_ROWS["mixed_p64"])
   assert list(np.diff(np.asarray(step.batch.cu_q_lens))) == [48, 48, 1]
   _, ours = bench_tpu_decode.ours_seconds(step, 1, True)
   theirs = rpa.ref_ragged_paged_attention(*bench_tpu_decode.peer_inputs(step),
                                           sm_scale=128 ** -0.5)
   np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs, np.float32),
                              atol=2e-2, rtol=2e-2)
+
+
+def test_tpu_decode_bench_holds_int8_and_quest_steps_against_their_own():
+  """An int8 pool against the bf16 step (its bytes: codes and per-token scales), Quest's choice
+  against every page, pages handed out in order (interpret mode, tiny rows)."""
+  (int8, rate), (bf16, _) = _smoke_decode_row("int8_p64"), _smoke_decode_row("decode_p64")
+  assert int8["decision"].startswith("splash"), int8  # the TPU kernel reads the codes
+  # a token's k and v over 2 kv heads: int8 codes of 128 and a float32 scale, or 128 bf16
+  assert int8["bytes_read"] * (2 * 2 * 128 * 2) == bf16["bytes_read"] * (2 * 2 * (128 + 4))
+  assert "over the bf16 step: " in bench_tpu_decode.report([bf16, int8], rate)
+  quest, _ = _smoke_decode_row("quest16_p64")  # Quest's choice in the step, against every page
+  assert quest["decision"].startswith("splash") and quest["every_page_over"] > 0, quest
+  rows = bench_tpu_decode.SMOKE_ROWS
+  step = bench_tpu_decode.make_step(rows["quest16_p64"])
+  assert step.tokens_read < int(step.lens.sum()) and step.top_k == 1
+  assert "every page over it: " in bench_tpu_decode.report([quest], rate)
+  ordered = bench_tpu_decode.make_step(rows["in_order_p64"])  # each sequence's pages in a run
+  table, need = np.asarray(ordered.batch.page_table), -(-ordered.lens // 64)
+  assert all((np.diff(table[s, :n]) == 1).all() for s, n in enumerate(need))
 
 
 def test_tpu_blocks_bench_holds_the_choice_against_causal_and_names_what_it_does_not_serve():
