@@ -228,20 +228,11 @@ def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   """A short run over a cache on one shard: out [B, T, Hq, Dv] and lse [B, T, Hq]; when
   differentiated, xla's forward and backward instead (the kernel has no backward)."""
 
-  @jax.custom_vjp
-  def run(y):
+  def run(y: KernelInputs) -> tuple[jax.Array, jax.Array]:
     out, lse = _cache_call(y, facts)
     return out.astype(y.query.dtype), lse
 
-  def run_fwd(y):
-    (out, lse), pullback = jax.vjp(lambda z: tuple(xla.attend(z, facts)[:2]), y)
-    return (out, lse), pullback
-
-  def run_bwd(pullback, cotangents):
-    return pullback(cotangents)
-
-  run.defvjp(run_fwd, run_bwd)
-  return KernelOutput(*run(x))
+  return KernelOutput(*xla.with_xla_gradients(run, facts, fields=2)(x))
 
 
 BACKEND = base.Backend(

@@ -30,14 +30,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from splash_hk.backends import base
+from splash_hk.backends.tpu import list_kernel as tpu_lists
 from splash_hk.backends.tpu import softmax
 from splash_hk.backends.xla import backend as xla
 from splash_hk.masks import _objects
 from splash_hk.types import Facts, KernelInputs, KernelOutput
 
 ROWS = 8  # query rows a call (a decode's 1, a verification's few); more run on the dense kernel
-SUBLANES = 8  # a block's kv heads are whole sublane tiles of the columns
-LANES = 128
+LANES, SUBLANES = tpu_lists.LANES, tpu_lists.SUBLANES  # a block's kv heads: whole sublane tiles
 LOGITS_BYTES = 2 * 2 ** 20  # a block's logits [R, C] float32 at most
 BUFFER_BYTES = 8 * 2 ** 20  # a block's keys and values, double-buffered, at most
 MOST_KEYS = 1024  # a block's keys at most (T = 1 and 4 read the same at 512 and 1024)
@@ -91,17 +91,21 @@ def block_keys(rows: int, heads: int, kv_heads: int, dims: int, itemsize: int,
   """bk: the most keys a block (a power of two, 128 to `MOST_KEYS`) whose logits and buffers
   fit their budgets, at most the cache's keys rounded up to 128."""
   bk = MOST_KEYS
-  while bk > 128 and (rows * heads * bk * kv_heads * 4 > LOGITS_BYTES
-                      or 2 * bk * kv_heads * dims * itemsize > BUFFER_BYTES):
+  while bk > LANES and (rows * heads * bk * kv_heads * 4 > LOGITS_BYTES
+                        or 2 * bk * kv_heads * dims * itemsize > BUFFER_BYTES):
     bk //= 2
-  return min(bk, -(-keys // 128) * 128)
+  return min(bk, -(-keys // LANES) * LANES)
+
+
+def _block_keys(facts: Facts, itemsize: int) -> int:
+  """`block_keys` of a call whose keys and values take `itemsize` bytes an entry."""
+  return block_keys(facts.query_len, facts.query_shape[2], facts.key_shape[2],
+                    facts.key_shape[3] + facts.value_dim, itemsize, facts.kv_len)
 
 
 def describe(facts: Facts) -> str:
   """The decode kernel's blocks for a call (`explain`), at the call's dtype."""
-  itemsize = jnp.dtype(facts.dtype or jnp.float32).itemsize
-  bk = block_keys(facts.query_len, facts.query_shape[2], facts.key_shape[2],
-                  facts.key_shape[3] + facts.value_dim, itemsize, facts.kv_len)
+  bk = _block_keys(facts, jnp.dtype(facts.dtype or jnp.float32).itemsize)
   return (f"the TPU decode kernel: {facts.query_len} row(s) of every head against blocks of "
           f"{bk} keys of every kv head")
 
@@ -130,8 +134,8 @@ def _seen(spec: Spec, vis_ref, expand_ref) -> jax.Array:
 
 def _expand(kv_heads: int, dtype) -> jax.Array:
   """[128, 128 * Hkv]: 1 where column c is key c // Hkv's (`_seen`), else 0."""
-  col = jnp.arange(128 * kv_heads, dtype=jnp.int32)
-  return (col[None, :] // kv_heads == jnp.arange(128, dtype=jnp.int32)[:, None]).astype(dtype)
+  col = jnp.arange(LANES * kv_heads, dtype=jnp.int32)
+  return (col[None, :] // kv_heads == jnp.arange(LANES, dtype=jnp.int32)[:, None]).astype(dtype)
 
 
 def _kernel(spec: Spec, first_ref, last_ref, whole_ref, q_ref, sink_ref, vis_ref, expand_ref,
@@ -196,11 +200,12 @@ def _call(spec: Spec, plan: tuple[jax.Array, ...], q: jax.Array, sinks: jax.Arra
       in_specs=[pl.BlockSpec((None, r, d), lambda b, j, *_: (b, 0, 0)),
                 pl.BlockSpec((r, 1), lambda b, j, *_: (0, 0)),
                 pl.BlockSpec((None, spec.rows, bk), lambda b, j, *refs: (b, 0, at(b, j, *refs))),
-                pl.BlockSpec((128, 128 * hkv), lambda b, j, *_: (0, 0)),
+                pl.BlockSpec((LANES, LANES * hkv), lambda b, j, *_: (0, 0)),
                 pl.BlockSpec((None, bk, hkv, d), kv), pl.BlockSpec((None, bk, hkv, dv), kv)],
       out_specs=pl.BlockSpec((None, 1, r, dv), lambda b, j, *_: (b, 0, 0, 0)),
-      scratch_shapes=[pltpu.VMEM((1, r, 128), jnp.float32), pltpu.VMEM((1, r, 128), jnp.float32),
-                      pltpu.VMEM((1, r, dv), jnp.float32), pltpu.VMEM((1, r, 128), jnp.float32)])
+      scratch_shapes=[pltpu.VMEM((1, r, LANES), jnp.float32),  # max, sum, acc, lse
+                      pltpu.VMEM((1, r, LANES), jnp.float32), pltpu.VMEM((1, r, dv), jnp.float32),
+                      pltpu.VMEM((1, r, LANES), jnp.float32)])
   out = pl.pallas_call(
       functools.partial(_kernel, spec), grid_spec=grid,
       out_shape=jax.ShapeDtypeStruct((batch, 1, r, dv), q.dtype),
@@ -214,7 +219,7 @@ def _forward(x: KernelInputs, facts: Facts) -> jax.Array:
   """out [B, T, Hq, Dv] of a short run over the cache."""
   batch, rows, heads, d = x.query.shape
   keys, kv_heads = x.key.shape[1], x.key.shape[2]
-  bk = block_keys(rows, heads, kv_heads, d + facts.value_dim, x.key.dtype.itemsize, keys)
+  bk = _block_keys(facts, x.key.dtype.itemsize)
   spec = Spec(rows, heads, kv_heads, bk, -(-keys // bk), facts.scale,
               facts.config.logits_soft_cap)
   vis = base.full_mask(x)[:, 0]  # [B, T, S]
@@ -231,17 +236,5 @@ def _forward(x: KernelInputs, facts: Facts) -> jax.Array:
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   """A short run over a cache on one shard: out [B, T, Hq, Dv]; when differentiated, xla's
   forward and backward instead (the kernel has no backward)."""
-
-  @jax.custom_vjp
-  def run(y):
-    return _forward(y, facts)
-
-  def run_fwd(y):
-    out, pullback = jax.vjp(lambda z: xla.attend(z, facts).out, y)
-    return out, pullback
-
-  def run_bwd(pullback, cotangent):
-    return pullback(cotangent)
-
-  run.defvjp(run_fwd, run_bwd)
-  return KernelOutput(run(x))
+  return KernelOutput(*xla.with_xla_gradients(lambda y: (_forward(y, facts),), facts,
+                                              fields=1)(x))

@@ -17,6 +17,8 @@ values are never repeated.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -37,6 +39,23 @@ def why_not(facts: Facts, hardware: str) -> str | None:
   """The xla path serves every call except one that asks for the weights."""
   del hardware
   return base.WEIGHTS_REFUSAL if facts.return_weights else None
+
+
+def with_xla_gradients(run: Callable[[KernelInputs], tuple[jax.Array, ...]], facts: Facts,
+                       fields: int) -> Callable[[KernelInputs], tuple[jax.Array, ...]]:
+  """A kernel with no backward (`run`: inputs -> the first `fields` fields of its
+  `KernelOutput`) whose calls, when differentiated, run this backend's forward and backward
+  instead (the kernel does not run then)."""
+
+  @jax.custom_vjp
+  def call(x):
+    return run(x)
+
+  def forward(x):
+    return jax.vjp(lambda y: tuple(attend(y, facts)[:fields]), x)
+
+  call.defvjp(forward, lambda pullback, cotangents: pullback(cotangents))
+  return call
 
 
 def attend(x: KernelInputs, facts: Facts) -> KernelOutput:
