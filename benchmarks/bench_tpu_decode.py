@@ -21,7 +21,8 @@ Each call is timed three ways (`timing`), and the read bandwidth the same three 
 calls launched back to back (a launch hides behind the call before it, as in a serving loop);
 "launch_ms", each call launched and waited for alone (the lent TPU's host adds about 0.6 ms a
 call); "device_ms", the chip's time in the call's programs (a trace). Each fraction of the
-bandwidth divides by the bandwidth timed the same way.
+bandwidth divides by the bandwidth timed the same way. "launch" is the host's time to launch a
+call (`timing.dispatch_seconds`): where it nears the back-to-back time, the host bounds it.
 
     python -m benchmarks.bench_tpu_decode --out=DIR [--rows=...] [--repeats=5]
 """
@@ -226,7 +227,7 @@ def _cell(figures: dict[str, Any]) -> str:
   text = f"{figures['ms']:.3f} ms {figures['fraction_of_bandwidth']:.3f}"
   if figures.get("device_ms") is not None:
     text += f" (chip {figures['device_ms']:.3f} ms {figures['device_fraction']:.3f})"
-  return text + f" (alone {figures['launch_ms']:.3f} ms)"
+  return text + f" (alone {figures['launch_ms']:.3f} ms, launch {figures['dispatch_ms']:.3f} ms)"
 
 
 def _over_bf16(result: dict[str, Any], results: list[dict[str, Any]]) -> str:

@@ -60,18 +60,36 @@ def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int) -> float:
 BACK_TO_BACK = 10  # calls launched back to back per timed sample
 
 
-def back_to_back_seconds(fn: Callable[..., Any], *args: Any, repeats: int,
-                         calls: int = BACK_TO_BACK) -> float:
-  """The median over `repeats` samples of a call's share of `calls` calls of `fn(*args)`
-  launched back to back and waited for once (after an untimed call)."""
+def _back_to_back(fn: Callable[..., Any], args: tuple[Any, ...], repeats: int,
+                  calls: int) -> tuple[float, float]:
+  """(a call's share of the time to launch `calls` calls of `fn(*args)` back to back and wait
+  for them once, its share of the time to launch them alone): medians over `repeats` samples,
+  after an untimed call."""
   jax.block_until_ready(fn(*args))
   samples = []
   for _ in range(repeats):
     start = time.perf_counter()
     results = [fn(*args) for _ in range(calls)]
+    launched = time.perf_counter()
     jax.block_until_ready(results)
-    samples.append((time.perf_counter() - start) / calls)
-  return float(np.median(samples))
+    samples.append(((time.perf_counter() - start) / calls, (launched - start) / calls))
+  done, launch = np.median(np.asarray(samples), axis=0)
+  return float(done), float(launch)
+
+
+def back_to_back_seconds(fn: Callable[..., Any], *args: Any, repeats: int,
+                         calls: int = BACK_TO_BACK) -> float:
+  """The median over `repeats` samples of a call's share of `calls` calls of `fn(*args)`
+  launched back to back and waited for once (after an untimed call)."""
+  return _back_to_back(fn, args, repeats, calls)[0]
+
+
+def dispatch_seconds(fn: Callable[..., Any], *args: Any, repeats: int,
+                     calls: int = BACK_TO_BACK) -> float:
+  """The host's time to launch a call of `fn(*args)` back to back (`back_to_back_seconds`'s
+  launches, not waited for). Where it nears the back-to-back time, the host, not the chip,
+  bounds the calls."""
+  return _back_to_back(fn, args, repeats, calls)[1]
 
 
 def device_profile(fn: Callable[..., Any], *args: Any, repeats: int) -> collections.Counter:
@@ -129,9 +147,11 @@ def figures(call: Callable[[], Any], bytes_read: int, bandwidth: Bandwidth, repe
   seconds = back_to_back or back_to_back_seconds(call, repeats=repeats)
   launch = median_seconds(call, repeats=repeats)
   device = device_seconds(call, repeats=repeats)
+  dispatch = dispatch_seconds(call, repeats=repeats)
   fraction = lambda rate, t: None if rate is None or t is None else round(bytes_read / rate / t, 3)
   return {"ms": round(seconds * 1e3, 4), "launch_ms": round(launch * 1e3, 4),
           "device_ms": None if device is None else round(device * 1e3, 4),
+          "dispatch_ms": round(dispatch * 1e3, 4),
           "fraction_of_bandwidth": fraction(bandwidth.back_to_back, seconds),
           "launch_fraction": fraction(bandwidth.launch, launch),
           "device_fraction": fraction(bandwidth.device, device)}

@@ -258,6 +258,7 @@ def test_tpu_decode_bench_times_the_paged_kernel_and_hands_the_peer_the_same_ste
                                     peers=False, probes=("glue",), profile=True)
   assert result["decision"].startswith("splash") and result["ms"] > 0
   assert result["launch_ms"] > 0 and result["device_ms"] is None, result  # a CPU: no chip time
+  assert result["dispatch_ms"] > 0, result  # the host's launches, timed apart
   assert result["probes_ms"]["glue"] > 0 and result["ops_us"] == {}, result
   step = bench_tpu_decode.make_step(row)
   assert step.bytes_read == int(step.lens.sum()) * 2 * 128 * 2 * 2
