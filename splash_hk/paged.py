@@ -7,6 +7,7 @@ The page allocator and the scheduler are the caller's (`examples/serve/`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -117,8 +118,9 @@ def paged_attention(
     naming the argument when `batch` is concrete; under `jit` it writes nothing and outputs
     NaN, the others proceed.
   """
-  facts = paged_facts(query, key, value, cache, batch, config=config, mask=mask, bias=bias,
-                 softmax_aux=softmax_aux)
+  facts = dataclasses.replace(
+      paged_facts(query, key, value, cache, batch, config=config, mask=mask, bias=bias,
+                  softmax_aux=softmax_aux), residuals=return_residuals)
   owners.check(cache, owner, "cache")
   if mesh is not None:
     validation.validate_mesh(mesh, axes)
@@ -202,7 +204,9 @@ def _step(call: PagedCall, facts: PagedFacts,
   layout = call.layout
   cache = ragged.write(call.cache, call.key, call.value, layout)
   x = PagedInputs(query=call.query, cache=cache, layout=layout, lists=call.lists, rule=call.rule,
-                  bias=call.bias, sinks=call.sinks, heads=call.heads)
+                  bias=call.bias, sinks=call.sinks, heads=call.heads,
+                  new_key=quant.as_held(call.cache.key, call.key, "key"),
+                  new_value=quant.as_held(call.cache.value, call.value, "value"))
   out, lse = _run(choice, x, facts)  # [N, Hq, Dv], [N, Hq]
   out = jnp.where(layout.row_bad[:, None, None], jnp.nan, out)
   out = jnp.where((layout.row_live | layout.row_bad)[:, None, None], out, 0)

@@ -128,6 +128,7 @@ class PagedFacts:
   cascade: bool = False  # the batch has a shared prefix (`RaggedBatch.prefix`)
   selected: bool = False  # the batch has a page selection (`RaggedBatch.selection`)
   tree: bool = False  # the batch has draft trees (`RaggedBatch.tree`)
+  residuals: bool = False  # the caller asked for each row's lse (`return_residuals`)
 
   @property
   def num_tokens(self) -> int:
@@ -280,3 +281,5 @@ class PagedInputs(NamedTuple):
   bias: Score | None  # a position object; no per-token arrays
   sinks: jax.Array | None  # [Hq, n] float32
   heads: jax.Array  # [Hq] int32: the global indices of this shard's query heads
+  new_key: Any = None  # [N, Hkv, D]: the new rows as the pool holds them (`quant.as_held`)
+  new_value: Any = None  # [N, Hkv, Dv]

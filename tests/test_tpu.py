@@ -149,6 +149,29 @@ def test_the_paged_kernel_compiled_matches_the_oracle(rule):
   paged_cases.check_written(step, cache)  # the pool written on the chip too
 
 
+@pytest.mark.parametrize("rule", ["causal", "window"])
+def test_prompts_with_nothing_cached_compiled_run_on_the_dense_kernel(rule, monkeypatch):
+  """Three prompts' first chunks (700, 300 and 37 rows, nothing cached), padding rows, sinks,
+  bf16, D 128: the dense kernel over the packed rows (`fresh`), on the chip."""
+  from splash_hk.backends.tpu import fresh  # pylint: disable=import-outside-toplevel
+  calls = []
+  attend = fresh.attend
+  monkeypatch.setattr(fresh, "attend", lambda x, f: (calls.append(f), attend(x, f))[1])
+  step = paged_cases.step(seed=5, kv_lens=(0, 0, 0), q_lens=(700, 300, 37), pad_rows=5,
+                          page=64, pages_per_seq=12, num_pages=40, hq=8, hkv=2, d=128,
+                          value_dim=128, dtype=jnp.bfloat16)
+  config, rules = {"causal": (sh.AttentionConfig(), {}),
+                   "window": (sh.AttentionConfig(sliding_window=(256, 0)),
+                              dict(window=(256, 0)))}[rule]
+  sinks = np.linspace(-1.0, 1.0, 8).astype(np.float32)
+  out, _ = jax.jit(lambda *a: sh.paged_attention(*a, config=config.replace(**COMPILED),
+                                                 softmax_aux=sinks))(
+      step.q, step.k, step.v, step.cache, step.batch)
+  assert len(calls) == 1
+  want = paged_cases.attend(step, sinks=sinks, **rules)
+  np.testing.assert_allclose(np.asarray(out, np.float32), want, **harness.tol(dtype=jnp.bfloat16))
+
+
 @pytest.mark.parametrize("new_rows", [7, 9])
 def test_a_new_nan_value_compiled_shows_only_in_the_rows_that_see_it(new_rows):
   """Garbage and a visible NaN on the chip: the paged kernel's guarded and whole blocks."""

@@ -18,6 +18,7 @@ from splash_hk import pages
 from splash_hk import quant
 from splash_hk import ragged
 from splash_hk.backends import base
+from splash_hk.backends.tpu import fresh
 from splash_hk.backends.tpu import list_kernel as tpu_lists
 from splash_hk.backends.tpu import paged_kernel as tpu_paged
 
@@ -147,7 +148,16 @@ def block_scales(spec: tpu_paged.Spec, blocks: jax.Array, key_scale: jax.Array,
 
 def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:
   """out [N, Hq, Dv] of every live row over its sequence's pages (other rows: 0) and its lse
-  [N, Hq] (base's convention)."""
+  [N, Hq] (base's convention): a step with nothing cached on the dense kernel where it serves
+  the call (`fresh`), else the paged kernel."""
+  if not fresh.serves(x, facts):
+    return _paged(x, facts)
+  return jax.lax.cond(fresh.fresh(x.layout), lambda: fresh.attend(x, facts),
+                      lambda: _paged(x, facts))
+
+
+def _paged(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:
+  """`attend` on the paged kernel."""
   n, heads, d = x.query.shape
   kv_heads, dv = facts.num_kv_heads, facts.value_dim
   groups, bq = heads // kv_heads, block_q(facts)

@@ -1,0 +1,102 @@
+"""A paged step whose sequences have nothing cached before it (prompts' first chunks): the dense
+TPU kernel over its new rows.
+
+When no sequence of a step has a key cached before the step, each row's keys are its own
+sequence's new rows, so the step is `attention` over its rows packed as one sequence of
+documents: segment ids the rows' sequences, positions their positions in them. The dense kernel
+serves that at its tuned tiles; the paged kernel, built for a few rows over long histories, runs
+a prompt in tiles of at most 128 rows against 256 keys a step (a paged prefill of 2048 tokens
+took 3.22x `attention`'s time on the v5e, run I2). The pool is written as before. Whether a step
+is such a step is known only when it runs, so the TPU paged backend holds both programs and a
+`lax.cond` picks one (`serves`: where the dense kernel serves the call; a small step keeps one
+program).
+
+Glossary: N rows of the step, Hq query heads, Hkv kv heads, D key size, Dv value size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from splash_hk import pages
+from splash_hk import quant
+from splash_hk.masks import _objects
+
+MIN_ROWS = 512  # a step of fewer rows keeps the paged kernel alone (one program to compile)
+
+
+def _rules(facts: pages.PagedFacts) -> dict[str, Any] | None:
+  """The paged call's rule as config keywords where it reads the same over the packed rows'
+  positions as over each sequence's (causal and a window: distances within a sequence; no rule:
+  all of it), else None (a chunk or another object reads absolute positions, which the dense
+  kernel, its masks built at trace time, takes only as the packed rows' own)."""
+  rules = _objects.as_rules(facts.rule)
+  return None if rules is None or rules["chunk_size"] is not None else rules
+
+
+def _call(x: pages.PagedInputs, facts: pages.PagedFacts,
+          specs: bool = False) -> tuple[Any, Any, Any, dict[str, Any]]:
+  """`attention`'s arguments for the step's rows, (q, k, v, keywords) (`specs`: their shapes
+  only, for `explain`): the rows packed as one sequence [1, N] of documents (segment ids), the
+  paged call's scale, soft cap, platform and blocks, and its rules (`_rules`)."""
+  hold = lambda a: quant.tile(a, x.query.dtype) if quant.is_quantized(a) else a
+  k, v = hold(x.new_key), hold(x.new_value)  # [N, Hkv, D], [N, Hkv, Dv] as the pool holds them
+  seg = jnp.where(x.layout.row_in, x.layout.seq, facts.max_seqs)  # [N]: padding its own
+  arrays: tuple[Any, ...] = (x.query[None], k[None], v[None], seg[None], x.sinks)
+  if specs:
+    arrays = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+  q, k, v, seg, sinks = arrays
+  rules = _rules(facts) or {}
+  config = dataclasses.replace(facts.config, causal=rules.get("causal", False),
+                               sliding_window=rules.get("window"), chunk_size=None)
+  ids = None if _one_prompt(facts, rules) else seg  # no ids: the kernel's static plan alone
+  return q, k, v, dict(config=config, q_segment_ids=ids, kv_segment_ids=ids,
+                       softmax_aux=sinks)
+
+
+def _one_prompt(facts: pages.PagedFacts, rules: dict[str, Any]) -> bool:
+  """Whether the step's segment ids say nothing its rule does not: one sequence (its rows the
+  first, padding rows after them), and a rule under which no row sees a later one (causal, a
+  window reaching back only), so no live row sees a padding row. Ids cost the dense kernel a
+  plan a call and a compare a logit (a prompt of 8192 tokens took 1.27x `attention`'s time with
+  them on the v5e, run I4)."""
+  window = rules.get("window")
+  return (facts.max_seqs == 1 and bool(rules.get("causal"))
+          and (window is None or window[1] == 0))
+
+
+def serves(x: pages.PagedInputs, facts: pages.PagedFacts) -> bool:
+  """Whether a step of these shapes may run on the dense kernel when nothing is cached: enough
+  rows, its new rows at hand, no selection, draft tree, shared prefix or lse asked for (the
+  dense kernel returns none), a rule `_rules` reads, and the dense TPU kernel serving the call
+  (`explain`)."""
+  from splash_hk.attention import explain  # pylint: disable=import-outside-toplevel
+  if (facts.num_tokens < MIN_ROWS or x.new_key is None or facts.selected or facts.tree
+      or facts.cascade or facts.bias is not None or facts.residuals or _rules(facts) is None):
+    return False
+  q, k, v, named = _call(x, facts, specs=True)
+  decision = explain(q, k, v, **named)  # on this host: the TPU, or interpret mode
+  return decision.backend == "splash"
+
+
+def fresh(layout: pages.Layout) -> jax.Array:
+  """[] bool: every sequence with a live row this step had no key before it (its length after
+  the step is its rows')."""
+  seqs = layout.kv_len_after.shape[0]
+  rows = jax.ops.segment_sum(layout.row_live.astype(jnp.int32), layout.seq,
+                             num_segments=seqs)  # [max_seqs]
+  return jnp.all((rows == 0) | (layout.kv_len_after == rows))
+
+
+def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:
+  """out [N, Hq, Dv] of a step with nothing cached, by `attention` over its rows (a row that
+  sees nothing: 0, as the paged kernel's), and an lse [N, Hq] of NaN: `serves` takes no call
+  that asks for it."""
+  from splash_hk.attention import attention  # pylint: disable=import-outside-toplevel
+  q, k, v, named = _call(x, facts)
+  out = attention(q, k, v, **named).attention_outputs[0]  # [N, Hq, Dv]
+  return out, jnp.full(out.shape[:2], jnp.nan, jnp.float32)
