@@ -59,6 +59,19 @@ def test_one_prompt_with_padding_rows_after_it_matches_the_oracle(dense, rule):
                              **harness.tol())
 
 
+def test_prompts_with_heads_sharded_over_the_head_axis(dense):
+  """tp = 2 over 8 query and 4 kv heads, kv-head sinks sharded with their heads: each shard's
+  dense call is its own heads'."""
+  step = paged_cases.step(seed=46, hq=8, hkv=4, **PROMPTS)
+  sinks = np.random.default_rng(47).normal(size=(4, 1)).astype(np.float32)
+  out, cache = jax.jit(lambda q, k, v, c, b, s: sh.paged_attention(
+      q, k, v, c, b, softmax_aux=s, config=sh.AttentionConfig(**INTERPRET),
+      mesh=harness.mesh("4x2")))(step.q, step.k, step.v, step.cache, step.batch, sinks)
+  assert len(dense) == 1 and out.sharding.spec[1] == "tp"
+  want = paged_cases.attend(step, sinks=np.repeat(sinks, 2, 0))
+  np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
+
+
 def test_prompts_over_an_int8_pool_attend_their_rows_as_stored(dense):
   step = paged_cases.quantized_step("int8", 42, hq=8, **{**PROMPTS, "page": 32,
                                                           "pages_per_seq": 6})
