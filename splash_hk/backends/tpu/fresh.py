@@ -3,7 +3,8 @@ TPU kernel over its new rows.
 
 When no sequence of a step has a key cached before the step, each row's keys are its own
 sequence's new rows, so the step is `attention` over its rows packed as one sequence of
-documents: segment ids the rows' sequences, positions their positions in them. The dense kernel
+documents (segment ids: the rows' sequences) under a rule that reads distances within a sequence
+the same over the packed rows' positions (causal, a window: `_rules`). The dense kernel
 serves that at its tuned tiles; the paged kernel, built for a few rows over long histories, runs
 a prompt in tiles of at most 128 rows against 256 keys a step (a paged prefill of 2048 tokens
 took 3.22x `attention`'s time on the v5e, run I2). The pool is written as before. Whether a step
