@@ -25,7 +25,7 @@ def dense(monkeypatch):
   monkeypatch.setattr(fresh, "MIN_ROWS", 16)
   calls = []
   attend = fresh.attend
-  monkeypatch.setattr(fresh, "attend", lambda x, f: (calls.append(f), attend(x, f))[1])
+  monkeypatch.setattr(fresh, "attend", lambda *a: (calls.append(a[1]), attend(*a))[1])
   return calls
 
 

@@ -156,7 +156,7 @@ def test_prompts_with_nothing_cached_compiled_run_on_the_dense_kernel(rule, monk
   from splash_hk.backends.tpu import fresh  # pylint: disable=import-outside-toplevel
   calls = []
   attend = fresh.attend
-  monkeypatch.setattr(fresh, "attend", lambda x, f: (calls.append(f), attend(x, f))[1])
+  monkeypatch.setattr(fresh, "attend", lambda *a: (calls.append(a[1]), attend(*a))[1])
   step = paged_cases.step(seed=5, kv_lens=(0, 0, 0), q_lens=(700, 300, 37), pad_rows=5,
                           page=64, pages_per_seq=12, num_pages=40, hq=8, hkv=2, d=128,
                           value_dim=128, dtype=jnp.bfloat16)

@@ -2,10 +2,9 @@
 
 Splash masks are static: they see row/column indices, not traced positions, so
 this path serves the default (end-aligned) positions only; the selector sends
-calls with explicit positions or a dense mask elsewhere. A sharded query
-sequence gets one static mask per slice. Sequences that do not
-fill whole blocks are padded, the padding masked with segment ids, and sliced
-off. Kernels (and their MaskInfo) are built once per static shape and config,
+calls with explicit positions or a dense mask elsewhere. A sharded query sequence gets
+one static mask per slice. Sequences that do not fill whole blocks are padded, the
+padding masked with segment ids, and sliced off. Kernels (and their MaskInfo) are built once per static shape and config,
 except for `Causal() | Bidirectional(ids)`, whose traced ids give each call its
 own plan (`splash_horizon`).
 """
@@ -30,6 +29,7 @@ from splash_hk.backends import guard
 from splash_hk.backends.tpu import decode as splash_decode
 from splash_hk.backends.tpu import documents as splash_documents
 from splash_hk.backends.tpu import forward as fast_forward
+from splash_hk.backends.tpu import fresh
 from splash_hk.backends.tpu import horizon as splash_horizon
 from splash_hk.backends.tpu import lists as splash_lists
 from splash_hk.backends.tpu import paged as splash_paged
@@ -304,8 +304,8 @@ def _apply(kernel, num_kv_heads: int, per_example: bool, q, k, v, sinks, seg) ->
     grouped_sinks = None if sinks is None else sinks.reshape(num_kv_heads, groups)  # [Hkv, G]
     one = lambda kernel, q, k, v, seg: per_kv_head(kernel, q, k, v, grouped_sinks, seg)
   with base.kernel_precision(q.dtype):
-    out = jax.vmap(one, in_axes=(0 if per_example else None, 0, 0, 0, seg_axes))(kernel, q, k,
-                                                                                v, seg)
+    run = jax.vmap(one, in_axes=(0 if per_example else None, 0, 0, 0, seg_axes))
+    out = run(kernel, q, k, v, seg)
   return out.reshape(batch, num_heads, t_pad, -1)  # [B, Hq, Tp, Dv]
 
 
@@ -321,8 +321,7 @@ def every_row_sees_a_key(facts: Facts, per_example: bool) -> bool:
 
 
 def describe(facts: Facts) -> str | None:
-  """The dense kernel's tiles for a call and their source (chosen blocks: the block-list
-  kernel's own)."""
+  """The dense kernel's tiles for a call and their source (chosen blocks: the list kernel's)."""
   if xla_lists.chooses(facts):
     return None
   if splash_decode.serves_rows(facts):
@@ -345,6 +344,7 @@ def guarded_attend(x: KernelInputs, facts: Facts) -> KernelOutput:
   return (_GUARDED_LISTS if xla_lists.chooses(facts) else _GUARDED_DENSE)(x, facts)
 
 
-BACKEND = base.Backend(name="splash", why_not=why_not, describe=describe,
-                       attend=guarded_attend, hardware=("tpu",), rank=0,
-                       paged_why_not=splash_paged.why_not, paged_attend=splash_paged.attend)
+_PAGED = functools.partial(splash_paged.attend, dense=fresh.Dense(why_not, guarded_attend))
+BACKEND = base.Backend(name="splash", why_not=why_not, describe=describe, attend=guarded_attend,
+                       hardware=("tpu",), rank=0, paged_why_not=splash_paged.why_not,
+                       paged_attend=_PAGED)  # prompts with nothing cached: the dense kernel

@@ -10,7 +10,7 @@ a prompt in tiles of at most 128 rows against 256 keys a step (a paged prefill o
 took 3.22x `attention`'s time on the v5e, run I2). The pool is written as before. Whether a step
 is such a step is known only when it runs, so the TPU paged backend holds both programs and a
 `lax.cond` picks one (`serves`: where the dense kernel serves the call; a small step keeps one
-program).
+program). The dense kernel is the TPU backend's own (`Dense`), guard included.
 
 Glossary: N rows of the step, Hq query heads, Hkv kv heads, D key size, Dv value size.
 """
@@ -18,14 +18,17 @@ Glossary: N rows of the step, Hq query heads, Hkv kv heads, D key size, Dv value
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from splash_hk import inputs
 from splash_hk import pages
 from splash_hk import quant
+from splash_hk.config import AttentionConfig
 from splash_hk.masks import _objects
+from splash_hk.types import Extras, Facts, KernelInputs, KernelOutput
 
 MIN_ROWS = 512  # a step of fewer rows keeps the paged kernel alone (one program to compile)
 
@@ -39,11 +42,19 @@ def _rules(facts: pages.PagedFacts) -> dict[str, Any] | None:
   return None if rules is None or rules["chunk_size"] is not None else rules
 
 
+class Dense(NamedTuple):
+  """The dense TPU kernel as the paged backend reaches it: its refusal and its call
+  (`backends/tpu/backend.py` hands over its own; importing it here would close a circle)."""
+
+  why_not: Callable[[Facts, str], str | None]
+  attend: Callable[[KernelInputs, Facts], KernelOutput]
+
+
 def _call(x: pages.PagedInputs, facts: pages.PagedFacts,
-          specs: bool = False) -> tuple[Any, Any, Any, dict[str, Any]]:
-  """`attention`'s arguments for the step's rows, (q, k, v, keywords) (`specs`: their shapes
-  only, for `explain`): the rows packed as one sequence [1, N] of documents (segment ids), the
-  paged call's scale, soft cap, platform and blocks, and its rules (`_rules`)."""
+          specs: bool = False) -> tuple[tuple[Any, Any, Any], AttentionConfig, Extras]:
+  """The dense call on the step's rows: ((q, k, v), config, extras) (`specs`: their shapes
+  only): the rows packed as one sequence [1, N] of documents (segment ids), the paged call's
+  scale, soft cap, platform and blocks, and its rules (`_rules`)."""
   hold = lambda a: quant.tile(a, x.query.dtype) if quant.is_quantized(a) else a
   k, v = hold(x.new_key), hold(x.new_value)  # [N, Hkv, D], [N, Hkv, Dv] as the pool holds them
   seg = jnp.where(x.layout.row_in, x.layout.seq, facts.max_seqs)  # [N]: padding its own
@@ -55,8 +66,7 @@ def _call(x: pages.PagedInputs, facts: pages.PagedFacts,
   config = dataclasses.replace(facts.config, causal=rules.get("causal", False),
                                sliding_window=rules.get("window"), chunk_size=None)
   ids = None if _one_prompt(facts, rules) else seg  # no ids: the kernel's static plan alone
-  return q, k, v, dict(config=config, q_segment_ids=ids, kv_segment_ids=ids,
-                       softmax_aux=sinks)
+  return (q, k, v), config, Extras(q_segment_ids=ids, kv_segment_ids=ids, softmax_aux=sinks)
 
 
 def _one_prompt(facts: pages.PagedFacts, rules: dict[str, Any]) -> bool:
@@ -70,18 +80,17 @@ def _one_prompt(facts: pages.PagedFacts, rules: dict[str, Any]) -> bool:
           and (window is None or window[1] == 0))
 
 
-def serves(x: pages.PagedInputs, facts: pages.PagedFacts) -> bool:
+def serves(x: pages.PagedInputs, facts: pages.PagedFacts, dense: Dense) -> bool:
   """Whether a step of these shapes may run on the dense kernel when nothing is cached: enough
   rows, its new rows at hand, no selection, draft tree, shared prefix or lse asked for (the
-  dense kernel returns none), a rule `_rules` reads, and the dense TPU kernel serving the call
-  (`explain`)."""
-  from splash_hk.attention import explain  # pylint: disable=import-outside-toplevel
+  dense kernel returns none), a rule `_rules` reads, and the dense kernel serving the call on
+  this host (the TPU, or interpret mode)."""
   if (facts.num_tokens < MIN_ROWS or x.new_key is None or facts.selected or facts.tree
       or facts.cascade or facts.bias is not None or facts.residuals or _rules(facts) is None):
     return False
-  q, k, v, named = _call(x, facts, specs=True)
-  decision = explain(q, k, v, **named)  # on this host: the TPU, or interpret mode
-  return decision.backend == "splash"
+  (q, k, v), config, extras = _call(x, facts, specs=True)
+  call = inputs.facts(q, k, v, config=config, extras=extras)
+  return dense.why_not(call, jax.default_backend()) is None
 
 
 def fresh(layout: pages.Layout) -> jax.Array:
@@ -93,11 +102,12 @@ def fresh(layout: pages.Layout) -> jax.Array:
   return jnp.all((rows == 0) | (layout.kv_len_after == rows))
 
 
-def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:
-  """out [N, Hq, Dv] of a step with nothing cached, by `attention` over its rows (a row that
-  sees nothing: 0, as the paged kernel's), and an lse [N, Hq] of NaN: `serves` takes no call
-  that asks for it."""
-  from splash_hk.attention import attention  # pylint: disable=import-outside-toplevel
-  q, k, v, named = _call(x, facts)
-  out = attention(q, k, v, **named).attention_outputs[0]  # [N, Hq, Dv]
+def attend(x: pages.PagedInputs, facts: pages.PagedFacts,
+           dense: Dense) -> tuple[jax.Array, jax.Array]:
+  """out [N, Hq, Dv] of a step with nothing cached, by the dense kernel over its rows (a row
+  that sees nothing: 0, as the paged kernel's), and an lse [N, Hq] of NaN: `serves` takes no
+  call that asks for it."""
+  (q, k, v), config, extras = _call(x, facts)
+  y, call = inputs.normalise(q, k, v, config=config, extras=extras)
+  out = dense.attend(y, call).out[0]  # [N, Hq, Dv]
   return out, jnp.full(out.shape[:2], jnp.nan, jnp.float32)

@@ -146,13 +146,14 @@ def block_scales(spec: tpu_paged.Spec, blocks: jax.Array, key_scale: jax.Array,
   return jnp.swapaxes(got, 3, 4).reshape(max_seqs, hl, spec.blocks, 2 * hb, spec.block_keys)
 
 
-def attend(x: pages.PagedInputs, facts: pages.PagedFacts) -> tuple[jax.Array, jax.Array]:
+def attend(x: pages.PagedInputs, facts: pages.PagedFacts,
+           dense: fresh.Dense | None = None) -> tuple[jax.Array, jax.Array]:
   """out [N, Hq, Dv] of every live row over its sequence's pages (other rows: 0) and its lse
-  [N, Hq] (base's convention): a step with nothing cached on the dense kernel where it serves
+  [N, Hq] (base's convention): a step with nothing cached on the `dense` kernel where it serves
   the call (`fresh`), else the paged kernel."""
-  if not fresh.serves(x, facts):
+  if dense is None or not fresh.serves(x, facts, dense):
     return _paged(x, facts)
-  return jax.lax.cond(fresh.fresh(x.layout), lambda: fresh.attend(x, facts),
+  return jax.lax.cond(fresh.fresh(x.layout), lambda: fresh.attend(x, facts, dense),
                       lambda: _paged(x, facts))
 
 
