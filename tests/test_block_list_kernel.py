@@ -250,7 +250,9 @@ def test_a_paged_step_with_sinks_gqa_and_a_value_size_matches_the_oracle():
 @pytest.mark.parametrize("page_size,dtype", [(16, jnp.bfloat16), (128, jnp.bfloat16),
                                              (64, jnp.int8)])
 def test_paged_attention_exported_for_tpu_holds_the_paged_kernel(page_size, dtype):
-  """Lowered for a TPU here (Mosaic): bf16 pools, and int8 ones read as codes."""
+  """Lowered for a TPU here (Mosaic): bf16 pools, and int8 ones read as codes. A step of 514
+  rows also holds the dense kernel, for when nothing is cached (`fresh`); one of a chunk rule
+  (which the dense kernel cannot read over packed rows) the paged kernel alone."""
   pool = sh.PagedKVCache.zeros(64, page_size, 2, 128, dtype=dtype)
   batch = sh.RaggedBatch(jnp.asarray([0, 512, 513, 514], jnp.int32), jnp.asarray([0, 900, 40]),
                          jnp.zeros((3, 16), jnp.int32), jnp.asarray(3, jnp.int32))
@@ -261,9 +263,13 @@ def test_paged_attention_exported_for_tpu_holds_the_paged_kernel(page_size, dtyp
   assert sh.explain_paged(*args, for_platform="tpu").backend == "splash"
   step = lambda *a: sh.paged_attention(*a, config=sh.AttentionConfig(allow_fallback=False))
   exported = jax.export.export(jax.jit(step), platforms=["tpu"])(*args)
-  assert exported.mlir_module().count("tpu_custom_call") == 1
+  assert exported.mlir_module().count("tpu_custom_call") == 2
   both = jax.export.export(jax.jit(step), platforms=["cpu", "tpu"])(*args)
-  assert both.mlir_module().count("tpu_custom_call") == 1
+  assert both.mlir_module().count("tpu_custom_call") == 2
+  chunks = lambda *a: sh.paged_attention(*a, config=sh.AttentionConfig(allow_fallback=False,
+                                                                       chunk_size=256))
+  alone = jax.export.export(jax.jit(chunks), platforms=["tpu"])(*args)
+  assert alone.mlir_module().count("tpu_custom_call") == 1
 
 
 @pytest.mark.parametrize("new_rows", [7, 9])

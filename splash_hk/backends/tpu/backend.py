@@ -4,9 +4,9 @@ Splash masks are static: they see row/column indices, not traced positions, so
 this path serves the default (end-aligned) positions only; the selector sends
 calls with explicit positions or a dense mask elsewhere. A sharded query sequence gets
 one static mask per slice. Sequences that do not fill whole blocks are padded, the
-padding masked with segment ids, and sliced off. Kernels (and their MaskInfo) are built once per static shape and config,
-except for `Causal() | Bidirectional(ids)`, whose traced ids give each call its
-own plan (`splash_horizon`).
+padding masked with segment ids, and sliced off. Kernels (and their MaskInfo) are built
+once per static shape and config, except for `Causal() | Bidirectional(ids)`, whose
+traced ids give each call its own plan (`splash_horizon`).
 """
 
 from __future__ import annotations

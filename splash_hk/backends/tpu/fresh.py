@@ -83,14 +83,14 @@ def _one_prompt(facts: pages.PagedFacts, rules: dict[str, Any]) -> bool:
 def serves(x: pages.PagedInputs, facts: pages.PagedFacts, dense: Dense) -> bool:
   """Whether a step of these shapes may run on the dense kernel when nothing is cached: enough
   rows, its new rows at hand, no selection, draft tree, shared prefix or lse asked for (the
-  dense kernel returns none), a rule `_rules` reads, and the dense kernel serving the call on
-  this host (the TPU, or interpret mode)."""
+  dense kernel returns none), a rule `_rules` reads, and the dense kernel serving the call on a
+  TPU (the paged kernel's hardware, whatever host traces it: `jax.export` from a CPU too)."""
   if (facts.num_tokens < MIN_ROWS or x.new_key is None or facts.selected or facts.tree
       or facts.cascade or facts.bias is not None or facts.residuals or _rules(facts) is None):
     return False
   (q, k, v), config, extras = _call(x, facts, specs=True)
   call = inputs.facts(q, k, v, config=config, extras=extras)
-  return dense.why_not(call, jax.default_backend()) is None
+  return dense.why_not(call, "tpu") is None
 
 
 def fresh(layout: pages.Layout) -> jax.Array:
