@@ -72,6 +72,20 @@ def test_prompts_with_heads_sharded_over_the_head_axis(dense):
   np.testing.assert_allclose(np.asarray(out), want, **harness.tol())
 
 
+def test_a_visible_nan_in_a_prompt_shows_only_where_the_oracle_has_it(dense):
+  """A new value row of the third prompt holds NaN in one column of kv head 0: its own and later
+  rows show NaN there, in that kv head's query heads only; garbage in the free slots and the
+  padding rows changes nothing."""
+  step = paged_cases.step(seed=48, hq=8, **PROMPTS)
+  row = 40 + 7 + 50  # the third sequence's row 50
+  step.v[row, 0, 3] = np.nan
+  step.history_v[2][50, 0, 3] = np.nan  # the oracle's history holds it as written
+  out = np.asarray(_run(step, sh.AttentionConfig(**INTERPRET))[0])
+  assert len(dense) == 1
+  assert np.isnan(out[row:row + 80, :4, 3]).all() and not np.isnan(out[:row]).any()
+  np.testing.assert_allclose(out, paged_cases.attend(step), **harness.tol())
+
+
 def test_prompts_over_an_int8_pool_attend_their_rows_as_stored(dense):
   step = paged_cases.quantized_step("int8", 42, hq=8, **{**PROMPTS, "page": 32,
                                                           "pages_per_seq": 6})

@@ -55,10 +55,12 @@ def _call(x: pages.PagedInputs, facts: pages.PagedFacts,
   """The dense call on the step's rows: ((q, k, v), config, extras) (`specs`: their shapes
   only): the rows packed as one sequence [1, N] of documents (segment ids), the paged call's
   scale, soft cap, platform and blocks, and its rules (`_rules`)."""
-  hold = lambda a: quant.tile(a, x.query.dtype) if quant.is_quantized(a) else a
-  k, v = hold(x.new_key), hold(x.new_value)  # [N, Hkv, D], [N, Hkv, Dv] as the pool holds them
+  rows = x.layout.row_in[:, None, None]  # [N, 1, 1]: padding rows zeroed, as garbage there
+  held = lambda a: jnp.where(  # would send the dense kernel's guard to xla's exact path
+      rows, quant.tile(a, x.query.dtype) if quant.is_quantized(a) else a, 0)[None]
   seg = jnp.where(x.layout.row_in, x.layout.seq, facts.max_seqs)  # [N]: padding its own
-  arrays: tuple[Any, ...] = (x.query[None], k[None], v[None], seg[None], x.sinks)
+  arrays: tuple[Any, ...] = (held(x.query), held(x.new_key), held(x.new_value), seg[None],
+                             x.sinks)  # [1, N, Hq, D], [1, N, Hkv, D] (as the pool holds it), ...
   if specs:
     arrays = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
   q, k, v, seg, sinks = arrays
