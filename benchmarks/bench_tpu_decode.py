@@ -191,9 +191,11 @@ def _beside(row: Row, step: Step, seconds: float, repeats: int,
   if row.prompts == row.seqs == 1:  # nothing cached: its keys are its new rows'
     config = sh.AttentionConfig(interpret=interpret)
     call = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config).attention_outputs)
-    alone = timing.back_to_back_seconds(call, step.q[None], step.k[None], step.v[None],
-                                        repeats=repeats)
-    return {"attention_ms": round(alone * 1e3, 4), "over_attention": round(seconds / alone, 3)}
+    args = (step.q[None], step.k[None], step.v[None])
+    alone = timing.back_to_back_seconds(call, *args, repeats=repeats)
+    chip = timing.device_seconds(call, *args, repeats=repeats)
+    return {"attention_ms": round(alone * 1e3, 4), "over_attention": round(seconds / alone, 3),
+            "attention_device_ms": None if chip is None else round(chip * 1e3, 4)}
   return {}
 
 
@@ -256,7 +258,11 @@ def report(results: list[dict[str, Any]], bandwidth: timing.Bandwidth) -> str:
       cell += (f" | every page over it: {r['every_page_over']:.2f}x "
                f"({r['every_page_ms']:.3f} ms)")
     if "over_attention" in r:
-      cell += f" | over attention: {r['over_attention']:.2f}x ({r['attention_ms']:.3f} ms)"
+      cell += f" | over attention: {r['over_attention']:.2f}x ({r['attention_ms']:.3f} ms"
+      if r.get("attention_device_ms") and r.get("device_ms"):
+        cell += (f"; on the chip {r['device_ms'] / r['attention_device_ms']:.2f}x, "
+                 f"{r['attention_device_ms']:.3f} ms")
+      cell += ")"
     cell += _over_bf16(r, results)
     lines.append(cell + "".join(f" | {k} keys a step: {f:.3f}"
                                 for k, f in r.get("keys_a_step", {}).items())

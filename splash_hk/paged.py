@@ -207,12 +207,26 @@ def _step(call: PagedCall, facts: PagedFacts,
                   bias=call.bias, sinks=call.sinks, heads=call.heads,
                   new_key=quant.as_held(call.cache.key, call.key, "key"),
                   new_value=quant.as_held(call.cache.value, call.value, "value"))
-  out, lse = _run(choice, x, facts)  # [N, Hq, Dv], [N, Hq]
-  out = jnp.where(layout.row_bad[:, None, None], jnp.nan, out)
-  out = jnp.where((layout.row_live | layout.row_bad)[:, None, None], out, 0)
-  lse = jnp.where(layout.row_bad[:, None], jnp.nan, lse)
-  lse = jnp.where((layout.row_live | layout.row_bad)[:, None], lse, -jnp.inf)
+  out, lse = _finished(*_run(choice, x, facts), layout)  # [N, Hq, Dv], [N, Hq]
   return out.astype(call.query.dtype), cache, lse
+
+
+def _finished(out: jax.Array, lse: jax.Array, layout: Layout) -> tuple[jax.Array, jax.Array]:
+  """out [N, Hq, Dv] and lse [N, Hq] with the rows the batch does not make live set: a padding
+  row's 0 and -inf, a misusing sequence's NaN. A pass over them only where some row is not live
+  (a while loop run zero times or once: XLA returns its state in place; the select alone took
+  208 us of a prompt of 8192 rows on the v5e)."""
+  def finish(state):
+    out, lse, _ = state
+    out = jnp.where(layout.row_bad[:, None, None], jnp.nan, out)
+    out = jnp.where((layout.row_live | layout.row_bad)[:, None, None], out, 0)
+    lse = jnp.where(layout.row_bad[:, None], jnp.nan, lse)
+    lse = jnp.where((layout.row_live | layout.row_bad)[:, None], lse, -jnp.inf)
+    return out, lse, jnp.asarray(True)
+
+  done = (out, lse, jnp.all(layout.row_live))
+  out, lse, _ = jax.lax.while_loop(lambda state: ~state[2], finish, done)
+  return out, lse
 
 
 def _run(choice: Choice, x: PagedInputs, facts: PagedFacts) -> tuple[jax.Array, jax.Array]:

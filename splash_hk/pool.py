@@ -23,6 +23,16 @@ from splash_hk import quant
 POOL_AXES = ("page", "kv_head", "slot", "dim")
 
 
+COMPARE_LIMIT = 1 << 24  # pairs compared at most where one op can replace a scatter or a search
+
+
+def search(ends: jax.Array, values: jax.Array) -> jax.Array:
+  """`jnp.searchsorted(ends, values, side="right")`: one comparison of all pairs where few (a
+  scan's loop costs a TPU microseconds a step), else the scan."""
+  method = "compare_all" if ends.size * values.size <= COMPARE_LIMIT else "scan"
+  return jnp.searchsorted(ends, values, side="right", method=method)
+
+
 def to_pool(pages: Any) -> Any:
   """Token-major pages [P, page_size, Hkv, X] (an array or `Quantized`) in the pool's layout."""
   return quant.cut(pages, 0, lambda a: jnp.swapaxes(a, 1, 2))
@@ -115,32 +125,105 @@ def tile_slots(dtype: Any) -> int:
 
 
 def put_rows(buf: Any, page: jax.Array, slot: jax.Array, held: Any,
-             runs: int | None = None) -> Any:
+             runs: int | None = None, disjoint: bool = False) -> Any:
   """`buf` [P, Hkv, page, X] (an array or `Quantized`) with row n of `held` [N, Hkv, X] (as
   `buf` holds them) at `slot[n]` of page `page[n]`; a page or slot past the pool: nothing.
   `runs`: the most runs of consecutive slots the rows make (static: a ragged step's sequences),
-  or None. A quantized pool's scales are set one (row, kv head) at a time (`_put_scales`)."""
+  or None; `disjoint`: each run is consecutive rows and no two runs write one page (a ragged
+  step's sequences: `put_runs`). A quantized pool's scales are set one (row, kv head) at a time
+  (`_put_scales`)."""
   if not isinstance(buf, quant.Quantized):
-    return _put_slots(buf, page, slot, held, runs)
-  return quant.Quantized(_put_slots(buf.values, page, slot, held.values, runs),
+    return _put_slots(buf, page, slot, held, runs, disjoint)
+  return quant.Quantized(_put_slots(buf.values, page, slot, held.values, runs, disjoint),
                          _put_scales(buf.scale, page, slot, held.scale))
 
 
 def _put_slots(buf: jax.Array, page: jax.Array, slot: jax.Array, rows: jax.Array,
-               runs: int | None) -> jax.Array:
+               runs: int | None, disjoint: bool = False) -> jax.Array:
   """`put_rows` of an array. Lowered for a TPU, a pool whose slot is part of a 32-bit word is
-  written a tile's slots at a time (`put_tiles`): XLA scatters such rows in a layout of its own,
-  a copy of the whole pool out of the kernels' tiling and back each step (compiled for a v5e:
-  4 copies of 158 MB in a decode step over an int8 pool at pages of 64, and of 317 MB in a
-  bfloat16 step of 2 prompt chunks of 512 beside 30 decodes)."""
+  written a tile's slots at a time: XLA scatters such rows in a layout of its own, a copy of the
+  whole pool out of the kernels' tiling and back each step (compiled for a v5e: 4 copies of
+  158 MB in a decode step over an int8 pool at pages of 64, and of 317 MB in a bfloat16 step of
+  2 prompt chunks of 512 beside 30 decodes). Disjoint runs go in as windows of rows
+  (`put_runs`: no scatter of a row); other rows are scattered into the tiles (`put_tiles`)."""
   plain = lambda a: a[0].at[a[1], :, a[2]].set(a[3], mode="drop")
   group = min(tile_slots(buf.dtype), buf.shape[2])
   most = groups_touched(page.shape[0], group, runs)
-  if group == 1 or buf.shape[2] % group or 2 * most * group > buf.shape[0] * buf.shape[2]:
+  if group == 1 or buf.shape[2] % group:
+    return plain((buf, page, slot, rows))
+  if disjoint and runs is not None:
+    group = run_group(page.shape[0], runs, buf.shape[2], group)
+    most = groups_touched(page.shape[0], group, runs)
+    tiled = lambda a: put_runs(a[0], a[1], a[2], a[3], group, most)
+  elif 2 * most * group > buf.shape[0] * buf.shape[2]:
     return plain((buf, page, slot, rows))  # (the tiles would read over half the pool)
-  tiled = lambda a: put_tiles(a[0], a[1], a[2], a[3], group, most)
+  else:
+    tiled = lambda a: put_tiles(a[0], a[1], a[2], a[3], group, most)
   return lowering.per_platform({"tpu": tiled, "cpu": plain, "gpu": plain},
                                (buf, page, slot, rows))
+
+
+def run_group(rows: int, runs: int, size: int, tile: int) -> int:
+  """The slots a window of `put_runs` covers: the most whole tiles of slots dividing a page of
+  `size` slots whose runs' partial windows (two a run) add at most the rows' own slots. A
+  window is one index of the pool's scatter, which costs about the same whatever its slots
+  (v5e: 514 windows of 16 slots took 250 us, a prompt of 8192 rows)."""
+  fits = [g for g in range(tile, size + 1, tile) if size % g == 0 and 2 * runs * g <= rows]
+  return max(fits, default=tile)
+
+
+def put_runs(buf: jax.Array, page: jax.Array, slot: jax.Array, rows: jax.Array, group: int,
+             most: int) -> jax.Array:
+  """`put_tiles` of rows in disjoint runs (each run consecutive rows at consecutive slots, no
+  two runs in one group of `group` slots; `most`: the most groups they fall in), with no
+  scatter of a row: each group's rows are one window of `rows` (a slice, read by a gather of
+  one index a group), laid over the group as the pool holds it. On a v5e a scatter of 8192 rows
+  into a bfloat16 pool took 288 us (and two copies of the pool); its windows, one gather."""
+  p, heads, size, x = buf.shape
+  n, per = rows.shape[0], size // group
+  groups = buf.reshape(p, heads, per, group, x)  # [P, Hkv, page / G, G, X]
+  page, slot = (jnp.where(a < 0, a + m, a) for a, m in ((page, p), (slot, size)))  # as `.at`
+  ok = (page >= 0) & (page < p) & (slot >= 0) & (slot < size)  # [N]
+  key = jnp.where(ok, page * per + slot // group, -1)  # [N] each row's group
+  after = lambda a, fill: jnp.concatenate([jnp.full((1,), fill, a.dtype), a[:-1]])
+  goes_on = ok & (key == after(key, -1)) & (slot == after(slot, -2) + 1)  # [N]
+  lead = ok & ~goes_on  # [N] the first row of its group's window
+  first = search(jnp.cumsum(lead), jnp.arange(most, dtype=jnp.int32))  # [M] (N: none)
+  stop = jnp.where(goes_on, n, jnp.arange(n, dtype=jnp.int32))  # [N] rows starting a window
+  stop = jax.lax.cummin(jnp.concatenate([stop, jnp.full((1,), n, stop.dtype)]), reverse=True)
+  at = jnp.minimum(first, n - 1)
+  length = jnp.where(first < n, stop[jnp.minimum(first + 1, n)] - first, 0)  # [M] its rows
+  start = slot[at] % group  # [M] the slot its first row takes in the group
+  where = jnp.where(first < n, key[at], p * per)  # [M] its group (p * per: none)
+  window = _windows(rows, jnp.minimum(first, n) - start, group)  # [M, G, Hkv, X]
+  mine = jnp.arange(group)[None, :] - start[:, None]  # [M, G]
+  mine = (mine >= 0) & (mine < length[:, None])
+  held = groups[jnp.minimum(where // per, p - 1), :, where % per]  # [M, Hkv, G, X]
+  held = jnp.where(mine[:, None, :, None], jnp.swapaxes(window, 1, 2), held)
+  return groups.at[jnp.where(where < p * per, where // per, p), :, where % per].set(
+      held, mode="drop").reshape(buf.shape)
+
+
+def _windows(rows: jax.Array, begin: jax.Array, size: int) -> jax.Array:
+  """[M, size, ...]: rows[begin[m] : begin[m] + size] for each m, rows before 0 or past the end
+  zeros (begin in [-size, N]). Windows inside the rows are sliced from them; only those over an
+  end are sliced from a copy of that end padded (a pad of all the rows: a copy of them)."""
+  n = rows.shape[0]
+  if n < size:
+    padded = jnp.pad(rows, ((size, size),) + ((0, 0),) * (rows.ndim - 1))
+    return _slices(padded, begin + size, size)
+  rest = ((0, 0),) * (rows.ndim - 1)
+  head = jnp.pad(rows[:size], ((size, 0),) + rest)  # [2 size, ...]: rows -size .. size - 1
+  tail = jnp.pad(rows[n - size:], ((0, size),) + rest)  # rows n - size .. n + size - 1
+  inside = _slices(rows, jnp.clip(begin, 0, n - size), size)
+  low = _slices(head, jnp.clip(begin + size, 0, size), size)
+  high = _slices(tail, jnp.clip(begin - (n - size), 0, size), size)
+  pick = lambda where, a, b: jnp.where(where.reshape((-1,) + (1,) * (rows.ndim)), a, b)
+  return pick(begin < 0, low, pick(begin > n - size, high, inside))
+
+
+def _slices(rows: jax.Array, begin: jax.Array, size: int) -> jax.Array:
+  return jax.vmap(lambda b: jax.lax.dynamic_slice_in_dim(rows, b, size))(begin)
 
 
 def groups_touched(rows: int, group: int, runs: int | None) -> int:
@@ -188,16 +271,17 @@ def _put_scales(scale: jax.Array, page: jax.Array, slot: jax.Array,
 
 
 def write(cache: PagedKVCache, key: Any, value: Any, page: jax.Array, slot: jax.Array,
-          runs: int | None = None) -> PagedKVCache:
+          runs: int | None = None, disjoint: bool = False) -> PagedKVCache:
   """Key [N, Hkv, D] / value [N, Hkv, Dv] row n at `slot[n]` of page `page[n]` (a page past the
-  pool: nothing written; `runs`: as `put_rows`), quantized as written, and each written page's
-  key bounds kept when the pool keeps them (reset where slot 0 is written). The bounds take the
-  keys as held from the rows themselves and touch only the written pages: no read of the pool
-  (on a TPU a gather of the written keys from it cost a copy of the whole pool a step)."""
+  pool: nothing written; `runs`, `disjoint`: as `put_rows`), quantized as written, and each
+  written page's key bounds kept when the pool keeps them (reset where slot 0 is written). The
+  bounds take the keys as held from the rows themselves and touch only the written pages: no
+  read of the pool (on a TPU a gather of the written keys from it cost a copy of the whole pool
+  a step)."""
   held = quant.as_held(cache.key, key, "key")  # [N, Hkv, D] as the pool holds them
   values = quant.as_held(cache.value, value, "value")  # [N, Hkv, Dv]
-  written = cache.replace(key=put_rows(cache.key, page, slot, held, runs),
-                          value=put_rows(cache.value, page, slot, values, runs))
+  written = cache.replace(key=put_rows(cache.key, page, slot, held, runs, disjoint),
+                          value=put_rows(cache.value, page, slot, values, runs, disjoint))
   if cache.key_min is None or cache.key_max is None:
     return written
   stored = jnp.asarray(quant.tile(held, jnp.float32), jnp.float32)  # [N, Hkv, D] float32

@@ -18,14 +18,12 @@ import numpy as np
 
 from splash_hk import drafts
 from splash_hk import pool
+from splash_hk.pool import COMPARE_LIMIT, search
 from splash_hk.pages import Layout, Misuse, PagedKVCache, RaggedBatch
 
 
 def _cdiv(a: jax.Array, b: int) -> jax.Array:
   return (a + b - 1) // b
-
-
-COMPARE_LIMIT = 1 << 24  # pairs compared at most where one op can replace a scatter or a search
 
 
 def _shared_writes(batch: RaggedBatch, listed: jax.Array, written: jax.Array, num_pages: int,
@@ -52,13 +50,6 @@ def _shared_writes(batch: RaggedBatch, listed: jax.Array, written: jax.Array, nu
   conflict = jnp.where(count > 1, pages, -3)  # [W]
   hits = jnp.any(listing[:, None] == conflict[None, :], axis=1)  # [max_seqs * pages_per_seq]
   return jnp.any(hits.reshape(max_seqs, width), axis=1)
-
-
-def search(ends: jax.Array, values: jax.Array) -> jax.Array:
-  """`jnp.searchsorted(ends, values, side="right")`: one comparison of all pairs where few (a
-  scan's loop costs a TPU microseconds a step), else the scan."""
-  method = "compare_all" if ends.size * values.size <= COMPARE_LIMIT else "scan"
-  return jnp.searchsorted(ends, values, side="right", method=method)
 
 
 def _prefix_misuse(batch: RaggedBatch, page_size: int) -> jax.Array:
@@ -172,9 +163,10 @@ def layout(batch: RaggedBatch, num_tokens: int, num_pages: int, page_size: int) 
 
 def write(cache: PagedKVCache, key: Any, value: Any, layout: Layout) -> PagedKVCache:
   """Each live row's key [N, Hkv, D] / value at its position in its sequence's pages; others
-  write nothing (`pool.write`: a sequence's rows are one run of slots)."""
+  write nothing (`pool.write`: a sequence's rows are one run of slots, and no page is written by
+  two: the misuse rule `shared_write` leaves such sequences' rows unwritten)."""
   return pool.write(cache, key, value, layout.page, layout.slot,
-                    runs=layout.kv_len_after.shape[0])
+                    runs=layout.kv_len_after.shape[0], disjoint=True)
 
 
 MISUSE_WORDS = {  # Misuse field -> (argument, what is wrong, what to pass instead)

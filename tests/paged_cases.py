@@ -231,12 +231,17 @@ def written_rows(buf, page, slot, rows):
 WRITE_PAGES = np.asarray([3] * 34 + [1] * 36 + [3, 6, 0, 24], np.int32)
 WRITE_SLOTS = np.asarray(list(range(30, 64)) + list(range(36)) + [2, 40, 63, 0], np.int32)
 WRITE_RUNS = 5
+# A ragged step's writes: the same chunk, decode rows into pages of their own (6, 0 and 2), a
+# row past the pool: no two runs in one page (`disjoint`: `pool.put_runs` on a TPU).
+DISJOINT_PAGES = np.asarray([3] * 34 + [1] * 36 + [6, 0, 2, 24], np.int32)
+DISJOINT_SLOTS = WRITE_SLOTS
 
 
-def check_a_write(kind):
-  """`pool.write` of `WRITE_PAGES`/`WRITE_SLOTS` into a pool of 24 pages of 64 (`kind`: "bf16"
-  or "int8", 2 kv heads of D 128) under jit on this host's default device: every row's codes
-  and scales at its slot (the oracle's quantization of it), every other slot unchanged."""
+def check_a_write(kind, disjoint=False):
+  """`pool.write` of `WRITE_PAGES`/`WRITE_SLOTS` (`disjoint`: `DISJOINT_PAGES`) into a pool of
+  24 pages of 64 (`kind`: "bf16" or "int8", 2 kv heads of D 128) under jit on this host's
+  default device: every row's codes and scales at its slot (the oracle's quantization of it),
+  every other slot unchanged."""
   from splash_hk import pool  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(3)
   shape, n = (24, 2, 64, 128), len(WRITE_PAGES)
@@ -248,11 +253,13 @@ def check_a_write(kind):
   else:
     held = lambda a: jnp.asarray(a, jnp.bfloat16)
     cache = sh.PagedKVCache(held(old), held(old))
-  write = jax.jit(lambda c, k, v, p, s: pool.write(c, k, v, p, s, runs=WRITE_RUNS))
-  out = write(cache, k, v, WRITE_PAGES, WRITE_SLOTS)
+  pages, slots = (DISJOINT_PAGES, DISJOINT_SLOTS) if disjoint else (WRITE_PAGES, WRITE_SLOTS)
+  write = jax.jit(lambda c, k, v, p, s: pool.write(c, k, v, p, s, runs=WRITE_RUNS,
+                                                   disjoint=disjoint))
+  out = write(cache, k, v, pages, slots)
   for got, was, new in ((out.key, cache.key, k), (out.value, cache.value, v)):
     parts = ((got.values, was.values, held(new).values), (got.scale, was.scale,
              held(new).scale)) if kind == "int8" else ((got, was, held(new)),)
     for g, w, r in parts:
-      want = written_rows(np.asarray(w), WRITE_PAGES, WRITE_SLOTS, np.asarray(r))
+      want = written_rows(np.asarray(w), pages, slots, np.asarray(r))
       np.testing.assert_array_equal(np.asarray(g), want)

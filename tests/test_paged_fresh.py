@@ -112,9 +112,12 @@ def test_what_the_dense_kernel_cannot_serve_runs_on_the_paged_kernel(dense, case
 
 def test_whether_a_step_has_nothing_cached_is_read_from_its_lengths():
   step = paged_cases.step(seed=44, **{**PROMPTS, "kv_lens": (0, 0, 3)})
-  layout = sh.paged._plan(step.batch, sh.nodes.Static(sh.paged.paged_facts(
+  layout, lists = sh.paged._plan(step.batch, sh.nodes.Static(sh.paged.paged_facts(
       step.q, step.k, step.v, step.cache, step.batch, config=sh.AttentionConfig(), mask=None,
-      bias=None, softmax_aux=None)))[0]
-  assert not bool(fresh.fresh(layout))
+      bias=None, softmax_aux=None)))
+  x = lambda layout: sh.pages.PagedInputs(query=step.q, cache=step.cache, layout=layout,
+                                           lists=lists, rule=None, bias=None, sinks=None,
+                                           heads=None)
+  assert not bool(fresh.fresh(x(layout)))
   rows = np.diff(np.asarray(step.batch.cu_q_lens))  # [max_seqs]: each sequence's new rows
-  assert bool(fresh.fresh(layout._replace(kv_len_after=jnp.asarray(rows))))
+  assert bool(fresh.fresh(x(layout._replace(kv_len_after=jnp.asarray(rows)))))

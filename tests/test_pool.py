@@ -37,6 +37,10 @@ CASES = {  # pages, Hkv, page size, D, each row's page and slot, the runs of slo
     "tight": (4, 2, 64, 128, [3] * 34 + [1] * 6, list(range(30, 64)) + list(range(6)), 1),
     # rows past the pool and past the page (nothing written), one from the end (the last page)
     "outside": (5, 2, 32, 128, [5, 2, 9, -1, 2], [0, 40, 3, 31, 1], 5),
+    # a prompt of 300 rows over five pages between two decode rows: windows over both ends of
+    # the rows and inside them
+    "long": (12, 2, 64, 128, [7] + [p for p in range(5) for _ in range(64)][10:310] + [9],
+             [20] + [s % 64 for s in range(10, 310)] + [63], 3),
     # pages of 16 slots (a group is the page)
     "small_pages": (7, 4, 16, 128, [6, 6, 2, 0], [15, 0, 9, 9], 3),
 }
@@ -53,6 +57,28 @@ def test_rows_written_a_tile_of_slots_at_a_time_match_the_oracle(name, bounded):
   np.testing.assert_array_equal(np.asarray(got), paged_cases.written_rows(buf, page, slot, rows))
 
 
+DISJOINT = ("decode", "across", "tight", "outside", "long")  # no two runs in one group of slots
+
+
+@pytest.mark.parametrize("whole_pages", [False, True], ids=["tiles", "pages"])
+@pytest.mark.parametrize("dtype", [np.int8, jnp.bfloat16], ids=["int8", "bf16"])
+@pytest.mark.parametrize("name", DISJOINT)
+def test_disjoint_runs_written_as_windows_of_rows_match_the_oracle(name, dtype, whole_pages):
+  """`pool.put_runs` (a ragged step's write on a TPU: each group's rows one window of the rows,
+  no row scattered), windows of a tile's slots or of a page, with padding rows past the pool
+  after the runs."""
+  pages, heads, size, dim, page, slot, runs = CASES[name]
+  page, slot = page + [pages, pages + 3], slot + [0, 9]  # padding: written nowhere
+  buf, page, slot, rows = _case(np.random.default_rng(4), pages, heads, size, dim, page, slot,
+                                dtype)
+  group = size if whole_pages else min(pool.tile_slots(dtype), size)
+  most = pool.groups_touched(len(page), group, runs + 1)
+  got = jax.jit(pool.put_runs, static_argnums=(4, 5))(buf, page, slot, rows, group, most)
+  want = paged_cases.written_rows(np.asarray(buf, np.float32), page, slot,
+                                  np.asarray(rows, np.float32))
+  np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
 def test_int4_codes_are_written_64_slots_at_a_time_and_match_the_oracle():
   assert pool.tile_slots(jnp.int4) == 64 and pool.tile_slots(jnp.float8_e4m3fn) == 32
   assert pool.tile_slots(jnp.bfloat16) == 16 and pool.tile_slots(jnp.float32) == 1
@@ -66,8 +92,8 @@ def test_int4_codes_are_written_64_slots_at_a_time_and_match_the_oracle():
                                         np.asarray(rows, np.int8)))
 
 
-def _write(cache, k, v, page, slot, runs=None):
-  return pool.write(cache, k, v, page, slot, runs)
+def _write(cache, k, v, page, slot, runs=None, disjoint=False):
+  return pool.write(cache, k, v, page, slot, runs, disjoint)
 
 
 def _int8_pool(pages=40, heads=8, size=64, dim=128):
@@ -76,11 +102,11 @@ def _int8_pool(pages=40, heads=8, size=64, dim=128):
   return sh.PagedKVCache(z(), z())
 
 
-def _exported(platform, cache, rows, runs=None):
+def _exported(platform, cache, rows, runs=None, disjoint=False):
   spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
   k = jax.ShapeDtypeStruct((rows, cache.num_kv_heads, 128), jnp.bfloat16)
   index = jax.ShapeDtypeStruct((rows,), jnp.int32)
-  write = lambda *a: _write(*a, runs=runs)
+  write = lambda *a: _write(*a, runs=runs, disjoint=disjoint)
   return jax.export.export(jax.jit(write), platforms=[platform])(
       jax.tree.map(spec, cache), k, k, index, index).mlir_module()
 
@@ -96,11 +122,19 @@ def test_an_int8_pools_codes_are_scattered_whole_tiles_on_a_tpu_and_rows_elsewhe
   assert "tensor<4x8x16x128xbf16>" in _exported("tpu", bf16, 4)
   # a write whose groups would read more than half the pool scatters rows on a TPU too
   assert "x8x32x128xi8>" not in _exported("tpu", _int8_pool(pages=3), 64)
+  # unless its runs are disjoint (a ragged step's): each group's window of rows, gathered
+  assert "tensor<4x32x8x128xi8>" in _exported("tpu", _int8_pool(pages=3), 64, runs=1,
+                                              disjoint=True)
+  # a long run's windows are whole pages (1024 rows: 16 pages and the two partial ones)
+  assert pool.run_group(1024, 1, 64, 16) == 64 and pool.run_group(1054, 32, 64, 16) == 16
+  assert "tensor<18x64x8x128xbf16>" in _exported("tpu", bf16, 1024, runs=1, disjoint=True)
+  assert "x64x8x128xbf16>" not in _exported("tpu", bf16, 1024, runs=1)
 
 
+@pytest.mark.parametrize("disjoint", [False, True], ids=["shared_groups", "disjoint"])
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
-def test_a_steps_write_lands_at_its_slots_and_nowhere_else(kind):
-  paged_cases.check_a_write(kind)
+def test_a_steps_write_lands_at_its_slots_and_nowhere_else(kind, disjoint):
+  paged_cases.check_a_write(kind, disjoint)
 
 
 def test_a_write_through_the_tpu_form_lands_where_the_cpu_form_does():

@@ -95,13 +95,12 @@ def serves(x: pages.PagedInputs, facts: pages.PagedFacts, dense: Dense) -> bool:
   return dense.why_not(call, "tpu") is None
 
 
-def fresh(layout: pages.Layout) -> jax.Array:
-  """[] bool: every sequence with a live row this step had no key before it (its length after
-  the step is its rows')."""
-  seqs = layout.kv_len_after.shape[0]
-  rows = jax.ops.segment_sum(layout.row_live.astype(jnp.int32), layout.seq,
-                             num_segments=seqs)  # [max_seqs]
-  return jnp.all((rows == 0) | (layout.kv_len_after == rows))
+def fresh(x: pages.PagedInputs) -> jax.Array:
+  """[] bool: every sequence with live rows this step had no key before it (its length after the
+  step is its rows'). The rows a sequence are the lists' count, not a sum over the step's rows
+  (a scatter-add: 72 us of a prompt of 8192 rows on the v5e)."""
+  rows = x.lists.table.rows  # [max_seqs]: live rows only
+  return jnp.all((rows == 0) | (x.layout.kv_len_after == rows))
 
 
 def attend(x: pages.PagedInputs, facts: pages.PagedFacts,

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from splash_hk import pages
+from splash_hk import pool
 from splash_hk import quant
-from splash_hk import ragged
 from splash_hk.backends import base
 from splash_hk.backends.tpu import fresh
 from splash_hk.backends.tpu import list_kernel as tpu_lists
@@ -114,7 +114,7 @@ def _tiles(x: pages.PagedInputs, bq: int) -> tuple[jax.Array, ...]:
   count = -(-q_len // bq)  # [max_seqs] tiles per sequence
   ends = jnp.cumsum(count)  # [max_seqs]
   tau = jnp.arange(most_tiles(n, max_seqs, bq), dtype=jnp.int32)  # [W]
-  seq = jnp.clip(ragged.search(ends, tau), 0, max_seqs - 1).astype(jnp.int32)
+  seq = jnp.clip(pool.search(ends, tau), 0, max_seqs - 1).astype(jnp.int32)
   used = tau < ends[-1]  # [W]
   first = first_row[seq] + (tau - (ends[seq] - count[seq])) * bq  # [W]
   rows = first[:, None] + jnp.arange(bq, dtype=jnp.int32)  # [W, bq]
@@ -153,7 +153,7 @@ def attend(x: pages.PagedInputs, facts: pages.PagedFacts,
   the call (`fresh`), else the paged kernel."""
   if dense is None or not fresh.serves(x, facts, dense):
     return _paged(x, facts)
-  return jax.lax.cond(fresh.fresh(x.layout), lambda: fresh.attend(x, facts, dense),
+  return jax.lax.cond(fresh.fresh(x), lambda: fresh.attend(x, facts, dense),
                       lambda: _paged(x, facts))
 
 
