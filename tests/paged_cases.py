@@ -235,16 +235,25 @@ WRITE_RUNS = 5
 # row past the pool: no two runs in one page (`disjoint`: `pool.put_runs` on a TPU).
 DISJOINT_PAGES = np.asarray([3] * 34 + [1] * 36 + [6, 0, 2, 24], np.int32)
 DISJOINT_SLOTS = WRITE_SLOTS
+# A long prompt's writes: 700 rows from slot 30 of page 3 over eleven more pages, beside the same
+# decode rows (enough rows for windows of whole pages: `pool.run_group`).
+LONG_PAGES = np.asarray([[3, 1, 4, 5, 7, 8, 9, 10, 11, 12, 13, 14][(30 + i) // 64]
+                         for i in range(700)] + [6, 0, 2, 24], np.int32)
+LONG_SLOTS = np.asarray([(30 + i) % 64 for i in range(700)] + [2, 40, 63, 0], np.int32)
+WRITES = {"shared_groups": (WRITE_PAGES, WRITE_SLOTS, False),
+          "disjoint": (DISJOINT_PAGES, DISJOINT_SLOTS, True),
+          "whole_pages": (LONG_PAGES, LONG_SLOTS, True)}
 
 
-def check_a_write(kind, disjoint=False):
-  """`pool.write` of `WRITE_PAGES`/`WRITE_SLOTS` (`disjoint`: `DISJOINT_PAGES`) into a pool of
-  24 pages of 64 (`kind`: "bf16" or "int8", 2 kv heads of D 128) under jit on this host's
+def check_a_write(kind, writes="shared_groups"):
+  """`pool.write` of one of `WRITES` (pages, slots, whether their runs are disjoint) into a pool
+  of 24 pages of 64 (`kind`: "bf16" or "int8", 2 kv heads of D 128) under jit on this host's
   default device: every row's codes and scales at its slot (the oracle's quantization of it),
   every other slot unchanged."""
   from splash_hk import pool  # pylint: disable=import-outside-toplevel
+  pages, slots, disjoint = WRITES[writes]
   rng = np.random.default_rng(3)
-  shape, n = (24, 2, 64, 128), len(WRITE_PAGES)
+  shape, n = (24, 2, 64, 128), len(pages)
   old = rng.normal(size=shape).astype(np.float32)
   k, v = (rng.normal(size=(n, 2, 128)).astype(np.float32) for _ in range(2))
   if kind == "int8":
@@ -253,7 +262,6 @@ def check_a_write(kind, disjoint=False):
   else:
     held = lambda a: jnp.asarray(a, jnp.bfloat16)
     cache = sh.PagedKVCache(held(old), held(old))
-  pages, slots = (DISJOINT_PAGES, DISJOINT_SLOTS) if disjoint else (WRITE_PAGES, WRITE_SLOTS)
   write = jax.jit(lambda c, k, v, p, s: pool.write(c, k, v, p, s, runs=WRITE_RUNS,
                                                    disjoint=disjoint))
   out = write(cache, k, v, pages, slots)

@@ -131,10 +131,10 @@ def test_an_int8_pools_codes_are_scattered_whole_tiles_on_a_tpu_and_rows_elsewhe
   assert "x64x8x128xbf16>" not in _exported("tpu", bf16, 1024, runs=1)
 
 
-@pytest.mark.parametrize("disjoint", [False, True], ids=["shared_groups", "disjoint"])
+@pytest.mark.parametrize("writes", list(paged_cases.WRITES))
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
-def test_a_steps_write_lands_at_its_slots_and_nowhere_else(kind, disjoint):
-  paged_cases.check_a_write(kind, disjoint)
+def test_a_steps_write_lands_at_its_slots_and_nowhere_else(kind, writes):
+  paged_cases.check_a_write(kind, writes)
 
 
 def test_a_write_through_the_tpu_form_lands_where_the_cpu_form_does():

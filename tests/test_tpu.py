@@ -234,13 +234,13 @@ def test_the_decode_kernel_compiled_matches_the_oracle(rows, kv_heads, dtype):
   np.testing.assert_allclose(np.asarray(out, np.float32), want, **harness.tol(dtype=dtype))
 
 
-@pytest.mark.parametrize("disjoint", [False, True], ids=["shared_groups", "disjoint"])
+@pytest.mark.parametrize("writes", list(paged_cases.WRITES))
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
-def test_a_steps_write_compiled_lands_at_its_slots_and_nowhere_else(kind, disjoint):
+def test_a_steps_write_compiled_lands_at_its_slots_and_nowhere_else(kind, writes):
   """The pool's write as the chip runs it (a bf16 or int8 pool's slots written a tile of slots
   at a time: `pool.put_tiles`; a ragged step's disjoint runs as windows of rows:
   `pool.put_runs`), against NumPy's row-by-row write."""
-  paged_cases.check_a_write(kind, disjoint)
+  paged_cases.check_a_write(kind, writes)
 
 
 @pytest.mark.parametrize("page", [32, 64])
