@@ -193,7 +193,7 @@ def _beside(row: Row, step: Step, seconds: float, repeats: int,
     call = jax.jit(lambda q, k, v: sh.attention(q, k, v, config=config).attention_outputs)
     args = (step.q[None], step.k[None], step.v[None])
     alone = timing.back_to_back_seconds(call, *args, repeats=repeats)
-    chip = timing.device_seconds(call, *args, repeats=repeats)
+    chip = None if interpret else timing.device_seconds(call, *args, repeats=repeats)
     return {"attention_ms": round(alone * 1e3, 4), "over_attention": round(seconds / alone, 3),
             "attention_device_ms": None if chip is None else round(chip * 1e3, 4)}
   return {}

@@ -79,6 +79,18 @@ def test_disjoint_runs_written_as_windows_of_rows_match_the_oracle(name, dtype, 
   np.testing.assert_array_equal(np.asarray(got, np.float32), want)
 
 
+def test_a_small_lookup_by_comparison_matches_indexing():
+  """`pool.take`'s TPU form (each index compared with every place) against NumPy's indexing:
+  ints and bools, indices of any shape, every place hit."""
+  rng = np.random.default_rng(5)
+  values = rng.integers(-50, 50, 40).astype(np.int32)
+  index = rng.integers(0, 40, (7, 9)).astype(np.int32)
+  np.testing.assert_array_equal(np.asarray(pool.take_compared(values, index)), values[index])
+  flags = rng.integers(0, 2, 40).astype(bool)
+  np.testing.assert_array_equal(np.asarray(pool.take_compared(flags, index)), flags[index])
+  np.testing.assert_array_equal(np.asarray(pool.take(values, index)), values[index])
+
+
 def test_int4_codes_are_written_64_slots_at_a_time_and_match_the_oracle():
   assert pool.tile_slots(jnp.int4) == 64 and pool.tile_slots(jnp.float8_e4m3fn) == 32
   assert pool.tile_slots(jnp.bfloat16) == 16 and pool.tile_slots(jnp.float32) == 1
