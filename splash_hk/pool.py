@@ -167,18 +167,19 @@ def _put_slots(buf: jax.Array, page: jax.Array, slot: jax.Array, rows: jax.Array
   2 prompt chunks of 512 beside 30 decodes). Disjoint runs go in as windows of rows
   (`put_runs`: no scatter of a row); other rows are scattered into the tiles (`put_tiles`)."""
   plain = lambda a: a[0].at[a[1], :, a[2]].set(a[3], mode="drop")
-  group = min(tile_slots(buf.dtype), buf.shape[2])
-  most = groups_touched(page.shape[0], group, runs)
-  if group == 1 or buf.shape[2] % group:
+  n, size = page.shape[0], buf.shape[2]
+  tile = min(tile_slots(buf.dtype), size)
+  if tile == 1 or size % tile:
     return plain((buf, page, slot, rows))
   if disjoint and runs is not None:
-    group = run_group(page.shape[0], runs, buf.shape[2], group)
-    most = groups_touched(page.shape[0], group, runs)
+    group = run_group(n, runs, size, tile)
+    most = groups_touched(n, group, runs)
     tiled = lambda a: put_runs(a[0], a[1], a[2], a[3], group, most)
-  elif 2 * most * group > buf.shape[0] * buf.shape[2]:
-    return plain((buf, page, slot, rows))  # (the tiles would read over half the pool)
   else:
-    tiled = lambda a: put_tiles(a[0], a[1], a[2], a[3], group, most)
+    most = groups_touched(n, tile, runs)
+    if 2 * most * tile > buf.shape[0] * size:
+      return plain((buf, page, slot, rows))  # (the tiles would read over half the pool)
+    tiled = lambda a: put_tiles(a[0], a[1], a[2], a[3], tile, most)
   return lowering.per_platform({"tpu": tiled, "cpu": plain, "gpu": plain},
                                (buf, page, slot, rows))
 
@@ -219,12 +220,10 @@ def put_runs(buf: jax.Array, page: jax.Array, slot: jax.Array, rows: jax.Array, 
   mine = jnp.arange(group)[None, :] - start[:, None]  # [M, G]
   mine = (mine >= 0) & (mine < length[:, None])
   target = jnp.where(where < p * per, where // per, p)  # [M] its page (p: none)
-  if per == 1:  # whole pages: read and written as the pool's rows (one contiguous copy each)
-    held = jnp.where(mine[:, None, :, None], jnp.swapaxes(window, 1, 2),
-                     buf[jnp.minimum(target, p - 1)])  # [M, Hkv, page, X]
-    return buf.at[target].set(held, mode="drop")
   held = groups[jnp.minimum(target, p - 1), :, where % per]  # [M, Hkv, G, X]
   held = jnp.where(mine[:, None, :, None], jnp.swapaxes(window, 1, 2), held)
+  if per == 1:  # whole pages: written as the pool's rows (one contiguous copy each)
+    return buf.at[target].set(held, mode="drop")
   return groups.at[target, :, where % per].set(held, mode="drop").reshape(buf.shape)
 
 

@@ -153,13 +153,14 @@ def layout(batch: RaggedBatch, num_tokens: int, num_pages: int, page_size: int) 
       selection=in_use & _selection_misuse(batch), tree=in_use & bad_tree)
   bad = misuse.any()  # [max_seqs]
   row_bad = (row_in & pool.take(bad, seq)) | bad_count
-  pos = pool.take(kv, seq) + rows - pool.take(start, seq)  # [N]
+  kv_before = pool.take(kv, seq)  # [N] its sequence's keys before the call
+  pos = kv_before + rows - pool.take(start, seq)  # [N]
   live = row_in & ~row_bad
   entry = seq * pages_per_seq + jnp.clip(pos // page_size, 0, pages_per_seq - 1)  # [N]
   page = pool.take(table.reshape(-1), entry)  # [N]
   return Layout(seq=seq, pos=pos, row_in=row_in, row_live=live, row_bad=row_bad,
                 kv_len_after=after, page=jnp.where(live, page, num_pages), slot=pos % page_size,
-                misuse=misuse, at=pos if tree is None else kv[seq] + depth, tree=tree)
+                misuse=misuse, at=pos if tree is None else kv_before + depth, tree=tree)
 
 
 def write(cache: PagedKVCache, key: Any, value: Any, layout: Layout) -> PagedKVCache:
