@@ -79,6 +79,24 @@ def test_disjoint_runs_written_as_windows_of_rows_match_the_oracle(name, dtype, 
   np.testing.assert_array_equal(np.asarray(got, np.float32), want)
 
 
+def test_a_prompt_of_8192_rows_written_as_whole_pages_matches_the_oracle():
+  """A paged prefill's write at the size the bench times (8192 rows over 128 shuffled pages of
+  64, Hkv 8, D 128, bf16), beside two decode rows, padding rows after: `put_runs` at the group
+  `run_group` picks for it (whole pages)."""
+  rng = np.random.default_rng(6)
+  order = rng.permutation(131)
+  page = np.concatenate([np.repeat(order[:128], 64), [order[128], order[129], 131, 131]])
+  slot = np.concatenate([np.tile(np.arange(64), 128), [17, 0, 0, 5]])
+  buf, page, slot, rows = _case(rng, 131, 8, 64, 128, page, slot, jnp.bfloat16)
+  group = pool.run_group(len(page), 3, 64, pool.tile_slots(jnp.bfloat16))
+  assert group == 64
+  most = pool.groups_touched(len(page), group, 3)
+  got = jax.jit(pool.put_runs, static_argnums=(4, 5))(buf, page, slot, rows, group, most)
+  want = paged_cases.written_rows(np.asarray(buf, np.float32), page, slot,
+                                  np.asarray(rows, np.float32))
+  np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
 def test_a_small_lookup_by_comparison_matches_indexing():
   """`pool.take`'s TPU form (each index compared with every place) against NumPy's indexing:
   ints and bools, indices of any shape, every place hit."""
